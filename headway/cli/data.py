@@ -1,0 +1,99 @@
+"""``headway data``: inspect, regenerate and cache training data."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from headway.cli.common import add_target_flags, not_yet, target_from_flags
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from headway.train.data import inspect_samples
+
+    target = target_from_flags(args)
+    color = sys.stdout.isatty() and not args.no_color
+    text = inspect_samples(
+        target.tokenizer, args.data, n=args.n, max_length=args.max_length, color=color
+    )
+    print(text)
+    return 0
+
+
+DEFAULT_MIX = "chitchat:2500,code:1200,instruct:1500,self-instruct:1500"
+
+
+def run_regenerate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from headway.train.prompts import build_mix, parse_mix
+    from headway.train.regenerate import RegenerateOptions, regenerate
+
+    mix = parse_mix(args.mix)
+    options = RegenerateOptions(
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        shard_size=args.shard_size,
+    )
+    target = target_from_flags(args)
+    items = build_mix(mix, seed=args.seed, max_turns=args.max_turns)
+    manifest = regenerate(target, items, Path(args.out), options, mix=mix)
+    print(
+        f"{manifest['rows']} conversations, {manifest['answer_tokens']:,} answer tokens "
+        f"({manifest['truncated_answers']} hit max-new-tokens) in {args.out}/data; "
+        f"sources: {manifest['sources']}"
+    )
+    return 0
+
+
+def _add_regenerate(actions: argparse._SubParsersAction) -> None:
+    parser = actions.add_parser(
+        "regenerate",
+        help="answer a prompt mix with the target itself (self-distillation data)",
+        description="Build a prompt mix and let the target answer every prompt, writing "
+        "resumable JSONL shards to --out/data (loadable with data.sources). Rerun the same "
+        "command to resume after an interruption: finished shards are kept, none is redone.",
+    )
+    add_target_flags(parser, default_dtype="bfloat16")
+    parser.add_argument("--out", required=True, help="output folder (created; resumable)")
+    parser.add_argument(
+        "--mix",
+        default=DEFAULT_MIX,
+        help="SOURCE:COUNT list; sources: chitchat, code (stdlib functions), instruct "
+        "(templated tasks), self-instruct (prompts the target writes), or a chat data file",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap")
+    parser.add_argument("--batch-size", type=int, default=32, help="prompts generated together")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold if sampling")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the mix and the sampling")
+    parser.add_argument("--shard-size", type=int, default=256, help="conversations per shard")
+    parser.add_argument(
+        "--max-turns", type=int, default=1, help="user turns regenerated per chat conversation"
+    )
+    parser.set_defaults(handler=run_regenerate)
+
+
+def add_data(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("data", help="inspect, regenerate and cache training data")
+    actions = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    inspect = actions.add_parser(
+        "inspect",
+        help="show rendered samples with the trained (loss-masked) tokens marked",
+        description="Render samples through the target's chat template and mark the tokens "
+        "the drafter is trained on (green, or [[...]] without colour).",
+    )
+    add_target_flags(inspect)
+    inspect.add_argument(
+        "--data", default="chitchat", help="'chitchat' or a .jsonl/.json/.parquet file"
+    )
+    inspect.add_argument("--n", type=int, default=1, help="number of samples to show")
+    inspect.add_argument("--max-length", type=int, default=1024, help="truncate samples here")
+    inspect.add_argument("--no-color", action="store_true", help="mark with [[ ]] instead")
+    inspect.set_defaults(handler=run_inspect)
+    _add_regenerate(actions)
+    cache = actions.add_parser("cache-features", help="write target hidden states to shards")
+    cache.set_defaults(handler=not_yet("data cache-features", 4))

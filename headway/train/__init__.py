@@ -1,0 +1,1 @@
+"""Training: chat data, self-distillation, target features, losses and the accelerate loop."""

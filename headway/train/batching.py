@@ -1,0 +1,144 @@
+"""Batch tokenized samples: pad them to a rectangle, or pack them into fixed-length blocks.
+
+Both take rows with ``input_ids`` and ``loss_mask`` (``[seq]`` lists of ints, as produced by
+:func:`headway.train.data.build_dataset`) and pad on the right, where padding never shifts a
+sample's positions. Padding is never trained (``loss_mask`` 0) and never attended to
+(``attention_mask`` 0).
+
+Packing concatenates whole samples into blocks of ``block_length`` tokens, next-fit in order: a
+sample that does not fit in the current block starts the next one (samples are never split, so no
+assistant turn is separated from its prompt). ``position_ids`` restart at 0 for every sample and
+``document_ids`` number the samples within a block, so attention can be restricted to each sample
+(:func:`document_attention_mask`, or flash-attention's varlen path, which reads the position
+restarts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import datasets
+import torch
+
+# What each column is padded with; columns not listed here are not batched.
+PAD_VALUES: dict[str, int | None] = {
+    "input_ids": None,  # the tokenizer's pad id, given by the caller
+    "loss_mask": 0,
+    "attention_mask": 0,
+    "position_ids": 0,
+    "document_ids": -1,
+}
+
+PACKED_FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "attention_mask": datasets.Sequence(datasets.Value("int8")),
+        "position_ids": datasets.Sequence(datasets.Value("int32")),
+        "document_ids": datasets.Sequence(datasets.Value("int32")),
+    }
+)
+
+
+def pad_collate(
+    features: Sequence[Mapping[str, Sequence[int]]],
+    *,
+    pad_token_id: int,
+    pad_to_multiple_of: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Right-pad a list of rows into int64 tensors ``[batch, seq]``.
+
+    ``seq`` is the longest row, rounded up to ``pad_to_multiple_of``. Returns ``input_ids``,
+    ``loss_mask``, ``attention_mask`` (1 on real tokens; taken from the rows if they carry it),
+    plus ``position_ids`` / ``document_ids`` when the rows have them (packed blocks). Use it as a
+    DataLoader ``collate_fn`` through ``functools.partial(pad_collate, pad_token_id=...)``.
+    """
+    if not features:
+        raise ValueError("pad_collate needs at least one row")
+    rows = [_with_attention_mask(row) for row in features]
+    longest = max(len(row["input_ids"]) for row in rows)
+    if pad_to_multiple_of:
+        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    batch = {}
+    for key, pad_value in PAD_VALUES.items():
+        if key not in rows[0]:
+            continue
+        value = pad_token_id if pad_value is None else pad_value
+        batch[key] = torch.tensor(
+            [list(row[key]) + [value] * (longest - len(row[key])) for row in rows],
+            dtype=torch.long,
+        )
+    return batch
+
+
+def _with_attention_mask(row: Mapping[str, Sequence[int]]) -> Mapping[str, Sequence[int]]:
+    if "attention_mask" in row:
+        return row
+    return {**row, "attention_mask": [1] * len(row["input_ids"])}
+
+
+def pack(
+    rows: Iterable[Mapping[str, Sequence[int]]], *, block_length: int, pad_token_id: int
+) -> datasets.Dataset:
+    """Pack tokenized rows into a dataset of blocks, every column ``[block_length]``.
+
+    Columns: ``input_ids``, ``loss_mask``, ``attention_mask`` (0 on the padding that ends a block),
+    ``position_ids`` (0, 1, ... per sample; 0 on padding) and ``document_ids`` (0, 1, ... per
+    sample within the block; -1 on padding). Example with ``block_length=5``, samples of 2, 2
+    and 3 tokens: blocks ``[a a b b -]`` and ``[c c c - -]``; position_ids ``[0 1 0 1 0]``,
+    ``[0 1 2 0 0]``; document_ids ``[0 0 1 1 -1]``, ``[0 0 0 -1 -1]``.
+
+    Raises ValueError if a row is longer than ``block_length`` (tokenize with
+    ``max_length <= block_length``).
+    """
+    if block_length < 1:
+        raise ValueError(f"block_length must be >= 1, got {block_length}")
+    blocks: dict[str, list[list[int]]] = {key: [] for key in PACKED_FEATURES}
+    current: dict[str, list[int]] = {key: [] for key in PACKED_FEATURES}
+    documents = 0
+    for row in rows:
+        length = len(row["input_ids"])
+        if length > block_length:
+            raise ValueError(
+                f"a sample of {length} tokens does not fit a block of {block_length}; build the "
+                f"dataset with max_length <= {block_length}"
+            )
+        if len(current["input_ids"]) + length > block_length:
+            _close_block(current, blocks, block_length, pad_token_id)
+            documents = 0
+        current["input_ids"] += row["input_ids"]
+        current["loss_mask"] += row["loss_mask"]
+        current["attention_mask"] += [1] * length
+        current["position_ids"] += range(length)
+        current["document_ids"] += [documents] * length
+        documents += 1
+    if current["input_ids"]:
+        _close_block(current, blocks, block_length, pad_token_id)
+    return datasets.Dataset.from_dict(blocks, features=PACKED_FEATURES)
+
+
+def _close_block(
+    current: dict[str, list[int]],
+    blocks: dict[str, list[list[int]]],
+    block_length: int,
+    pad_token_id: int,
+) -> None:
+    """Pad the block being filled to ``block_length``, move it to ``blocks``, start afresh."""
+    for key, column in current.items():
+        pad_value = PAD_VALUES[key]
+        value = pad_token_id if pad_value is None else pad_value
+        blocks[key].append(column + [value] * (block_length - len(column)))
+        current[key] = []
+
+
+def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask ``[batch, 1, seq, seq]`` for packed blocks (True = may attend):
+    causal, and only within one sample. ``document_ids`` is ``[batch, seq]`` as made by
+    :func:`pack`; padding (-1) attends only to padding, so no row of the mask is empty.
+
+    Pass it (or its additive form) as a 4-D ``attention_mask`` with the block's ``position_ids``.
+    """
+    seq = document_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    same_document = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same_document & causal)[:, None, :, :]

@@ -1,0 +1,230 @@
+"""Target features: the frozen target's hidden states that a drafter trains on.
+
+One interface, two sources:
+
+- *online* (:class:`OnlineFeatures`): the frozen target runs inside each training step;
+- *offline* (:func:`cache_features` + :class:`CachedFeatureDataset`): one pass writes the hidden
+  states a method needs (the last layer for Medusa/EAGLE-1, three tap layers for EAGLE-3) to
+  safetensors shards in bf16/fp16, with a manifest (target fingerprint, layers, dtype, dataset
+  hash, tokens); a map-style dataset reads them back lazily (memory-mapped), sample by sample.
+
+Either way the training step sees ``hidden: dict[int, Tensor [B, T, H]]`` keyed by index into the
+target's ``output_hidden_states`` (0 = embeddings, ``L`` = after the final norm).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from headway.atomic import atomic_file, write_text_atomic
+from headway.errors import DataError
+from headway.target import fingerprint
+from headway.train.batching import pad_collate
+
+logger = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+
+
+def hidden_key(layer: int) -> str:
+    return f"hidden.{layer}"
+
+
+class OnlineFeatures:
+    """Run the frozen target on each batch and return the requested hidden states."""
+
+    def __init__(self, model: PreTrainedModel, layers: Sequence[int]) -> None:
+        self.model = model
+        self.layers = tuple(layers)
+
+    @torch.no_grad()
+    def __call__(self, batch: Mapping[str, Tensor]) -> dict[int, Tensor]:
+        """``input_ids``/``attention_mask`` ``[B, T]`` -> layer -> hidden ``[B, T, H]``."""
+        output = self.model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        return {layer: output.hidden_states[layer] for layer in self.layers}
+
+
+def cached_hidden(batch: Mapping[str, Tensor], layers: Sequence[int]) -> dict[int, Tensor]:
+    """Hidden states a :class:`CachedFeatureDataset` batch carries, as fp32 layer -> ``[B,T,H]``."""
+    return {layer: batch[hidden_key(layer)].float() for layer in layers}
+
+
+def dataset_hash(dataset: datasets.Dataset) -> str:
+    """A hash of every sample's ids and loss mask, to tie a feature cache to its data."""
+    digest = hashlib.sha256()
+    for row in dataset:
+        digest.update(json.dumps([row["input_ids"], row["loss_mask"]]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _write_shard(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    with atomic_file(path) as temporary:
+        save_file(tensors, str(temporary), metadata=metadata)
+
+
+def cache_features(
+    model: PreTrainedModel,
+    dataset: datasets.Dataset,
+    out_dir: Path,
+    *,
+    layers: Sequence[int],
+    dtype: torch.dtype = torch.bfloat16,
+    batch_size: int = 8,
+    shard_samples: int = 256,
+    pad_token_id: int = 0,
+) -> dict[str, Any]:
+    """Write the hidden states of `layers` for every sample of `dataset` into shards; resumable.
+
+    Shard ``k`` holds samples ``[k·S, (k+1)·S)`` and is written under a temporary name and
+    renamed, so a rerun after a kill skips complete shards and redoes at most one.
+
+    Returns:
+        The manifest (also written to ``out_dir/manifest.json``), with ``bytes_per_token``.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "target": fingerprint(model).to_dict(),
+        "layers": list(layers),
+        "dtype": str(dtype).removeprefix("torch."),
+        "dataset_hash": dataset_hash(dataset),
+        "samples": len(dataset),
+        "shard_samples": shard_samples,
+    }
+    manifest_path = out_dir / MANIFEST
+    if manifest_path.is_file():
+        previous = json.loads(manifest_path.read_text(encoding="utf-8"))["settings"]
+        if previous != settings:
+            raise DataError(
+                f"{out_dir} holds features of other data, target or layers; "
+                "use a new folder or delete this one"
+            )
+    write_text_atomic(
+        manifest_path, json.dumps({"settings": settings, "complete": False}, indent=2)
+    )
+    online = OnlineFeatures(model, layers)
+    tokens, started = 0, time.perf_counter()
+    starts = range(0, len(dataset), shard_samples)
+    for shard_index, start in enumerate(tqdm(starts, desc="cache features", unit="shard")):
+        path = out_dir / f"shard-{shard_index:05d}.safetensors"
+        rows = dataset.select(range(start, min(start + shard_samples, len(dataset))))
+        tokens += sum(len(ids) for ids in rows["input_ids"])
+        if path.is_file():
+            continue
+        tensors: dict[str, Tensor] = {}
+        for offset in range(0, len(rows), batch_size):
+            chunk = [rows[i] for i in range(offset, min(offset + batch_size, len(rows)))]
+            batch = pad_collate(chunk, pad_token_id=pad_token_id)
+            batch = {key: value.to(model.device) for key, value in batch.items()}
+            hidden = online(batch)
+            for row_index, row in enumerate(chunk):
+                length, key = len(row["input_ids"]), str(start + offset + row_index)
+                tensors[f"{key}.input_ids"] = torch.tensor(row["input_ids"], dtype=torch.int32)
+                tensors[f"{key}.loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.int8)
+                for layer, states in hidden.items():
+                    value = states[row_index, :length].to("cpu", dtype).contiguous()
+                    tensors[f"{key}.{hidden_key(layer)}"] = value
+        _write_shard(path, tensors, {"first": str(start), "count": str(len(rows))})
+    size = sum(path.stat().st_size for path in out_dir.glob("shard-*.safetensors"))
+    manifest = {
+        "settings": settings,
+        "complete": True,
+        "tokens": tokens,
+        "bytes": size,
+        "bytes_per_token": round(size / max(tokens, 1), 1),
+        "seconds_this_run": round(time.perf_counter() - started, 1),
+    }
+    write_text_atomic(manifest_path, json.dumps(manifest, indent=2))
+    return manifest
+
+
+class CachedFeatureDataset(torch.utils.data.Dataset[dict[str, Tensor]]):
+    """Samples of a feature cache: ``input_ids``/``loss_mask`` ``[T]`` and ``hidden.L`` ``[T, H]``.
+
+    Shards are opened lazily with safetensors (memory-mapped), so only the samples read are loaded.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        manifest_path = directory / MANIFEST
+        if not manifest_path.is_file():
+            raise DataError(f"{directory} has no {MANIFEST}; run `headway data cache-features`")
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        if not manifest.get("complete"):
+            raise DataError(
+                f"{directory}: feature caching did not finish; rerun the same "
+                "`headway data cache-features` command to complete it"
+            )
+        self.directory = directory
+        self.settings: dict[str, Any] = manifest["settings"]
+        self.layers: tuple[int, ...] = tuple(self.settings["layers"])
+        self._per_shard = int(self.settings["shard_samples"])
+        self._length = int(self.settings["samples"])
+        self._open: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return self._length
+
+    def _shard(self, index: int) -> Any:
+        if index not in self._open:
+            path = self.directory / f"shard-{index:05d}.safetensors"
+            try:
+                self._open[index] = safe_open(str(path), framework="pt")
+            except Exception as error:  # safetensors raises its own error types
+                raise DataError(
+                    f"{path} is missing or corrupt ({error}); delete it and rerun "
+                    "`headway data cache-features` to rewrite it"
+                ) from error
+        return self._open[index]
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        if not 0 <= index < self._length:
+            raise IndexError(index)
+        shard = self._shard(index // self._per_shard)
+        names = ["input_ids", "loss_mask", *(hidden_key(layer) for layer in self.layers)]
+        return {name: shard.get_tensor(f"{index}.{name}") for name in names}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open shard handles do not cross process boundaries (DataLoader workers); reopen there.
+        return {**self.__dict__, "_open": {}}
+
+
+def collate_cached(rows: Sequence[Mapping[str, Tensor]], *, pad_token_id: int) -> dict[str, Tensor]:
+    """Right-pad cached samples: ids/masks via :func:`pad_collate`, hidden states with zeros."""
+    batch = pad_collate(
+        [
+            {"input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()}
+            for r in rows
+        ],
+        pad_token_id=pad_token_id,
+    )
+    length = batch["input_ids"].shape[1]
+    for name in rows[0]:
+        if name.startswith("hidden."):
+            padded = [
+                torch.nn.functional.pad(r[name], (0, 0, 0, length - len(r[name]))) for r in rows
+            ]
+            batch[name] = torch.stack(padded)
+    return batch
+
+
+def remove_cache(directory: Path) -> None:
+    """Delete a feature cache folder (used by tests and by `--overwrite`)."""
+    shutil.rmtree(directory, ignore_errors=True)

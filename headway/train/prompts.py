@@ -1,0 +1,287 @@
+"""The prompt mix for self-distillation: what the target is asked before it answers itself.
+
+A drafter learns the target's own distribution and its acceptance collapses off-domain, so the
+mix covers what users ask (DESIGN.md, "Training-data recipe"):
+
+- ``chitchat``: user turns of the embedded chitchat corpus (casual small talk);
+- ``code``: prompts made from Python standard-library functions (signature + docstring →
+  implement / explain / write tests);
+- ``instruct``: instructions from templates over task types and topics (writing, roleplay,
+  reasoning, math, coding, extraction, STEM, humanities);
+- ``self-instruct``: *meta* prompts asking the target to write one user request for a task type
+  and topic; :mod:`headway.train.regenerate` turns the target's answers into prompts;
+- any chat data file: its user turns.
+
+MT-bench and HumanEval are evaluation sets and are never used here.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import random
+import sysconfig
+import textwrap
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from headway.errors import DataError
+from headway.train.sources import CHITCHAT, load_conversations
+
+BUILTIN_SOURCES = (CHITCHAT, "code", "instruct", "self-instruct")
+
+TASK_TYPES: dict[str, tuple[str, ...]] = {
+    "writing": (
+        "Write a short blog post about {topic}.",
+        "Write a persuasive paragraph arguing why people should care about {topic}.",
+        "Compose a short poem about {topic}.",
+        "Draft a friendly email inviting a colleague to a talk on {topic}.",
+    ),
+    "roleplay": (
+        "Pretend you are a tour guide and introduce {topic} to a group of visitors.",
+        "Act as a teacher and answer a student who asks why {topic} matters.",
+        "You are a journalist interviewing an expert on {topic}. Write your first three questions.",
+    ),
+    "reasoning": (
+        "What are the main pros and cons of {topic}? Think step by step.",
+        "Give three arguments for and three against {topic}, then conclude.",
+        "What is a common misconception about {topic}, and why is it wrong?",
+    ),
+    "math": (
+        "A store sells {a} items for {b} dollars each and gives a {c}% discount. "
+        "What is the total price? Explain each step.",
+        "Solve for x: {a}x + {b} = {c}. Show your work.",
+        "What is the sum of all integers from 1 to {a}? Explain the method.",
+        "A train travels {a} km in {b} hours. What is its average speed, and how far "
+        "does it go in {c} hours at that speed?",
+    ),
+    "coding": (
+        "Write a Python function that sorts a list of records about {topic} by a given field.",
+        "Explain how you would design a small program to keep track of {topic}.",
+        "Write a Python class that models {topic}, with two useful methods.",
+        "Write a SQL table definition and two example queries for data about {topic}.",
+    ),
+    "extraction": (
+        "Summarise the key facts about {topic} as a bullet list.",
+        "List five important terms related to {topic} with one-line definitions.",
+        "Extract the main idea from this sentence: '{topic} has changed the way people live "
+        "and work in the last decades.'",
+    ),
+    "stem": (
+        "Explain {topic} to a ten-year-old.",
+        "How does {topic} work? Give a clear technical explanation.",
+        "What are the most important scientific discoveries related to {topic}?",
+    ),
+    "humanities": (
+        "Describe the history of {topic} in a few paragraphs.",
+        "How has {topic} influenced culture and society?",
+        "Compare two different philosophical views on {topic}.",
+    ),
+}
+
+TOPICS = (
+    "renewable energy", "the printing press", "machine learning", "climate change",
+    "the Roman Empire", "photosynthesis", "black holes", "social media", "coffee",
+    "electric cars", "the human immune system", "volcanoes", "jazz music", "the stock market",
+    "honeybees", "the internet", "ancient Egypt", "vaccines", "chess", "recycling",
+    "the French Revolution", "quantum computing", "sleep", "urban gardening", "the Moon landing",
+    "democracy", "plate tectonics", "remote work", "the Renaissance", "public libraries",
+    "antibiotics", "space exploration", "the water cycle", "cryptography", "minimalism",
+    "marathon running", "the Silk Road", "nuclear power", "bird migration", "video games",
+    "the human brain", "inflation", "coral reefs", "Shakespeare", "3D printing", "tea",
+    "the Industrial Revolution", "friendship", "volunteering", "weather forecasting",
+    "artificial sweeteners", "solar panels", "the Olympic Games", "languages", "bridges",
+    "time management", "the periodic table", "museums", "rainforests", "smartphones",
+)  # fmt: skip
+
+SELF_INSTRUCT_TEMPLATE = (
+    "Write one {task} request that a user might send to an AI assistant about {topic}. "
+    "Reply with the request only, as the user would type it."
+)
+
+CODE_TEMPLATES = (
+    "Implement the following Python function.\n\n```python\n{stub}\n```",
+    "Explain what this Python function does, step by step.\n\n```python\n{source}\n```",
+    "Write pytest unit tests for this function.\n\n```python\n{stub}\n```",
+)
+
+
+@dataclass
+class PromptItem:
+    """One conversation to regenerate: the user turns, in order, and an optional system prompt.
+
+    ``meta`` marks a self-instruct item: the target's answer becomes a new prompt, not data.
+    """
+
+    id: str
+    source: str
+    user_turns: list[str]
+    system: str | None = None
+    meta: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def parse_mix(spec: str) -> dict[str, int]:
+    """``"chitchat:3000,code:1500"`` -> ``{"chitchat": 3000, "code": 1500}``."""
+    mix: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, count = part.rpartition(":")
+        if not sep or not name or not count.isdigit() or int(count) < 1:
+            raise DataError(
+                f"--mix entry {part!r} is not NAME:COUNT with COUNT >= 1 "
+                "(e.g. chitchat:3000,code:1500,instruct:1000,self-instruct:1000)"
+            )
+        if name not in BUILTIN_SOURCES and not Path(name).is_file():
+            raise DataError(
+                f"--mix source {name!r} is neither one of {', '.join(BUILTIN_SOURCES)} "
+                "nor an existing chat data file"
+            )
+        mix[name] = int(count)
+    if not mix:
+        raise DataError("--mix is empty; name at least one source, e.g. chitchat:1000")
+    return mix
+
+
+def chat_prompts(
+    source: str, count: int, *, rng: random.Random, max_turns: int
+) -> list[PromptItem]:
+    """Up to `count` conversations' user turns (at most `max_turns` each) from a chat source."""
+    samples, _ = load_conversations(source, skip_bad_rows=True)
+    items = []
+    for index, sample in enumerate(samples):
+        if sample.messages is None:
+            continue
+        users = [m["content"] for m in sample.messages if m["role"] == "user"][:max_turns]
+        system = next((m["content"] for m in sample.messages if m["role"] == "system"), None)
+        if users and all(turn.strip() for turn in users):
+            items.append(PromptItem(f"{Path(source).name}/{index}", source, users, system))
+    rng.shuffle(items)
+    return items[:count]
+
+
+def instruct_prompts(count: int, *, rng: random.Random) -> list[PromptItem]:
+    """`count` distinct templated instructions, spread evenly over the task types."""
+    pool = [
+        (task, template, topic)
+        for task, templates in TASK_TYPES.items()
+        for template in templates
+        for topic in TOPICS
+    ]
+    rng.shuffle(pool)
+    items: list[PromptItem] = []
+    seen: set[str] = set()
+    for task, template, topic in pool:
+        numbers = {"a": rng.randint(2, 90), "b": rng.randint(2, 40), "c": rng.randint(5, 60)}
+        text = template.format(topic=topic, **numbers)
+        if text in seen:  # templates without {topic} can repeat
+            continue
+        seen.add(text)
+        items.append(PromptItem(f"instruct/{len(items)}", "instruct", [text], extra={"task": task}))
+        if len(items) == count:
+            break
+    return items
+
+
+def self_instruct_meta_prompts(count: int, *, rng: random.Random) -> list[PromptItem]:
+    """`count` meta prompts; the target's answers become user requests (see regenerate)."""
+    pairs = [(task, topic) for task in TASK_TYPES for topic in TOPICS]
+    rng.shuffle(pairs)
+    items = []
+    for index in range(count):
+        task, topic = pairs[index % len(pairs)]
+        text = SELF_INSTRUCT_TEMPLATE.format(task=task, topic=topic)
+        item = PromptItem(f"self-instruct/{index}", "self-instruct", [text], meta=True)
+        item.extra = {"task": task, "topic": topic}
+        items.append(item)
+    return items
+
+
+_PER_MODULE = 6
+_SKIPPED_STDLIB_PARTS = {"test", "tests", "idlelib", "site-packages", "turtledemo", "lib2to3"}
+
+
+def _documented_functions(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef]]:
+    """Public module-level functions and public methods of public classes, by dotted name."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            yield node.name, node
+        if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for member in node.body:
+                if isinstance(member, ast.FunctionDef) and not member.name.startswith("_"):
+                    yield f"{node.name}.{member.name}", member
+
+
+def _module_functions(path: Path, module: str, max_lines: int) -> Iterator[tuple[str, str, str]]:
+    """(qualified name, stub, source) of the documented functions of one module file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    for name, node in _documented_functions(tree):
+        docstring = ast.get_docstring(node)
+        source = ast.get_source_segment(text, node)
+        if not docstring or not source or source.count("\n") >= max_lines:
+            continue
+        source = textwrap.dedent(" " * node.col_offset + source)
+        signature = source.split(":\n", 1)[0]
+        body = textwrap.indent(docstring.strip(), "    ").lstrip()
+        yield f"{module}.{name}", f'{signature}:\n    """{body}\n    """', source
+
+
+def _stdlib_functions(max_lines: int, rng: random.Random) -> Iterator[tuple[str, str, str]]:
+    """Documented stdlib functions of <= max_lines lines, a few per module, modules in an order
+    shuffled by `rng` (parsing is the cost, so callers stop early)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(
+        path
+        for path in root.rglob("*.py")
+        if not _SKIPPED_STDLIB_PARTS & set(path.relative_to(root).parts)
+    )
+    rng.shuffle(paths)
+    for path in paths:
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        yield from itertools.islice(_module_functions(path, module, max_lines), _PER_MODULE)
+
+
+def code_prompts(count: int, *, rng: random.Random, max_lines: int = 40) -> list[PromptItem]:
+    """`count` prompts over standard-library functions, cycling implement / explain / test."""
+    functions = list(itertools.islice(_stdlib_functions(max_lines, rng), count))
+    items = []
+    for index, (name, stub, source) in enumerate(functions):
+        template = CODE_TEMPLATES[index % len(CODE_TEMPLATES)]
+        text = template.format(stub=stub, source=source)
+        items.append(PromptItem(f"code/{name}", "code", [text], extra={"function": name}))
+    return items
+
+
+def build_mix(mix: dict[str, int], *, seed: int, max_turns: int = 1) -> list[PromptItem]:
+    """The prompt items of `mix` (source -> count), deterministic in `seed`.
+
+    Raises:
+        DataError: when a source yields fewer items than asked and none at all.
+    """
+    rng = random.Random(seed)
+    items: list[PromptItem] = []
+    for source, count in mix.items():
+        if source == "code":
+            chunk = code_prompts(count, rng=rng)
+        elif source == "instruct":
+            chunk = instruct_prompts(count, rng=rng)
+        elif source == "self-instruct":
+            chunk = self_instruct_meta_prompts(count, rng=rng)
+        else:
+            chunk = chat_prompts(source, count, rng=rng, max_turns=max_turns)
+        if not chunk:
+            raise DataError(f"prompt source {source!r} produced no prompts")
+        items += chunk
+    return items
+
+
+def describe_mix(items: Sequence[PromptItem]) -> dict[str, int]:
+    """Counts per source, for manifests and reports."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.source] = counts.get(item.source, 0) + 1
+    return counts

@@ -1,0 +1,272 @@
+"""Self-distillation data: the target answers the prompt mix itself, in resumable shards.
+
+Drafters learn the target's own distribution (the Medusa-2 and EAGLE-3 papers train on
+regenerated data), so every assistant turn of the training data is written by the frozen target.
+
+Layout of an output folder::
+
+    manifest.json            settings, target fingerprint, prompt mix, counts (rewritten as it goes)
+    prompts.jsonl            the full, ordered prompt list (self-instruct prompts included)
+    self-instruct/part-*.jsonl   the target's answers to the self-instruct meta prompts
+    data/part-*.jsonl        the training conversations (``messages`` rows, loadable as data)
+
+Shard ``k`` always holds items ``[k·S, (k+1)·S)`` of its list and is written to a temporary name
+and renamed when complete, so a killed run resumes by skipping the shards that exist: no row is
+lost or written twice, and (with a fixed seed) the resumed output equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from tqdm.auto import tqdm
+
+from headway.atomic import write_text_atomic
+from headway.errors import DataError
+from headway.target import Target, fingerprint
+from headway.train.prompts import PromptItem, describe_mix
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RegenerateOptions:
+    """How the target answers. Greedy (temperature 0) matches greedy evaluation best."""
+
+    max_new_tokens: int = 512
+    batch_size: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    shard_size: int = 256
+    # Self-instruct answers are one request each; a short cap saves most of that stage's time.
+    meta_max_new_tokens: int = 96
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1:
+            raise DataError("max_new_tokens, batch_size and shard_size must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise DataError("temperature must be >= 0 and top_p in (0, 1]")
+
+
+@dataclass
+class Answer:
+    text: str
+    tokens: int
+    finish_reason: str  # "eos" or "length"
+
+
+def _jsonl(rows: Sequence[dict[str, Any]]) -> str:
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as file:
+        return [json.loads(line) for line in file if line.strip()]
+
+
+def _conversation(item: PromptItem, answers: Sequence[str], turn: int) -> list[dict[str, str]]:
+    """Messages up to user turn `turn`, with the already regenerated answers in between."""
+    messages = [{"role": "system", "content": item.system}] if item.system else []
+    for index in range(turn + 1):
+        messages.append({"role": "user", "content": item.user_turns[index]})
+        if index < turn:
+            messages.append({"role": "assistant", "content": answers[index]})
+    return messages
+
+
+def answer_batch(
+    target: Target, conversations: Sequence[list[dict[str, str]]], options: RegenerateOptions
+) -> list[Answer]:
+    """Let the target answer each conversation's last user turn, as one left-padded batch."""
+    tokenizer, model = target.tokenizer, target.model
+    texts = [
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        for messages in conversations
+    ]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = batch.to(model.device)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    sampling = (
+        {"do_sample": True, "temperature": options.temperature, "top_p": options.top_p}
+        if options.temperature > 0
+        else {"do_sample": False}
+    )
+    with torch.inference_mode():
+        # PreTrainedModel's stubs lack generate(); every causal LM has it (GenerationMixin).
+        output = cast(Any, model).generate(
+            **batch,
+            max_new_tokens=options.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id or next(iter(eos_ids)),
+            **sampling,
+        )
+    answers = []
+    for row in output[:, batch["input_ids"].shape[1] :].tolist():
+        ends = [i for i, token in enumerate(row) if token in eos_ids]
+        length = ends[0] if ends else len(row)
+        text = str(tokenizer.decode(row[:length], skip_special_tokens=True)).strip()
+        answers.append(Answer(text, length + bool(ends), "eos" if ends else "length"))
+    return answers
+
+
+def _answer_items(
+    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
+) -> Iterator[tuple[PromptItem, list[Answer]]]:
+    """Answer every user turn of every item, turn by turn, in batches of similar length."""
+    order = sorted(items, key=lambda item: sum(len(turn) for turn in item.user_turns))
+    for start in range(0, len(order), options.batch_size):
+        group = order[start : start + options.batch_size]
+        answers: dict[str, list[Answer]] = {item.id: [] for item in group}
+        for turn in range(max(len(item.user_turns) for item in group)):
+            live = [item for item in group if turn < len(item.user_turns)]
+            texts = [[a.text for a in answers[item.id]] for item in live]
+            conversations = [_conversation(i, t, turn) for i, t in zip(live, texts, strict=True)]
+            for item, answer in zip(
+                live, answer_batch(target, conversations, options), strict=True
+            ):
+                answers[item.id].append(answer)
+        for item in group:
+            yield item, answers[item.id]
+
+
+def _row(item: PromptItem, answers: Sequence[Answer]) -> dict[str, Any]:
+    texts = [answer.text for answer in answers]
+    messages = _conversation(item, texts, len(item.user_turns) - 1)
+    messages.append({"role": "assistant", "content": texts[-1]})
+    return {
+        "id": item.id,
+        "source": item.source,
+        "messages": messages,
+        "finish_reason": answers[-1].finish_reason,
+        "answer_tokens": sum(answer.tokens for answer in answers),
+        **item.extra,
+    }
+
+
+def run_shards(
+    target: Target,
+    items: Sequence[PromptItem],
+    shard_dir: Path,
+    options: RegenerateOptions,
+    *,
+    desc: str,
+) -> list[dict[str, Any]]:
+    """Answer `items` into ``shard_dir/part-*.jsonl``, skipping complete shards; return all rows."""
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    shards = [items[k : k + options.shard_size] for k in range(0, len(items), options.shard_size)]
+    rows: list[dict[str, Any]] = []
+    with tqdm(total=len(items), desc=desc, unit="conv", dynamic_ncols=True) as bar:
+        for index, shard in enumerate(shards):
+            path = shard_dir / f"part-{index:05d}.jsonl"
+            if path.is_file():
+                done = read_jsonl(path)
+                if [row["id"] for row in done] != [item.id for item in shard]:
+                    raise DataError(
+                        f"{path} does not hold the prompts it should; this folder was written "
+                        "with another prompt list: use a new --out folder"
+                    )
+                rows += done
+                bar.update(len(shard))
+                continue
+            # Seed per shard so a resumed run samples exactly what an uninterrupted one would.
+            torch.manual_seed(options.seed + index)
+            started, shard_rows = time.perf_counter(), []
+            for item, answers in _answer_items(target, shard, options):
+                shard_rows.append(_row(item, answers))
+                bar.update(1)
+            by_position = {item.id: i for i, item in enumerate(shard)}
+            shard_rows.sort(key=lambda row: by_position[row["id"]])
+            write_text_atomic(path, _jsonl(shard_rows))
+            tokens = sum(row["answer_tokens"] for row in shard_rows)
+            seconds = time.perf_counter() - started
+            bar.set_postfix(tok_per_s=f"{tokens / seconds:.0f}")
+            logger.info(
+                "%s: %d rows, %d tokens, %.0f tok/s", path, len(shard), tokens, tokens / seconds
+            )
+            rows += shard_rows
+    return rows
+
+
+def prompts_from_self_instruct(rows: Sequence[dict[str, Any]]) -> list[PromptItem]:
+    """Turn the target's answers to meta prompts into user prompts (first paragraph, unquoted)."""
+    items = []
+    for row in rows:
+        text = row["messages"][-1]["content"].strip().split("\n\n")[0].strip().strip('"').strip()
+        if len(text) >= 12 and row["finish_reason"] == "eos":
+            extra: dict[str, str] = {k: str(row[k]) for k in ("task", "topic") if k in row}
+            items.append(PromptItem(f"{row['id']}/prompt", "self-instruct", [text], extra=extra))
+    return items
+
+
+def _load_or_write_prompts(path: Path, items: Sequence[PromptItem]) -> list[PromptItem]:
+    if path.is_file():
+        return [PromptItem(**row) for row in read_jsonl(path)]
+    write_text_atomic(path, _jsonl([asdict(item) for item in items]))
+    return list(items)
+
+
+def _check_manifest(path: Path, settings: dict[str, Any]) -> None:
+    if not path.is_file():
+        return
+    previous = json.loads(path.read_text(encoding="utf-8"))["settings"]
+    if previous != settings:
+        changed = sorted(key for key in settings if previous.get(key) != settings[key])
+        raise DataError(
+            f"{path.parent} was regenerated with other settings ({', '.join(changed)} differ); "
+            "resume with the same settings, or write to a new --out folder"
+        )
+
+
+def regenerate(
+    target: Target,
+    items: Sequence[PromptItem],
+    out_dir: Path,
+    options: RegenerateOptions,
+    *,
+    mix: dict[str, int],
+) -> dict[str, Any]:
+    """Regenerate the assistant turns of `items` with `target` into `out_dir`; resumable.
+
+    Self-instruct meta items are answered first and their answers become prompts.
+
+    Returns:
+        The final manifest (settings, mix per source, rows, answer tokens, seconds).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {**asdict(options), "mix": mix, "target": fingerprint(target.model).to_dict()}
+    manifest_path = out_dir / "manifest.json"
+    _check_manifest(manifest_path, settings)
+    write_text_atomic(
+        manifest_path, json.dumps({"settings": settings, "complete": False}, indent=2)
+    )
+    started = time.perf_counter()
+    meta = [item for item in items if item.meta]
+    direct = [item for item in items if not item.meta]
+    if meta:
+        meta_options = replace(options, max_new_tokens=options.meta_max_new_tokens)
+        meta_rows = run_shards(
+            target, meta, out_dir / "self-instruct", meta_options, desc="self-instruct"
+        )
+        direct += prompts_from_self_instruct(meta_rows)
+    prompts = _load_or_write_prompts(out_dir / "prompts.jsonl", direct)
+    rows = run_shards(target, prompts, out_dir / "data", options, desc="regenerate")
+    manifest = {
+        "settings": settings,
+        "complete": True,
+        "sources": describe_mix(prompts),
+        "rows": len(rows),
+        "answer_tokens": sum(row["answer_tokens"] for row in rows),
+        "truncated_answers": sum(row["finish_reason"] == "length" for row in rows),
+        "seconds_this_run": round(time.perf_counter() - started, 1),
+    }
+    write_text_atomic(manifest_path, json.dumps(manifest, indent=2))
+    return manifest

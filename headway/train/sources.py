@@ -1,0 +1,379 @@
+"""Read chat data from a file or the embedded corpus and normalise every row to a :class:`Sample`.
+
+Accepted row formats (one JSON object per row):
+
+- ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, ...]}``, ``from`` in
+  human/user, gpt/assistant, system;
+- OpenAI: ``{"messages": [{"role": "user", "content": "..."}, ...]}``, roles system/user/assistant;
+- plain text: ``{"text": "..."}`` (no chat template, every token trained).
+
+Files: ``.jsonl`` (rows are 1-based lines), ``.json`` (a list of rows), ``.parquet`` (read with
+``datasets``). The name ``chitchat`` is the embedded corpus of the PyPI package
+``chitchat-dataset``. JSON is parsed with the standard library, line by line, rather than with
+``datasets``' JSON loader: that loader fails on the first malformed line or on rows whose types
+differ without saying which line, while we must name the line (and can skip it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from headway.errors import DataError
+from headway.train.samples import (
+    ROLES,
+    BadRowError,
+    DataReport,
+    Message,
+    Role,
+    Sample,
+)
+
+CHITCHAT = "chitchat"
+FORMATS_HINT = "convert it to one of the formats in README 'Train on your own data'"
+SHAREGPT_ROLES: dict[str, Role] = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+OPENAI_ROLES: dict[str, Role] = {role: role for role in ROLES}
+
+# A row is either parsed JSON or the problem that stopped it from parsing.
+RawRow = tuple[str, object]
+
+
+def load_conversations(
+    source: str | Path, *, skip_bad_rows: bool = False, limit: int | None = None
+) -> tuple[list[Sample], DataReport]:
+    """Read ``source`` (a ``.jsonl`` / ``.json`` / ``.parquet`` path, a folder of them, or
+    ``"chitchat"``) into samples, in file order.
+
+    A malformed row raises :class:`~headway.errors.DataError` naming its file and row, unless
+    ``skip_bad_rows`` is set: then it is skipped and counted in the report by reason. The embedded
+    corpus always skips its unusable conversations (one speaker only): they cannot be fixed.
+    ``limit`` stops after that many samples (rows after it are not read or checked).
+    Raises DataError if no sample is left.
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 or None, got {limit}")
+    report = DataReport(source=str(source))
+    is_embedded = str(source) == CHITCHAT
+    rows = _iter_chitchat() if is_embedded else _iter_file_rows(Path(source))
+    samples: list[Sample] = []
+    for location, row in rows:
+        if limit is not None and len(samples) >= limit:
+            break
+        report.rows_read += 1
+        try:
+            samples.append(row_to_sample(row, location))
+        except BadRowError as error:
+            if not (skip_bad_rows or is_embedded):
+                raise
+            report.record_skip(error.reason, location)
+    report.samples = len(samples)
+    if not samples:
+        raise DataError(no_samples_message(report))
+    return samples, report
+
+
+def no_samples_message(report: DataReport) -> str:
+    """The one-line error for a source that yields nothing usable."""
+    if not report.rows_read:
+        return f"{report.source}: no rows; the file is empty"
+    return (
+        f"{report.source}: no usable samples ({report.rows_read} rows read; skipped "
+        f"{report.skipped_summary()}); fix the rows or use another source"
+    )
+
+
+def row_to_sample(row: object, location: str) -> Sample:
+    """Normalise one parsed row; raises :class:`BadRowError` saying what is wrong.
+
+    Keys holding ``None`` count as absent (Parquet files give every row every column).
+    """
+    if isinstance(row, BadRowError):
+        raise row
+    if not isinstance(row, dict):
+        raise BadRowError(
+            location,
+            "not a JSON object",
+            f"row is a {_json_type(row)}, not an object; " + FORMATS_HINT,
+        )
+    if row.get("conversations") is not None:
+        messages = _parse_messages(row["conversations"], location, "conversations", "from", "value")
+        return Sample(messages=messages, origin=location)
+    if row.get("messages") is not None:
+        messages = _parse_messages(row["messages"], location, "messages", "role", "content")
+        return Sample(messages=messages, origin=location)
+    if row.get("text") is not None:
+        return Sample(text=_parse_text(row["text"], location), origin=location)
+    raise BadRowError(
+        location,
+        "unknown format",
+        "row has neither 'conversations', 'messages' nor 'text'; " + FORMATS_HINT,
+    )
+
+
+def _parse_text(text: object, location: str) -> str:
+    if not isinstance(text, str):
+        raise BadRowError(
+            location, "non-string content", f"'text' is a {_json_type(text)}, not a string"
+        )
+    if not text.strip():
+        raise BadRowError(location, "empty text", "'text' is empty; drop the row")
+    return text
+
+
+def _parse_messages(
+    value: object, location: str, key: str, role_key: str, content_key: str
+) -> list[Message]:
+    """Validate a ShareGPT (``from``/``value``) or OpenAI (``role``/``content``) message list."""
+    if not isinstance(value, list):
+        raise BadRowError(
+            location,
+            "malformed conversation",
+            f"'{key}' is a {_json_type(value)}, not a list of messages; " + FORMATS_HINT,
+        )
+    if not value:
+        raise BadRowError(location, "empty conversation", f"'{key}' is an empty list; drop the row")
+    roles = SHAREGPT_ROLES if key == "conversations" else OPENAI_ROLES
+    messages = [
+        _parse_message(item, location, number, roles, role_key, content_key)
+        for number, item in enumerate(value, start=1)
+    ]
+    if not any(message["role"] == "assistant" for message in messages):
+        found = ", ".join(sorted({message["role"] for message in messages}))
+        raise BadRowError(
+            location,
+            "no assistant turn",
+            "conversation has no assistant turn, so nothing would be trained (roles found: "
+            f"{found}); add the assistant's reply or drop the row",
+        )
+    return messages
+
+
+def _parse_message(
+    item: object,
+    location: str,
+    number: int,
+    roles: Mapping[str, Role],
+    role_key: str,
+    content_key: str,
+) -> Message:
+    """Validate message ``number`` (1-based) of the conversation at ``location``."""
+    if not isinstance(item, dict) or role_key not in item or content_key not in item:
+        raise BadRowError(
+            location,
+            "malformed message",
+            f"message {number} is not an object with '{role_key}' and '{content_key}'; "
+            + FORMATS_HINT,
+        )
+    role, content = item[role_key], item[content_key]
+    if not isinstance(role, str) or role not in roles:
+        raise BadRowError(
+            location,
+            "unknown role",
+            f"message {number} has unknown '{role_key}' {role!r}; use one of {', '.join(roles)}",
+        )
+    if not isinstance(content, str):
+        raise BadRowError(
+            location,
+            "non-string content",
+            f"message {number} '{content_key}' is a {_json_type(content)}, not a string; join "
+            "its text parts into one string (tool calls and images are not supported)",
+        )
+    return Message(role=roles[role], content=content)
+
+
+def _json_type(value: object) -> str:
+    """The JSON name of a parsed value's type, for messages."""
+    names: dict[type, str] = {dict: "object", list: "list", str: "string", bool: "boolean"}
+    names.update({int: "number", float: "number", type(None): "null"})
+    return names.get(type(value), type(value).__name__)
+
+
+# --- files -----------------------------------------------------------------------------------
+
+
+_READERS: dict[str, Callable[[Path], Iterator[RawRow]]] = {}
+
+
+def _iter_file_rows(path: Path) -> Iterator[RawRow]:
+    """Rows of one data file, or of every data file in a folder (sorted by name, e.g. the
+    ``part-*.jsonl`` shards that ``headway data regenerate`` writes)."""
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in _READERS)
+        if not files:
+            raise DataError(f"{path}: folder holds no .jsonl, .json or .parquet file")
+        return itertools.chain.from_iterable(_iter_file_rows(file) for file in files)
+    reader = _READERS.get(path.suffix.lower())
+    if reader is None:
+        raise DataError(
+            f"{path}: unsupported file type {path.suffix!r}; use .jsonl, .json or .parquet, "
+            f"or '{CHITCHAT}' for the embedded corpus"
+        )
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    return reader(path)
+
+
+def _iter_jsonl(path: Path) -> Iterator[RawRow]:
+    """Yield ``("<path>:<line>", row)`` per non-blank line; a line that is not UTF-8 or not JSON
+    yields a :class:`BadRowError` in place of the row, so the caller can raise or skip it."""
+    with path.open("rb") as lines:
+        for line_number, raw in enumerate(lines, start=1):
+            location = f"{path}:{line_number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield (
+                    location,
+                    BadRowError(
+                        location,
+                        "not UTF-8",
+                        f"bytes at column {error.start + 1} are not valid UTF-8; "
+                        "re-save the file as UTF-8",
+                    ),
+                )
+                continue
+            if line_number == 1:
+                line = line.removeprefix("\ufeff")  # editors on Windows add a byte-order mark
+            if not line.strip():
+                continue
+            try:
+                yield location, json.loads(line)
+            except json.JSONDecodeError as error:
+                yield (
+                    location,
+                    BadRowError(
+                        location,
+                        "invalid JSON",
+                        f"invalid JSON ({error.msg} at column {error.colno}); each line of a "
+                        ".jsonl file must be one JSON object",
+                    ),
+                )
+
+
+def _iter_json_array(path: Path) -> Iterator[RawRow]:
+    """Rows of a ``.json`` file holding one list. The file parses as a whole, so a syntax error
+    cannot be skipped: it raises naming the line."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise DataError(
+            f"{path}:{line}: bytes are not valid UTF-8; re-save the file as UTF-8"
+        ) from None
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DataError(
+            f"{path}:{error.lineno}: invalid JSON ({error.msg} at column {error.colno}); "
+            "fix the file or write one row per line as .jsonl"
+        ) from None
+    if not isinstance(rows, list):
+        raise DataError(
+            f"{path}: the top level is a {_json_type(rows)}; a .json file must hold a list of "
+            "rows (or write one row per line as .jsonl)"
+        )
+    for number, row in enumerate(rows, start=1):
+        yield f"{path} row {number}", row
+
+
+def _iter_parquet(path: Path) -> Iterator[RawRow]:
+    """Rows of a Parquet file, loaded with ``datasets`` (memory-mapped Arrow, so large files
+    stream)."""
+    import datasets  # heavy import, only needed here
+
+    try:
+        table = datasets.Dataset.from_parquet(str(path))
+    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as error:
+        raise DataError(f"{path}: cannot read this Parquet file ({error})") from None
+    assert isinstance(table, datasets.Dataset)  # from_parquet without streaming
+    for number, row in enumerate(table, start=1):
+        yield f"{path} row {number}", row
+
+
+# --- the embedded corpus ---------------------------------------------------------------------
+
+
+_READERS.update({".jsonl": _iter_jsonl, ".json": _iter_json_array, ".parquet": _iter_parquet})
+
+
+def chitchat_path() -> Path:
+    """``dataset.json`` of the PyPI package ``chitchat-dataset``, found without importing the
+    package (its ``__init__`` reads the whole corpus when its classes are used)."""
+    spec = importlib.util.find_spec("chitchat_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(
+            f"the embedded corpus '{CHITCHAT}' needs the package chitchat-dataset; "
+            "install it with `pip install chitchat-dataset`"
+        )
+    return Path(spec.submodule_search_locations[0]) / "dataset.json"
+
+
+def _iter_chitchat() -> Iterator[RawRow]:
+    """Yield chitchat conversations as OpenAI-style rows, ``"chitchat:<id>"`` as location.
+
+    The corpus is ``{id: {"messages": [[{"sender", "text"}, ...], ...]}}``: each inner list is one
+    turn, consecutive messages of one sender. Turns alternate between two senders; the first
+    speaker is the user. A turn's texts are joined with newlines (empty texts dropped), and the
+    conversation is cut before its first empty turn (keeping the roles alternating).
+    """
+    path = chitchat_path()
+    try:
+        for conversation_id, conversation in _iter_object_items(path.read_text("utf-8")):
+            messages: list[Message] = []
+            for turn in conversation["messages"]:
+                content = "\n".join(m["text"] for m in turn if m["text"].strip())
+                if not content:
+                    break
+                role: Role = "user" if len(messages) % 2 == 0 else "assistant"
+                messages.append(Message(role=role, content=content))
+            yield f"{CHITCHAT}:{conversation_id}", {"messages": messages}
+    except (ValueError, KeyError, TypeError, IndexError) as error:
+        raise DataError(
+            f"{path}: the chitchat corpus is corrupt ({error!r}); "
+            "reinstall it with `pip install --force-reinstall chitchat-dataset`"
+        ) from None
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _iter_object_items(text: str) -> Iterator[tuple[str, Any]]:
+    """Yield the ``(key, value)`` pairs of a top-level JSON object one at a time, so reading the
+    first few conversations does not parse the whole 40 MB corpus."""
+    decoder = json.JSONDecoder()
+
+    def skip(position: int, expected: str) -> int:
+        """Skip whitespace, then ``expected`` (if any), then whitespace."""
+        position = _skip_whitespace(text, position)
+        if not text.startswith(expected, position):
+            raise ValueError(f"expected {expected!r} at character {position}")
+        return _skip_whitespace(text, position + len(expected))
+
+    position = skip(0, "{")
+    if text.startswith("}", position):
+        return
+    while True:
+        key, position = decoder.raw_decode(text, position)
+        value, position = decoder.raw_decode(text, skip(position, ":"))
+        yield key, value
+        position = skip(position, "")
+        if text.startswith("}", position):
+            return
+        position = skip(position, ",")
+
+
+def _skip_whitespace(text: str, position: int) -> int:
+    match = _WHITESPACE.match(text, position)  # always matches, possibly empty
+    return match.end() if match else position

@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random targets of several families, and the real embedded model (slow)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from headway.target import Target, load_target
+from tests.tiny import TINY_FAMILIES, tiny_model
+
+
+@pytest.fixture(params=TINY_FAMILIES)
+def tiny_family(request: pytest.FixtureRequest) -> str:
+    """Each tiny architecture family in turn (Llama, Qwen2, GPT-2)."""
+    return str(request.param)
+
+
+@pytest.fixture
+def tiny_target(tiny_family: str) -> torch.nn.Module:
+    """A tiny random causal LM of each family, fp32, CPU."""
+    return tiny_model(tiny_family)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Target:
+    """The real embedded SmolLM2-135M-Instruct, fp32, CPU (converted once into the cache)."""
+    return load_target("smollm2-135m", dtype="float32", device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tests run with one torch thread: on a loaded 2-core machine, OpenMP threads contending
+    with each other made small-model tests 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,156 @@
+"""Self-distillation: the prompt mix and resumable, atomic regeneration shards."""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from headway.errors import DataError
+from headway.target import Target
+from headway.train import regenerate as regenerate_module
+from headway.train.prompts import (
+    TASK_TYPES,
+    PromptItem,
+    build_mix,
+    code_prompts,
+    instruct_prompts,
+    parse_mix,
+)
+from headway.train.regenerate import (
+    RegenerateOptions,
+    prompts_from_self_instruct,
+    read_jsonl,
+    regenerate,
+)
+from headway.train.sources import load_conversations
+from tests.tiny import tiny_model
+from tests.tokenizers_fixture import smollm2_tokenizer
+
+OPTIONS = RegenerateOptions(max_new_tokens=6, batch_size=4, shard_size=3)
+
+
+@pytest.fixture
+def tiny_chat_target() -> Target:
+    """A tiny Llama over the 400-token test BPE, whose `<|im_end|>` (id 2) is the model's EOS."""
+    return Target(tiny_model("llama", vocab_size=400), smollm2_tokenizer(), "tiny")
+
+
+def items() -> list[PromptItem]:
+    return [
+        PromptItem(f"t/{i}", "test", ["hello there"] if i % 3 else ["hi", "tell me a joke"])
+        for i in range(8)
+    ]
+
+
+def read_all(out: Path) -> list[dict[str, object]]:
+    return [row for path in sorted((out / "data").glob("part-*.jsonl")) for row in read_jsonl(path)]
+
+
+def test_regenerate_writes_every_conversation_once(
+    tiny_chat_target: Target, tmp_path: Path
+) -> None:
+    manifest = regenerate(tiny_chat_target, items(), tmp_path, OPTIONS, mix={"test": 8})
+    rows = read_all(tmp_path)
+    assert [row["id"] for row in rows] == [item.id for item in items()]
+    assert manifest["complete"] and manifest["rows"] == 8
+    multi = next(row for row in rows if row["id"] == "t/0")
+    roles = [m["role"] for m in multi["messages"]]  # type: ignore[index, union-attr]
+    assert roles == ["user", "assistant", "user", "assistant"]
+    assert len(list((tmp_path / "data").glob("part-*.jsonl"))) == 3  # ceil(8 / 3)
+    assert not list(tmp_path.rglob(".*"))  # no temporary files left behind
+    # The shards load as training data.
+    samples, report = load_conversations(tmp_path / "data" / "part-00000.jsonl")
+    assert report.samples == 3 and samples[0].messages is not None
+
+
+def test_resume_after_crash_equals_uninterrupted_run(
+    tiny_chat_target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = tmp_path / "reference"
+    regenerate(tiny_chat_target, items(), reference, OPTIONS, mix={"test": 8})
+    real_answer_batch = regenerate_module.answer_batch
+    calls = {"n": 0}
+
+    def crash_on_fourth_batch(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt  # killed in the middle of the second shard
+        return real_answer_batch(*args, **kwargs)  # type: ignore[arg-type]
+
+    resumed = tmp_path / "resumed"
+    monkeypatch.setattr(regenerate_module, "answer_batch", crash_on_fourth_batch)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(tiny_chat_target, items(), resumed, OPTIONS, mix={"test": 8})
+    assert len(list((resumed / "data").glob("part-*.jsonl"))) == 1  # only complete shards
+    monkeypatch.setattr(regenerate_module, "answer_batch", real_answer_batch)
+    regenerate(tiny_chat_target, items(), resumed, OPTIONS, mix={"test": 8})
+    assert read_all(resumed) == read_all(reference)
+
+
+def test_resume_with_other_settings_is_refused(tiny_chat_target: Target, tmp_path: Path) -> None:
+    regenerate(tiny_chat_target, items()[:2], tmp_path, OPTIONS, mix={"test": 2})
+    other = RegenerateOptions(max_new_tokens=7, batch_size=4, shard_size=3)
+    with pytest.raises(DataError, match="max_new_tokens"):
+        regenerate(tiny_chat_target, items()[:2], tmp_path, other, mix={"test": 2})
+
+
+def test_self_instruct_answers_become_prompts() -> None:
+    def row(text: str, finish: str = "eos") -> dict[str, object]:
+        messages = [{"role": "user", "content": "meta"}, {"role": "assistant", "content": text}]
+        return {"id": "m/1", "messages": messages, "finish_reason": finish, "task": "math"}
+
+    made = prompts_from_self_instruct(
+        [
+            row('"How do I compute the area of a circle?"\n\nMore text.'),
+            row("short"),
+            row("x" * 40, "length"),
+        ]
+    )
+    assert [item.user_turns for item in made] == [["How do I compute the area of a circle?"]]
+    assert made[0].extra == {"task": "math"} and not made[0].meta
+
+
+def test_parse_mix_and_its_errors(tmp_path: Path) -> None:
+    assert parse_mix("chitchat:10, code:5") == {"chitchat": 10, "code": 5}
+    for bad in ("chitchat", "chitchat:0", "nosuch:3", ""):
+        with pytest.raises(DataError, match="mix"):
+            parse_mix(bad)
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hey"}]}\n', encoding="utf-8")
+    assert parse_mix(f"{data}:4") == {str(data): 4}
+
+
+def test_mix_is_deterministic_and_covers_sources(tmp_path: Path) -> None:
+    data = tmp_path / "mine.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(5)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    mix = {"instruct": 6, "self-instruct": 4, str(data): 3}
+    first, second = build_mix(mix, seed=1), build_mix(mix, seed=1)
+    assert [i.user_turns for i in first] == [i.user_turns for i in second]
+    sources = [item.source for item in first]
+    assert sources.count("instruct") == 6 and sources.count(str(data)) == 3
+    assert sum(item.meta for item in first) == 4
+
+
+def test_instruct_prompts_are_distinct_and_filled() -> None:
+    prompts = instruct_prompts(200, rng=random.Random(0))
+    texts = [p.user_turns[0] for p in prompts]
+    assert len(set(texts)) == 200
+    assert not any("{" in text for text in texts)
+    assert {p.extra["task"] for p in prompts} == set(TASK_TYPES)
+
+
+def test_code_prompts_quote_real_parseable_functions() -> None:
+    prompts = code_prompts(12, rng=random.Random(0))
+    assert len(prompts) == 12
+    for prompt in prompts:
+        code = prompt.user_turns[0].split("```python\n", 1)[1].rsplit("```", 1)[0]
+        ast.parse(code)  # a real function, indented correctly
+        assert '"""' in code or "'" in code or '"' in code

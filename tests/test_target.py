@@ -1,0 +1,141 @@
+"""Target loading (offline), the GGUF conversion cache and fingerprints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from headway import target as target_module
+from headway.errors import TargetError
+from headway.target import (
+    Target,
+    check_fingerprint,
+    convert_gguf,
+    fingerprint,
+    load_target,
+    resolve_device,
+    resolve_dtype,
+)
+from tests.tiny import tiny_model
+from tests.tokenizers_fixture import smollm2_tokenizer
+
+
+@pytest.fixture
+def saved_target(tmp_path: Path) -> Path:
+    """A tiny Llama target saved as a normal HF folder with a tokenizer."""
+    folder = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(folder)
+    smollm2_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_load_folder_is_frozen_eval_and_typed(saved_target: Path) -> None:
+    target = load_target(saved_target, dtype="bfloat16", device="cpu")
+    assert target.model.dtype == torch.bfloat16
+    assert not target.model.training
+    assert not any(p.requires_grad for p in target.model.parameters())
+    assert target.tokenizer.chat_template
+
+
+def test_fingerprint_is_dtype_independent_but_weight_sensitive(saved_target: Path) -> None:
+    fp32 = fingerprint(load_target(saved_target, dtype="float32", device="cpu").model)
+    bf16 = fingerprint(load_target(saved_target, dtype="bfloat16", device="cpu").model)
+    assert fp32 == bf16
+    assert fp32.architecture == "LlamaForCausalLM"
+    assert (fp32.hidden_size, fp32.vocab_size, fp32.num_layers) == (32, 96, 2)
+    other = fingerprint(tiny_model("llama", seed=1))
+    assert other.differences(fp32) == ["output_embedding_sha256"]
+
+
+def test_check_fingerprint_refuses_other_target_unless_forced() -> None:
+    llama, qwen = fingerprint(tiny_model("llama")), fingerprint(tiny_model("qwen2"))
+    check_fingerprint(llama, llama)
+    with pytest.raises(TargetError) as caught:
+        check_fingerprint(llama, qwen)
+    message = str(caught.value)
+    assert "architecture" in message and "LlamaForCausalLM" in message
+    assert "Qwen2ForCausalLM" in message and "--force" in message
+    check_fingerprint(llama, qwen, force=True)  # warns, does not raise
+
+
+def test_unknown_model_id_fails_offline_with_advice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TargetError, match="never downloads"):
+        load_target("no-such-org/no-such-model-xyz", device="cpu")
+
+
+def test_bad_paths_give_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(TargetError, match="does not exist"):
+        load_target(tmp_path / "missing.gguf")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TargetError, match=r"no config\.json"):
+        load_target(tmp_path / "empty")
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(TargetError, match=r"not a \.gguf"):
+        load_target(tmp_path / "weights.bin")
+
+
+def test_interrupted_conversion_leaves_no_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # a kill in the middle of the conversion
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", crash)
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf(gguf)
+    targets = tmp_path / "cache" / "targets"
+    assert list(targets.iterdir()) == []  # neither a final folder nor a staging leftover
+
+
+def test_conversion_is_reused_once_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    calls: list[str] = []
+
+    def fake_load(folder: Path, gguf_file: str, **kwargs: object) -> torch.nn.Module:
+        calls.append(gguf_file)
+        return tiny_model("llama")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake_load)
+    monkeypatch.setattr(
+        target_module.AutoTokenizer, "from_pretrained", lambda *a, **k: smollm2_tokenizer()
+    )
+    first = convert_gguf(gguf)
+    second = convert_gguf(gguf)
+    assert first == second and (first / "config.json").is_file()
+    assert calls == ["model.gguf"]
+
+
+def test_dtype_and_device_resolution() -> None:
+    assert resolve_dtype("bf16") is torch.bfloat16
+    assert resolve_dtype(torch.float16) is torch.float16
+    with pytest.raises(TargetError, match="unknown dtype"):
+        resolve_dtype("float8")
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type in {"cpu", "cuda"}
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_loads_and_answers(smollm2: Target) -> None:
+    target = smollm2
+    fp = fingerprint(target.model)
+    assert (fp.hidden_size, fp.vocab_size, fp.num_layers) == (576, 49152, 30)
+    ids = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    out = target.model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in target.tokenizer.decode(out[0, ids.shape[1] :])
