@@ -244,6 +244,7 @@ def parse_section(section_type: type[T], values: Mapping[str, Any], *, where: st
     fields = _field_types(section_type)
     argv: list[str] = []
     nulls: list[str] = []
+    empties: list[str] = []
     for key, value in values.items():
         if key not in fields:
             raise _unknown("key", f"{name}.{key}", [f"{name}.{f}" for f in fields], where)
@@ -256,7 +257,10 @@ def parse_section(section_type: type[T], values: Mapping[str, Any], *, where: st
             value = [item for item in value.split(",") if item]
         tokens = _as_argument(value)
         if not tokens:
-            raise ConfigError(f"{where}: {name}.{key} is an empty list")
+            if not _is_list(fields[key]):
+                raise ConfigError(f"{where}: {name}.{key} has an empty value")
+            empties.append(key)  # argparse cannot express an empty list; set it afterwards
+            continue
         argv += [f"--{key}", *tokens]
     parser = _SectionParser(section_type, where, name)
     try:
@@ -269,6 +273,7 @@ def parse_section(section_type: type[T], values: Mapping[str, Any], *, where: st
         raise ConfigError(f"{where}: {name}: could not use {remaining}")
     kwargs = {key: getattr(namespace, key) for key in fields}
     kwargs.update(dict.fromkeys(nulls))
+    kwargs.update({key: [] for key in empties})
     try:
         return section_type(**kwargs)
     except ConfigError as error:

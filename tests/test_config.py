@@ -37,6 +37,13 @@ def test_list_override_splits_on_commas() -> None:
     assert config.data.sources == ["a.jsonl", "b.parquet"]
 
 
+def test_empty_list_in_file_round_trips(tmp_path: Path) -> None:
+    config = load_config(RunConfig, write(tmp_path, "train:\n  log_with: []\n"))
+    assert config.train.log_with == []
+    with pytest.raises(ConfigError, match=r"data\.max_length has an empty value"):
+        load_config(RunConfig, write(tmp_path, "data:\n  max_length: []\n"))
+
+
 def test_same_value_from_file_or_command_line_gives_same_config(tmp_path: Path) -> None:
     from_file = load_config(RunConfig, write(tmp_path, "train:\n  batch_size: 16\n"))
     from_cli = load_config(RunConfig, None, ["train.batch_size=16"])

@@ -1,0 +1,81 @@
+"""Timing harness for decoding: runs that are comparable because they are measured alike.
+
+Every run is timed the same way: prompt ids ready on the device, wall time from the call to the
+last generated token (prefill included), one prompt at a time (batch 1). Tokens/s is generated
+tokens over that time. A warm-up generation runs first so one-time costs are not counted.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from headway.decode.kv import crop_cache, new_cache, prefill, tree_forward
+
+
+@dataclass
+class RunStats:
+    """Figures of one decoding configuration over a prompt set."""
+
+    name: str
+    tokens: int = 0
+    seconds: float = 0.0
+    forwards: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per draft step (prefill excluded); 1.0 for plain decoding."""
+        return statistics.fmean(self.accept_lengths) if self.accept_lengths else 1.0
+
+    def add(self, output: Sequence[int], seconds: float, accept_lengths: Sequence[int]) -> None:
+        self.tokens += len(output)
+        self.seconds += seconds
+        self.accept_lengths += list(accept_lengths)
+        self.outputs.append(list(output))
+
+
+def timed(function: Callable[[], list[int]], device: torch.device) -> tuple[list[int], float]:
+    """Call `function` (returning generated ids) and its wall time, synchronising CUDA."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    output = function()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return output, time.perf_counter() - start
+
+
+@torch.inference_mode()
+def forward_seconds(
+    model: PreTrainedModel, prefix: Tensor, new_tokens: int, *, repeats: int = 5
+) -> float:
+    """Median time of one forward over `new_tokens` tokens (a chain) on a cache of `prefix`.
+
+    This is the cost of verifying a tree of ``new_tokens`` nodes after a prompt like `prefix`.
+    """
+    cache = new_cache(model)
+    prefill(model, cache, prefix.unsqueeze(0))
+    prefix_len = cache.get_seq_length()
+    tokens = prefix[-1:].repeat(new_tokens).unsqueeze(0)
+    parents = torch.arange(-1, new_tokens - 2, device=prefix.device)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        tree_forward(model, cache, tokens, parents, prefix_len)
+        if prefix.device.type == "cuda":
+            torch.cuda.synchronize(prefix.device)
+        times.append(time.perf_counter() - start)
+        crop_cache(cache, prefix_len)
+    return statistics.median(times[1:])

@@ -1,0 +1,194 @@
+"""The Medusa drafter: Medusa heads proposing a static token tree (Cai et al. 2024, §2.1.2).
+
+Each step (:class:`~headway.decode.generate.Drafter` protocol): :meth:`MedusaDrafter.observe`
+keeps the target's last hidden state of the newly committed tokens, the one whose LM-head output
+was the bonus token, which is the root of the next tree. :meth:`MedusaDrafter.propose` runs the
+heads on that single vector (one ``[H] x [H, V]`` matmul per head plus L small blocks), takes
+each head's top-k, and fills a fixed tree shape given by a Medusa *choices* list: node
+``[r_1, ..., r_d]`` holds the rank-``r_d`` token of head d. The tree is verified by the target in
+one forward, so output stays exactly the target's (greedy: token for token).
+
+Sizing the default tree for this CPU (SmolLM2-135M, fp32, one thread, 256-token cache, medians
+with other jobs running, so ±30%): a verify forward costs ~60-110 ms with no draft, ~100-190 ms for
+1-10 drafted nodes, ~1.3x that for 16 nodes, ~1.6x for 24 and ~1.8x for 32. Each head used costs
+one ``[V, H]`` matvec, ~12 ms (V = 49,152: the head's own copy of the LM head, 113 MB in fp32, is
+read once per step). With the heads calibrated in DESIGN.md (head-1 top-1 0.33, head-3 0.16)
+depth-3 nodes are worth ~0.03 expected tokens per step, less than the third head costs, so
+:data:`DEFAULT_CHOICES` is the first 16 paths of the reference's ``mc_sim_7b_63`` that are at most
+2 deep (its order is by estimated acceptance gain); pass ``choices="mc_sim_7b_63"`` or any list
+for stronger heads. Re-tune once heads trained on the full recipe exist.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from headway.decode.tree import DraftTree, empty_tree, static_tree
+from headway.errors import TargetError
+from headway.heads.medusa import MedusaHeads
+
+__all__ = [
+    "DEFAULT_CHOICES",
+    "MC_SIM_7B_63",
+    "MEDUSA_CHOICES",
+    "MedusaDrafter",
+    "check_final_hidden",
+    "final_hidden_layer",
+    "resolve_choices",
+]
+
+logger = logging.getLogger(__name__)
+
+Choices = tuple[tuple[int, ...], ...]
+
+# The 63-node tree from the Medusa reference (FasterDecoding/Medusa,
+# medusa/model/medusa_choices.py, Apache-2.0), found for Vicuna-7B heads.
+MC_SIM_7B_63: Choices = (
+    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4),
+    (2, 0), (0, 5), (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8),
+    (0, 0, 2), (3, 0), (0, 9), (8,), (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0),
+    (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0), (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3),
+    (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2), (2, 0, 0),
+    (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0),
+    (0, 0, 0, 1), (1, 6), (0, 7, 0),
+)  # fmt: skip
+
+DEFAULT_CHOICES: Choices = tuple(path for path in MC_SIM_7B_63 if len(path) <= 2)[:16]
+"""16 nodes, 2 deep (2 heads used), top-7 at depth 1: sized for this CPU (module docstring)."""
+
+MEDUSA_CHOICES: dict[str, Choices] = {"default": DEFAULT_CHOICES, "mc_sim_7b_63": MC_SIM_7B_63}
+"""Named trees, so a command line can say ``choices=mc_sim_7b_63``."""
+
+
+def resolve_choices(choices: str | Sequence[Sequence[int]], num_heads: int) -> Choices:
+    """A choices list by name or value, without paths deeper than ``num_heads`` (a head can only
+    fill its own depth; dropping deep paths keeps the list prefix-closed)."""
+    if isinstance(choices, str):
+        if choices not in MEDUSA_CHOICES:
+            raise ValueError(
+                f"unknown Medusa choices {choices!r}; use one of {sorted(MEDUSA_CHOICES)} or pass "
+                "a list of paths such as [[0], [0, 0], [1]]"
+            )
+        choices = MEDUSA_CHOICES[choices]
+    paths = tuple(tuple(int(rank) for rank in path) for path in choices)
+    kept = tuple(path for path in paths if len(path) <= num_heads)
+    if len(kept) < len(paths):
+        logger.info(
+            "dropping %d Medusa choices deeper than the %d heads", len(paths) - len(kept), num_heads
+        )
+    if not kept:
+        raise ValueError(f"no Medusa choice is at most {num_heads} deep; nothing left to draft")
+    return kept
+
+
+def final_hidden_layer(model: Any) -> int:
+    """Index into ``output_hidden_states`` of the LM head's input: ``num_hidden_layers``, the last
+    entry. In transformers 5.23 that entry is taken after the final norm for Llama, Qwen2 and
+    GPT-2 (and every model built on the standard decoder template);
+    :func:`check_final_hidden` verifies it for any other model."""
+    return int(model.config.get_text_config().num_hidden_layers)
+
+
+def _probe_ids(model: Any) -> Tensor:
+    """A few ordinary token ids ``[1, 4]`` (not the pad token, whose embedding is often zero and
+    would make every hidden state zero, hence equal)."""
+    pad = model.config.get_text_config().pad_token_id
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = [token for token in range(1, min(vocab, 6)) if token != pad][:4]
+    return torch.tensor([ids], dtype=torch.long, device=model.device)
+
+
+def check_final_hidden(model: Any, layer: int) -> None:
+    """Run a few tokens through ``model`` and check that ``output_hidden_states[layer]`` is exactly
+    what its output embedding (LM head) consumes, by capturing that input with a forward hook.
+
+    Raises:
+        TargetError: for a model family whose hidden states are taken elsewhere (e.g. before a
+            final norm): Medusa heads trained on those would read the wrong vector.
+    """
+    captured: list[Tensor] = []
+
+    def capture(module: torch.nn.Module, args: tuple[Tensor, ...]) -> None:
+        captured.append(args[0])
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(capture)
+    try:
+        with torch.inference_mode():
+            ids = _probe_ids(model)
+            outputs = model(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                output_hidden_states=True,
+                use_cache=False,
+            )
+    finally:
+        handle.remove()
+    hidden = outputs.hidden_states[layer]
+    if not captured or captured[-1].shape != hidden.shape or not torch.equal(captured[-1], hidden):
+        raise TargetError(
+            f"{type(model).__name__}: output_hidden_states[{layer}] is not the input of its LM "
+            "head, so Medusa heads cannot read the right hidden state from this model family; "
+            "it needs explicit support in headway.heads.drafter_medusa"
+        )
+
+
+class MedusaDrafter:
+    """Medusa heads as a :class:`~headway.decode.generate.Drafter` (Cai et al. 2024).
+
+    Args:
+        heads: trained :class:`~headway.heads.medusa.MedusaHeads`, on the target's device and
+            dtype.
+        hidden_layer: index into the target's ``output_hidden_states`` of the LM head's input,
+            see :func:`final_hidden_layer`.
+        choices: a Medusa choices list (e.g. the reference's ``mc_sim_7b_63``) or the name of one
+            in :data:`MEDUSA_CHOICES`; paths deeper than the number of heads are dropped.
+    """
+
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        *,
+        hidden_layer: int,
+        choices: str | Sequence[Sequence[int]] = "default",
+    ) -> None:
+        self.heads = heads.eval()
+        self.hidden_layers: tuple[int, ...] = (hidden_layer,)
+        self.tree = static_tree(resolve_choices(choices, heads.config.num_heads))
+        if self.tree.width > heads.config.vocab_size:
+            raise ValueError(
+                f"the tree uses rank {self.tree.width - 1} but the vocabulary has only "
+                f"{heads.config.vocab_size} tokens"
+            )
+        self._last_hidden: Tensor | None = None  # [H], the state that predicted the root
+
+    def begin(self, prompt_ids: Tensor) -> None:
+        """Forget the previous generation."""
+        self._last_hidden = None
+
+    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
+        """Keep ``hidden[0][-1]`` ``[H]``: its LM-head output was the last committed token (the
+        next tree's root), so head k on it predicts the token k + 1 places after that state,
+        i.e. depth k of the next tree."""
+        self._last_hidden = hidden[0][-1]
+
+    @torch.inference_mode()
+    def candidates(self) -> Tensor:
+        """Top-k token ids of each head used by the tree, LongTensor ``[depth, width]`` (row d is
+        head d + 1, best first)."""
+        if self._last_hidden is None:
+            raise RuntimeError("MedusaDrafter.candidates() called before observe()")
+        weight = next(self.heads.parameters())
+        hidden = self._last_hidden.to(device=weight.device, dtype=weight.dtype)
+        logits = self.heads(hidden, num_heads=self.tree.depth)  # [depth, V]
+        return logits.topk(self.tree.width, dim=-1).indices
+
+    def propose(self, sequence: Tensor) -> DraftTree:
+        """The static tree filled with the heads' top-k tokens (empty before any observation)."""
+        if self._last_hidden is None:
+            return empty_tree()
+        return self.tree.instantiate(self.candidates())

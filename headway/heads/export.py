@@ -1,0 +1,299 @@
+"""Engine formats for Medusa heads: export to, and import from, the layouts engines load.
+
+Layouts (key names checked against the sources named here):
+
+- ``medusa``, the reference layout of FasterDecoding/Medusa (``medusa/model/medusa_model.py``:
+  ``MedusaConfig`` fields and ``medusa_head = ModuleList([Sequential(ResBlock * L, Linear(H, V,
+  bias=False))])``, whose state dict the training scripts save as
+  ``medusa_lm_head.safetensors``): ``config.json`` with ``medusa_num_heads``,
+  ``medusa_num_layers``, ``base_model_name_or_path``; tensors ``{h}.{l}.linear.weight`` ``[H, H]``,
+  ``{h}.{l}.linear.bias`` ``[H]`` and ``{h}.{L}.weight`` ``[V, H]``.
+- ``medusa-vllm``, vLLM's ``MedusaModel`` (``vllm/model_executor/models/medusa.py``:
+  ``blocks[h] = ResidualBlock(layers = ModuleList(Linear(H, H, bias=medusa_fc_bias)))``,
+  ``lm_heads[h] = ParallelLMHead(V, H)``; ``vllm/transformers_utils/configs/medusa.py`` for the
+  config; the registry maps the architecture ``MedusaModel`` to it): ``config.json`` with
+  ``model_type: medusa``, ``architectures: [MedusaModel]``, ``hidden_size``, ``vocab_size``,
+  ``num_heads``, ``num_hidden_layers``, ``truncated_vocab_size``, ``medusa_fc_bias: true``;
+  tensors in ``model.safetensors``: ``blocks.{h}.layers.{l}.weight`` / ``.bias``,
+  ``lm_heads.{h}.weight``.
+
+Exports contain JSON and safetensors only (no code) and are written atomically. Imports read
+safetensors, or a ``.pt`` file only through ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from headway.heads.io import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    HeadsError,
+    LoadedHeads,
+    check_tensors,
+    load_heads,
+    read_safetensors,
+    staged_directory,
+    write_json,
+    write_safetensors,
+)
+from headway.heads.medusa import MedusaConfig, medusa_tensor_shapes
+
+__all__ = [
+    "REFERENCE_WEIGHTS_NAME",
+    "ImportedMedusa",
+    "export_medusa",
+    "export_medusa_vllm",
+    "import_medusa",
+    "native_key_map",
+]
+
+logger = logging.getLogger(__name__)
+
+REFERENCE_WEIGHTS_NAME = "medusa_lm_head.safetensors"
+_REFERENCE_PICKLE_NAME = "medusa_lm_head.pt"
+_MEDUSA_METHODS = ("medusa1", "medusa2")
+Layout = Literal["medusa", "medusa-vllm"]
+
+
+@dataclass
+class ImportedMedusa:
+    """Published heads converted to headway's :class:`~headway.heads.medusa.MedusaHeads` keys.
+
+    Attributes:
+        config: sizes inferred from the tensors (checked against the file's config when present).
+        state_dict: native keys (``heads.{i}.blocks.{l}.linear.weight`` ...), CPU tensors.
+        base_model_name_or_path: the target named by the reference config, if any.
+        layout: which engine layout the file had.
+    """
+
+    config: MedusaConfig
+    state_dict: dict[str, Tensor]
+    base_model_name_or_path: str | None
+    layout: Layout
+
+
+def native_key_map(config: MedusaConfig, layout: Layout) -> dict[str, str]:
+    """native key -> engine key for every tensor of ``config`` in ``layout``."""
+    mapping: dict[str, str] = {}
+    last = config.num_layers
+    for h in range(config.num_heads):
+        for l in range(config.num_layers):  # noqa: E741 (l is the paper's block index)
+            native = f"heads.{h}.blocks.{l}.linear"
+            engine = f"{h}.{l}.linear" if layout == "medusa" else f"blocks.{h}.layers.{l}"
+            mapping[f"{native}.weight"] = f"{engine}.weight"
+            mapping[f"{native}.bias"] = f"{engine}.bias"
+        lm_head = f"{h}.{last}.weight" if layout == "medusa" else f"lm_heads.{h}.weight"
+        mapping[f"heads.{h}.lm_head.weight"] = lm_head
+    return mapping
+
+
+def _medusa_run(run: str | Path | LoadedHeads) -> tuple[LoadedHeads, MedusaConfig]:
+    loaded = run if isinstance(run, LoadedHeads) else load_heads(run)
+    if loaded.method not in _MEDUSA_METHODS:
+        raise HeadsError(
+            f"cannot export {loaded.method!r} heads to a Medusa format; only {_MEDUSA_METHODS}"
+        )
+    return loaded, MedusaConfig.from_dict(loaded.head_config)
+
+
+def _renamed(state_dict: dict[str, Tensor], mapping: dict[str, str]) -> dict[str, Tensor]:
+    return {mapping[name]: tensor for name, tensor in state_dict.items()}
+
+
+def export_medusa(run: str | Path | LoadedHeads, out_dir: str | Path) -> Path:
+    """Write ``run``'s Medusa heads in the FasterDecoding/Medusa reference layout (see the module
+    docstring) to ``out_dir``; returns ``out_dir``."""
+    loaded, config = _medusa_run(run)
+    tensors = _renamed(loaded.state_dict, native_key_map(config, "medusa"))
+    engine_config = {
+        "medusa_num_heads": config.num_heads,
+        "medusa_num_layers": config.num_layers,
+        "base_model_name_or_path": loaded.target_name,
+    }
+    with staged_directory(out_dir) as staging:
+        write_safetensors(staging / REFERENCE_WEIGHTS_NAME, tensors, {"format": "pt"})
+        write_json(staging / CONFIG_NAME, engine_config)
+    return Path(out_dir)
+
+
+def export_medusa_vllm(run: str | Path | LoadedHeads, out_dir: str | Path) -> Path:
+    """Write ``run``'s Medusa heads as vLLM's ``MedusaModel`` (see the module docstring) to
+    ``out_dir``; returns ``out_dir``. The full vocabulary is kept (no ``token_map``)."""
+    loaded, config = _medusa_run(run)
+    tensors = _renamed(loaded.state_dict, native_key_map(config, "medusa-vllm"))
+    engine_config = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "num_heads": config.num_heads,
+        "num_hidden_layers": config.num_layers,
+        "truncated_vocab_size": config.vocab_size,
+        "medusa_fc_bias": True,
+    }
+    with staged_directory(out_dir) as staging:
+        write_safetensors(staging / WEIGHTS_NAME, tensors, {"format": "pt"})
+        write_json(staging / CONFIG_NAME, engine_config)
+    return Path(out_dir)
+
+
+_PATTERNS: dict[Layout, tuple[re.Pattern[str], re.Pattern[str]]] = {
+    # (residual-block tensor -> head, layer, weight|bias), (any other tensor -> head, index)
+    "medusa": (
+        re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)"),
+        re.compile(r"(\d+)\.(\d+)\.weight"),
+    ),
+    "medusa-vllm": (
+        re.compile(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)"),
+        re.compile(r"lm_heads\.(\d+)\.weight"),
+    ),
+}
+
+
+def _weights_file(path: Path) -> Path:
+    if path.is_file():
+        return path
+    for name in (REFERENCE_WEIGHTS_NAME, WEIGHTS_NAME, _REFERENCE_PICKLE_NAME):
+        if (path / name).is_file():
+            return path / name
+    raise HeadsError(
+        f"{path} holds no Medusa heads: expected {REFERENCE_WEIGHTS_NAME}, {WEIGHTS_NAME} (vLLM) "
+        f"or {_REFERENCE_PICKLE_NAME}"
+    )
+
+
+def _read_pt(path: Path) -> dict[str, Tensor]:
+    """A published ``.pt`` state dict, read with ``weights_only=True`` (no arbitrary objects)."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise HeadsError(
+            f"{path} cannot be read as a plain tensor file with torch.load(weights_only=True) "
+            f"({reason}); headway never unpickles arbitrary objects: convert it to safetensors"
+        ) from error
+    if not isinstance(data, dict) or not all(isinstance(v, Tensor) for v in data.values()):
+        raise HeadsError(f"{path} is not a state dict of tensors; cannot import it as Medusa heads")
+    return {str(name): tensor for name, tensor in data.items()}
+
+
+def _strip_prefix(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Drop a module prefix some trainers keep (``medusa_head.``, ``medusa_heads.``)."""
+    for prefix in ("medusa_head.", "medusa_heads."):
+        if tensors and all(name.startswith(prefix) for name in tensors):
+            return {name[len(prefix) :]: tensor for name, tensor in tensors.items()}
+    return tensors
+
+
+def _infer_config(tensors: dict[str, Tensor], layout: Layout, path: Path) -> MedusaConfig:
+    block, other = _PATTERNS[layout]
+    heads: set[int] = set()
+    layers: set[int] = set()
+    for name in tensors:
+        if match := block.fullmatch(name):
+            heads.add(int(match[1]))
+            layers.add(int(match[2]))
+        elif match := other.fullmatch(name):
+            heads.add(int(match[1]))
+    if not heads:
+        raise HeadsError(f"{path}: no Medusa head tensors found (keys {sorted(tensors)[:5]} ...)")
+    num_layers = max(layers) + 1 if layers else 0
+    lm_key = native_key_map(MedusaConfig(1, num_layers, 1, 1), layout)["heads.0.lm_head.weight"]
+    if lm_key not in tensors or tensors[lm_key].dim() != 2:
+        raise HeadsError(f"{path}: head 0 has no [vocab, hidden] output weight {lm_key!r}")
+    vocab_size, hidden_size = tensors[lm_key].shape
+    return MedusaConfig(max(heads) + 1, num_layers, int(hidden_size), int(vocab_size))
+
+
+def _detect_layout(tensors: dict[str, Tensor], path: Path) -> Layout:
+    if "token_map" in tensors:
+        raise HeadsError(
+            f"{path} uses a truncated vocabulary (token_map); import supports full-vocabulary heads"
+        )
+    if any(name.startswith(("blocks.", "lm_heads.")) for name in tensors):
+        return "medusa-vllm"
+    return "medusa"
+
+
+def _add_missing_biases(tensors: dict[str, Tensor], config: MedusaConfig) -> dict[str, Tensor]:
+    """vLLM checkpoints with ``medusa_fc_bias: false`` have no block biases; a zero bias is the
+    same function."""
+    biases = [key for key in native_key_map(config, "medusa-vllm").values() if key.endswith("bias")]
+    if any(key in tensors for key in biases):
+        return tensors
+    filled = dict(tensors)
+    for key in biases:
+        weight = tensors[key.removesuffix("bias") + "weight"]
+        filled[key] = torch.zeros(weight.shape[0], dtype=weight.dtype)
+    return filled
+
+
+def _read_engine_config(path: Path) -> dict[str, Any]:
+    config_path = (path if path.is_dir() else path.parent) / CONFIG_NAME
+    if not config_path.is_file():
+        return {}
+    try:
+        data = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise HeadsError(f"{config_path} is not valid JSON ({error})") from error
+    return data if isinstance(data, dict) else {}
+
+
+def _check_against_config(config: MedusaConfig, engine: dict[str, Any], path: Path) -> None:
+    """The tensors decide the sizes; a config.json that disagrees is reported, not obeyed."""
+    declared = {
+        "num_heads": engine.get("medusa_num_heads", engine.get("num_heads")),
+        "num_layers": engine.get("medusa_num_layers", engine.get("num_hidden_layers")),
+    }
+    for field, value in declared.items():
+        if value is not None and int(value) != getattr(config, field):
+            raise HeadsError(
+                f"{path}: config.json declares {field} = {value} but the tensors hold "
+                f"{getattr(config, field)}; fix the config or the weights"
+            )
+
+
+def import_medusa(path: str | Path) -> ImportedMedusa:
+    """Read published Medusa heads (reference or vLLM layout) into headway's state-dict keys.
+
+    Args:
+        path: a folder holding ``medusa_lm_head.safetensors`` (reference), ``model.safetensors``
+            (vLLM) or ``medusa_lm_head.pt`` (reference, read with ``weights_only=True``), or
+            one such file. A ``config.json`` beside it is cross-checked.
+
+    Raises:
+        HeadsError: no weights, a corrupt file, a pickle that is not plain tensors, unknown or
+            missing tensors, or sizes that disagree with ``config.json``.
+    """
+    source = Path(path)
+    weights = _weights_file(source)
+    tensors = _read_pt(weights) if weights.suffix == ".pt" else read_safetensors(weights)[0]
+    tensors = _strip_prefix(tensors)
+    layout = _detect_layout(tensors, weights)
+    config = _infer_config(tensors, layout, weights)
+    if layout == "medusa-vllm":
+        tensors = _add_missing_biases(tensors, config)
+    engine = _read_engine_config(source)
+    _check_against_config(config, engine, weights)
+    to_native = {engine: native for native, engine in native_key_map(config, layout).items()}
+    unknown = sorted(set(tensors) - set(to_native))
+    missing = sorted(set(to_native) - set(tensors))
+    if unknown or missing:
+        raise HeadsError(
+            f"{weights}: not a complete {layout} checkpoint for {config}: missing {missing[:5]}, "
+            f"unknown {unknown[:5]}"
+        )
+    state_dict = {to_native[name]: tensor for name, tensor in tensors.items()}
+    check_tensors(state_dict, medusa_tensor_shapes(config), weights)
+    base = engine.get("base_model_name_or_path")
+    return ImportedMedusa(config, state_dict, str(base) if base else None, layout)

@@ -1,0 +1,378 @@
+"""The training loop, on accelerate: one process or many, CPU or GPU, one code path.
+
+``headway train --config X`` and ``accelerate launch -m headway.train --config X`` both land in
+:func:`train`. It does gradient accumulation, mixed precision where the device supports it, AdamW
+with linear warm-up and cosine decay, gradient clipping, periodic held-out evaluation, trackers
+(tensorboard / wandb through accelerate), and checkpoints with ``accelerator.save_state`` that
+hold weights, optimizer, scheduler, RNG states and the data position, so ``--resume`` continues
+exactly where the run stopped. Checkpoints are written to a temporary folder and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from headway.atomic import write_text_atomic
+from headway.config import RunConfig, to_dict
+from headway.errors import HeadwayError
+from headway.heads.io import save_heads
+from headway.target import Target, fingerprint, load_target
+from headway.train.data import build_dataset, pad_collate, pad_id_of
+from headway.train.features import (
+    CachedFeatureDataset,
+    OnlineFeatures,
+    cached_hidden,
+    collate_cached,
+)
+from headway.train.methods import build_method
+
+logger = logging.getLogger(__name__)
+CHECKPOINTS = "checkpoints"
+KEEP_CHECKPOINTS = 2
+
+
+class TrainingError(HeadwayError):
+    """Training cannot go on (a non-finite loss, a missing checkpoint)."""
+
+
+@dataclass
+class Progress:
+    """Where the run is: optimizer steps done, epoch, micro-batches consumed in this epoch.
+
+    Registered with accelerate so it is saved and restored with every checkpoint.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.batches_in_epoch = int(state["batches_in_epoch"])
+
+
+def _split(dataset: Any, eval_fraction: float, seed: int) -> tuple[Any, Any]:
+    """Deterministic train / held-out split of a map-style dataset (at least one held-out row)."""
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    held_out = max(1, round(len(dataset) * eval_fraction)) if eval_fraction > 0 else 0
+    held_out = min(held_out, len(dataset) - 1)
+    subset = torch.utils.data.Subset
+    return subset(dataset, order[held_out:]), subset(dataset, order[:held_out])
+
+
+def _datasets(config: RunConfig, target: Target) -> tuple[Dataset[Any], Dataset[Any], Any]:
+    """Train and held-out datasets and their collate function."""
+    pad_id = pad_id_of(target.tokenizer)
+    if config.data.features == "offline":
+        assert config.data.features_dir is not None  # checked by DataConfig
+        cached = CachedFeatureDataset(Path(config.data.features_dir))
+        if cached.settings["target"] != fingerprint(target.model).to_dict():
+            raise TrainingError(
+                f"{config.data.features_dir} was cached from another target; recache it"
+            )
+        train_set, eval_set = _split(cached, config.data.eval_fraction, config.train.seed)
+        return train_set, eval_set, partial(collate_cached, pad_token_id=pad_id)
+    import datasets
+
+    parts = []
+    for source in config.data.sources:
+        part, report = build_dataset(
+            target.tokenizer,
+            source,
+            max_length=config.data.max_length,
+            skip_bad_rows=config.data.skip_bad_rows,
+            limit=config.data.limit,
+        )
+        logger.info("%s", report.summary())
+        parts.append(part.select_columns(["input_ids", "loss_mask"]))
+    dataset = datasets.concatenate_datasets(parts)
+    train_set, eval_set = _split(dataset, config.data.eval_fraction, config.train.seed)
+    return train_set, eval_set, partial(pad_collate, pad_token_id=pad_id)
+
+
+def _accelerator(config: RunConfig, run_dir: Path) -> Accelerator:
+    mixed = config.train.mixed_precision
+    if mixed == "fp16" and not torch.cuda.is_available():
+        logger.warning("train.mixed_precision=fp16 needs CUDA; training in fp32 instead")
+        mixed = "no"
+    # Several processes without CUDA must be told to use CPU DDP (gloo); accelerate otherwise
+    # runs each of them as an independent single-process job.
+    multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return Accelerator(
+        cpu=multi_cpu,
+        gradient_accumulation_steps=config.train.grad_accum,
+        mixed_precision=mixed,
+        log_with=list(config.train.log_with) or None,
+        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir)),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        step_scheduler_with_optimizer=False,
+    )
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder of `run_dir` (incomplete ones are never renamed in)."""
+    found = sorted((run_dir / CHECKPOINTS).glob("step-*"), key=lambda p: int(p.name[5:]))
+    return found[-1] if found else None
+
+
+def _save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int) -> None:
+    """``save_state`` into a temporary folder, then rename it to ``checkpoints/step-N``."""
+    final = run_dir / CHECKPOINTS / f"step-{step:07d}"
+    staging = final.with_name(f".{final.name}.partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
+        for old in sorted((run_dir / CHECKPOINTS).glob("step-*"))[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def _epochs(loader: Any, accelerator: Accelerator, progress: Progress) -> Iterator[Any]:
+    """Batches forever, epoch after epoch, starting at the saved position of the saved epoch."""
+    while True:
+        loader.set_epoch(progress.epoch)
+        skip = progress.batches_in_epoch
+        epoch_loader = accelerator.skip_first_batches(loader, skip) if skip else loader
+        for batch in epoch_loader:
+            progress.batches_in_epoch += 1
+            yield batch
+        progress.epoch += 1
+        progress.batches_in_epoch = 0
+
+
+def _check_finite(loss: Tensor, progress: Progress) -> None:
+    if not torch.isfinite(loss).all():
+        raise TrainingError(
+            f"loss is {loss.item()} at step {progress.step + 1} (epoch {progress.epoch}, batch "
+            f"{progress.batches_in_epoch}); the last good checkpoint is kept. Lower train.lr, "
+            "check the data of that batch, or use mixed_precision=no"
+        )
+
+
+@torch.no_grad()
+def evaluate(method: Any, loader: Any, features: Any, accelerator: Accelerator) -> dict[str, float]:
+    """Mean loss and metrics over the held-out loader (averaged over batches and processes)."""
+    was_training = method.training
+    method.eval()
+    totals: dict[str, float] = {}
+    batches = 0
+    for batch in loader:
+        output = method(batch, features(batch))
+        values = {"loss": float(output.loss), **output.metrics}
+        for name, value in values.items():
+            totals[name] = totals.get(name, 0.0) + value
+        batches += 1
+    method.train(was_training)
+    names = sorted(totals)
+    local = torch.tensor([totals[n] for n in names] + [batches], device=accelerator.device)
+    summed = accelerator.reduce(local, reduction="sum")
+    count = max(float(summed[-1]), 1.0)
+    return {f"eval/{name}": float(summed[i]) / count for i, name in enumerate(names)}
+
+
+def _feature_source(config: RunConfig, target: Target, layers: tuple[int, ...]) -> Any:
+    if config.data.features == "offline":
+        return partial(cached_hidden, layers=layers)
+    return OnlineFeatures(target.model, layers)
+
+
+def train(config: RunConfig, *, resume: bool = False) -> Path:
+    """Train ``config.train.method`` and save the heads to ``config.train.output_dir``.
+
+    Returns:
+        The run directory (``config.json`` + ``model.safetensors`` + ``checkpoints/``).
+    """
+    run_dir = Path(config.train.output_dir)
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if resume and checkpoint is None:
+        raise TrainingError(f"--resume: {run_dir}/{CHECKPOINTS} has no checkpoint to resume from")
+    if not resume and latest_checkpoint(run_dir) is not None:
+        raise TrainingError(
+            f"{run_dir} already holds checkpoints; pass --resume to continue it, or choose "
+            "another train.output_dir"
+        )
+    accelerator = _accelerator(config, run_dir)
+    set_seed(config.train.seed)
+    target = load_target(
+        config.target.name,
+        dtype=config.target.dtype,
+        device=accelerator.device,
+        trust_remote_code=config.target.trust_remote_code,
+        attn_implementation=config.target.attn_implementation,
+    )
+    train_set, eval_set, collate = _datasets(config, target)
+    method = build_method(config, target)
+    batch = config.train.batch_size
+    train_loader = DataLoader(train_set, batch_size=batch, shuffle=True, collate_fn=collate)
+    eval_loader = DataLoader(eval_set, batch_size=batch, collate_fn=collate)
+    optimizer = torch.optim.AdamW(
+        method.parameter_groups(config.train.lr, config.train.weight_decay)  # type: ignore[operator]
+    )
+    scheduler = get_cosine_schedule_with_warmup(
+        optimizer, config.train.warmup_steps, config.train.max_steps
+    )
+    layers = tuple(method.feature_layers)  # type: ignore[arg-type]
+    prepared = accelerator.prepare(method, optimizer, train_loader, eval_loader, scheduler)
+    method, optimizer, train_loader, eval_loader, scheduler = prepared
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint))
+        logger.info("resumed from %s at step %d", checkpoint, progress.step)
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(run_dir / "train_config.json", json.dumps(to_dict(config), indent=2))
+    if config.train.log_with:
+        accelerator.init_trackers("headway", config=_flat(to_dict(config)))
+    features = _feature_source(config, target, layers)
+    started = time.perf_counter()
+    _run_steps(
+        config,
+        accelerator,
+        method,
+        optimizer,
+        scheduler,
+        train_loader,
+        eval_loader,
+        features,
+        progress,
+        run_dir,
+    )
+    summary = _summary(accelerator, method, time.perf_counter() - started)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_text_atomic(run_dir / "training_summary.json", json.dumps(summary, indent=2))
+        head_config, state = accelerator.unwrap_model(method).export()
+        save_heads(
+            run_dir,
+            method=config.train.method,
+            head_config=head_config,
+            state_dict=state,
+            target_fingerprint=fingerprint(target.model),
+            target_name=config.target.name,
+        )
+    accelerator.end_training()
+    return run_dir
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak, else the resident-set high-water mark."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _summary(accelerator: Accelerator, method: Any, seconds: float) -> dict[str, Any]:
+    """Time, memory and a per-process checksum of the trained weights (equal on every rank when
+    the processes trained one model)."""
+    checksum = sum(float(p.detach().double().sum()) for p in method.parameters() if p.requires_grad)
+    local = torch.tensor([checksum, peak_memory_mb(accelerator.device)], device=accelerator.device)
+    gathered = accelerator.gather(local.unsqueeze(0)).reshape(-1, 2).tolist()
+    return {
+        "num_processes": accelerator.num_processes,
+        "seconds_this_run": round(seconds, 1),
+        "param_checksum_per_process": [row[0] for row in gathered],
+        "peak_memory_mb_per_process": [round(row[1], 1) for row in gathered],
+    }
+
+
+def _run_steps(
+    config: RunConfig,
+    accelerator: Accelerator,
+    method: Any,
+    optimizer: Any,
+    scheduler: Any,
+    train_loader: Any,
+    eval_loader: Any,
+    features: Any,
+    progress: Progress,
+    run_dir: Path,
+) -> None:
+    """Optimizer steps from ``progress.step`` to ``train.max_steps``, with eval and checkpoints."""
+    settings = config.train
+    method.train()
+    bar = tqdm(
+        total=settings.max_steps,
+        initial=progress.step,
+        desc=f"train {settings.method}",
+        disable=not accelerator.is_main_process,
+        dynamic_ncols=True,
+    )
+    batches = _epochs(train_loader, accelerator, progress)
+    while progress.step < settings.max_steps:
+        with accelerator.accumulate(method):
+            batch = next(batches)
+            output = method(batch, features(batch))
+            _check_finite(output.loss, progress)
+            accelerator.backward(output.loss)
+            if accelerator.sync_gradients and settings.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(method.parameters(), settings.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+        if not accelerator.sync_gradients:
+            continue
+        scheduler.step()
+        progress.step += 1
+        logs = {"loss": output.loss.item(), "lr": scheduler.get_last_lr()[0], **output.metrics}
+        bar.update(1)
+        bar.set_postfix({k: f"{v:.3g}" for k, v in logs.items() if k in _SHOWN})
+        accelerator.log(logs, step=progress.step)
+        if progress.step % settings.eval_every == 0 or progress.step == settings.max_steps:
+            logs = evaluate(method, eval_loader, features, accelerator)
+            accelerator.log(logs, step=progress.step)
+            if accelerator.is_main_process:
+                _append_jsonl(run_dir / "eval.jsonl", {"step": progress.step, **logs})
+        if progress.step % settings.save_every == 0 or progress.step == settings.max_steps:
+            _save_checkpoint(accelerator, run_dir, progress.step)
+            after_checkpoint(progress)
+    bar.close()
+
+
+_SHOWN = {"loss", "head1/top1", "depth1/top1"}
+
+
+def after_checkpoint(progress: Progress) -> None:
+    """Called after every checkpoint; a seam for tests that stop a run there."""
+
+
+def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as file:
+        file.write(json.dumps(row) + "\n")
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config -> flat ``section.key`` mapping of scalars (trackers want flat configs)."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{name}."))
+        else:
+            flat[name] = value if isinstance(value, int | float | str | bool) else str(value)
+    return flat

@@ -1,0 +1,92 @@
+"""Training methods: what is trained and its loss, behind one interface the loop drives.
+
+A method is an ``nn.Module`` whose ``forward(batch, hidden)`` returns the loss and metrics of a
+batch, so accelerate's DDP/FSDP wrapper sees the forward it must synchronise. ``hidden`` holds the
+frozen target's hidden states (layer -> ``[B, T, H]``) from the online or offline feature source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from headway.config import RunConfig
+from headway.errors import ConfigError
+from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.target import Target
+from headway.train.losses import LossOutput, medusa_loss
+
+
+class Method(Protocol):
+    """The loop's view of a method (an ``nn.Module``)."""
+
+    name: str
+    feature_layers: tuple[int, ...]
+
+    def __call__(self, batch: dict[str, Tensor], hidden: dict[int, Tensor]) -> LossOutput: ...
+
+    def parameter_groups(self, lr: float, weight_decay: float) -> list[dict[str, Any]]: ...
+
+    def export(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """(head config, head state dict) for :func:`headway.heads.io.save_heads`."""
+        ...
+
+
+def last_layer(target: Target) -> int:
+    """Index of the final (normed) hidden state in ``output_hidden_states``."""
+    return int(target.model.config.get_text_config().num_hidden_layers)
+
+
+class Medusa1(nn.Module):
+    """Medusa-1: heads trained on the frozen target's last hidden state (Cai et al. 2024)."""
+
+    name = "medusa1"
+
+    def __init__(self, config: RunConfig, target: Target) -> None:
+        super().__init__()
+        text_config = target.model.config.get_text_config()
+        lm_head = target.model.get_output_embeddings().weight.detach()
+        self.head_config = MedusaConfig(
+            num_heads=config.medusa.num_heads,
+            num_layers=config.medusa.num_layers,
+            hidden_size=int(text_config.hidden_size),
+            vocab_size=int(lm_head.shape[0]),
+        )
+        self.heads = MedusaHeads(self.head_config, lm_head_weight=lm_head.float())
+        self.decay = config.medusa.loss_decay
+        self.feature_layers = (last_layer(target),)
+
+    def forward(self, batch: dict[str, Tensor], hidden: dict[int, Tensor]) -> LossOutput:
+        logits = self.heads(hidden[self.feature_layers[0]].to(self.heads_dtype))
+        return medusa_loss(logits, batch["input_ids"], batch["loss_mask"], decay=self.decay)
+
+    @property
+    def heads_dtype(self) -> torch.dtype:
+        return next(self.heads.parameters()).dtype
+
+    def parameter_groups(self, lr: float, weight_decay: float) -> list[dict[str, Any]]:
+        return [{"params": list(self.heads.parameters()), "lr": lr, "weight_decay": weight_decay}]
+
+    def export(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        from dataclasses import asdict
+
+        state = {name: value.detach().cpu() for name, value in self.heads.state_dict().items()}
+        return asdict(self.head_config), state
+
+
+MethodBuilder = Callable[[RunConfig, Target], nn.Module]
+METHODS: dict[str, MethodBuilder] = {"medusa1": Medusa1}
+
+
+def build_method(config: RunConfig, target: Target) -> nn.Module:
+    """The trainable module of ``config.train.method`` for `target`."""
+    builder = METHODS.get(config.train.method)
+    if builder is None:
+        raise ConfigError(
+            f"train.method={config.train.method!r} is not available yet; "
+            f"available: {', '.join(sorted(METHODS))}"
+        )
+    return builder(config, target)

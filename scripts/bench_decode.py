@@ -1,0 +1,198 @@
+"""Benchmark the decoder against Hugging Face generate, in one run, on MT-bench questions.
+
+For each dtype it runs, prompt by prompt (batch 1, greedy):
+
+- HF ``generate`` greedy (the baseline every speedup is measured against);
+- HF ``generate(prompt_lookup_num_tokens=N)``;
+- headway with prompt lookup;
+- headway with the oracle chain at depths 1..8 (a drafter that knows the greedy continuation,
+  so tau = depth + 1 and the measured speedup shows what the loop itself costs).
+
+It prints tau, tokens/s, speedup vs HF greedy (a ratio measured in this run), whether outputs
+equal HF greedy, and the decoder efficiency = measured speedup / (tau × t_fwd(1) / t_fwd(verify)):
+1.0 means the loop and cache work cost nothing beyond the forward passes.
+
+    .venv/bin/python scripts/bench_decode.py --num-prompts 10 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headway.decode.bench import RunStats, forward_seconds, timed
+from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
+from headway.decode.generate import Drafter, generate
+from headway.evalsets import load_prompts
+from headway.target import Target, load_target
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="smollm2-135m", help="target model (default embedded)")
+    parser.add_argument("--prompts", default="mt-bench", help="mt-bench, humaneval or a .jsonl")
+    parser.add_argument(
+        "--num-prompts", type=int, default=10, help="prompts, spread over categories"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes")
+    parser.add_argument("--depths", default="1,2,3,4,5,6,7,8", help="oracle chain depths")
+    parser.add_argument("--lookup-tokens", type=int, default=8, help="prompt lookup draft length")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--json", help="also write all figures to this JSON file")
+    return parser.parse_args()
+
+
+def prompt_ids(target: Target, text: str, chat: bool) -> torch.Tensor:
+    if chat:
+        encoded = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            return_dict=True,
+            return_tensors="pt",
+        )
+        return encoded["input_ids"][0].to(target.model.device)
+    return target.tokenizer(text, return_tensors="pt")["input_ids"][0].to(target.model.device)
+
+
+def hf_runner(target: Target, ids: torch.Tensor, new: int, lookup: int | None) -> Callable[[], Any]:
+    model = target.model
+    extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+
+    def run() -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(  # type: ignore[operator]
+                ids.unsqueeze(0),
+                attention_mask=torch.ones_like(ids).unsqueeze(0),
+                max_new_tokens=new,
+                do_sample=False,
+                **extra,
+            )
+        return [int(t) for t in out[0, ids.numel() :]]
+
+    return run
+
+
+def eos_ids(target: Target) -> list[int]:
+    eos = target.model.generation_config.eos_token_id
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])] if eos is not None else []
+
+
+def headway_runner(
+    target: Target, ids: torch.Tensor, new: int, drafter: Drafter | None, stats: RunStats
+) -> Callable[[], list[int]]:
+    def run() -> list[int]:
+        result = generate(
+            target.model, ids, drafter=drafter, max_new_tokens=new, eos_token_ids=eos_ids(target)
+        )
+        stats.accept_lengths += result.accept_lengths[1:]
+        return list(result.tokens)
+
+    return run
+
+
+def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
+    target = load_target(args.target, dtype=dtype, device="auto")
+    device = target.model.device
+    prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    encoded = [prompt_ids(target, p.text, p.chat) for p in prompts]
+    depths = [int(d) for d in args.depths.split(",")]
+    # Warm-up: one short generation of each kind.
+    hf_runner(target, encoded[0], 8, None)()
+    generate(
+        target.model, encoded[0], drafter=None, max_new_tokens=8, eos_token_ids=eos_ids(target)
+    )
+    runs: dict[str, RunStats] = {}
+    names = ["hf greedy", "hf prompt lookup", "headway plain", "headway prompt lookup"]
+    names += [f"headway oracle d={d}" for d in depths]
+    for name in names:
+        runs[name] = RunStats(name)
+    for ids in encoded:  # interleave configurations prompt by prompt, so drift hits all alike
+        reference, seconds = timed(hf_runner(target, ids, args.max_new_tokens, None), device)
+        runs["hf greedy"].add(reference, seconds, [])
+        output, seconds = timed(
+            hf_runner(target, ids, args.max_new_tokens, args.lookup_tokens), device
+        )
+        runs["hf prompt lookup"].add(output, seconds, [])
+        drafters: dict[str, Drafter | None] = {
+            "headway plain": None,
+            "headway prompt lookup": PromptLookupDrafter(num_draft_tokens=args.lookup_tokens),
+        }
+        drafters.update({f"headway oracle d={d}": OracleDrafter(reference, d) for d in depths})
+        for name, drafter in drafters.items():
+            stats = runs[name]
+            before = len(stats.accept_lengths)
+            output, seconds = timed(
+                headway_runner(target, ids, args.max_new_tokens, drafter, stats), device
+            )
+            steps = stats.accept_lengths[before:]
+            del stats.accept_lengths[before:]
+            stats.add(output, seconds, steps)
+    prefix = encoded[0]
+    t1 = forward_seconds(target.model, prefix, 1)
+    verify_cost = {d: forward_seconds(target.model, prefix, d + 1) for d in depths}
+    baseline = runs["hf greedy"]
+    rows = []
+    for name, stats in runs.items():
+        identical = sum(a == b for a, b in zip(stats.outputs, baseline.outputs, strict=True))
+        speedup = stats.tokens_per_s / baseline.tokens_per_s
+        row = {
+            "run": name,
+            "tau": round(stats.tau, 3),
+            "tokens_per_s": round(stats.tokens_per_s, 2),
+            "speedup": round(speedup, 3),
+            "identical": f"{identical}/{len(prompts)}",
+        }
+        if name.startswith("headway oracle"):
+            depth = int(name.split("=")[1])
+            ideal = stats.tau * t1 / verify_cost[depth]
+            row["efficiency"] = round(speedup / ideal, 3)
+        rows.append(row)
+    return {
+        "dtype": dtype,
+        "t_forward_1_ms": round(t1 * 1000, 1),
+        "t_forward_verify_ms": {d: round(v * 1000, 1) for d, v in verify_cost.items()},
+        "rows": rows,
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\n## dtype {result['dtype']}  (t_forward(1) = {result['t_forward_1_ms']} ms)")
+    print("| run | tau | tokens/s | speedup vs HF greedy | identical to HF greedy | efficiency |")
+    print("|---|---|---|---|---|---|")
+    for row in result["rows"]:
+        cells = [
+            row["run"],
+            f"{row['tau']:.2f}",
+            f"{row['tokens_per_s']:.1f}",
+            f"{row['speedup']:.2f}x",
+            row["identical"],
+            str(row.get("efficiency", "")),
+        ]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+        f"threads, torch {torch.__version__}; prompts: {args.prompts} x{args.num_prompts}, "
+        f"max_new_tokens {args.max_new_tokens}, batch 1, greedy"
+    )
+    results = [bench_dtype(args, dtype) for dtype in args.dtypes.split(",")]
+    for result in results:
+        print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
