@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from headway.cli import build_parser, main
+from tests.tiny import tiny_model
+from tests.tokenizers_fixture import smollm2_tokenizer
 
 SUBCOMMANDS = ("train", "export", "eval", "generate", "quickstart", "data")
 
@@ -56,3 +61,57 @@ def test_print_config_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unbuilt_subcommand_says_which_issue(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["quickstart"]) == 2
     assert "issue #" in capsys.readouterr().err
+
+
+def test_train_export_generate_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The whole CLI path on a tiny target: train Medusa heads, export both layouts, decode
+    with the heads, and get exactly the plain-decoding output."""
+    target = tmp_path / "target"
+    tiny_model("llama", vocab_size=400).save_pretrained(target)
+    smollm2_tokenizer().save_pretrained(target)
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"hi {i}"},
+                {"role": "assistant", "content": "Hello! How can I help you today?"},
+            ]
+        }
+        for i in range(12)
+    ]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    run = tmp_path / "run"
+    overrides = [
+        f"target.name={target}",
+        "target.device=cpu",
+        f"data.sources={data}",
+        "data.max_length=48",
+        f"train.output_dir={run}",
+        "train.max_steps=4",
+        "train.warmup_steps=1",
+        "train.batch_size=4",
+        "medusa.num_heads=2",
+    ]
+    assert main(["train", *overrides]) == 0
+    for layout in ("medusa", "medusa-vllm"):
+        assert main(["export", str(run), "--format", layout, "--out", str(tmp_path / layout)]) == 0
+    assert (tmp_path / "medusa" / "medusa_lm_head.safetensors").is_file()
+    assert (tmp_path / "medusa-vllm" / "model.safetensors").is_file()
+    capsys.readouterr()
+    common = ["generate", "--target", str(target), "--device", "cpu", "--chat", "--json"]
+    common += ["--max-new-tokens", "12", "hello there"]
+    assert main([*common, "--heads", str(run)]) == 0
+    with_heads = json.loads(capsys.readouterr().out)
+    assert main([*common, "--drafter", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert with_heads["token_ids"] == plain["token_ids"]
+    assert sum(with_heads["accept_lengths"]) == len(with_heads["token_ids"])
+    for key in ("text", "tau", "tokens_per_s"):
+        assert key in with_heads
+
+
+def test_export_of_eagle_format_says_which_issue(tmp_path: Path) -> None:
+    status = main(["export", str(tmp_path), "--format", "eagle3-hf", "--out", str(tmp_path / "x")])
+    assert status == 2

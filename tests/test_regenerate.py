@@ -106,11 +106,16 @@ def test_self_instruct_answers_become_prompts() -> None:
     made = prompts_from_self_instruct(
         [
             row('"How do I compute the area of a circle?"\n\nMore text.'),
+            row('A user might send: "Explain how tides work, please." It is a good one.'),
+            row('"How do I compute the area of a circle?"'),  # a duplicate
             row("short"),
             row("x" * 40, "length"),
         ]
     )
-    assert [item.user_turns for item in made] == [["How do I compute the area of a circle?"]]
+    assert [item.user_turns for item in made] == [
+        ["How do I compute the area of a circle?"],
+        ["Explain how tides work, please."],
+    ]
     assert made[0].extra == {"task": "math"} and not made[0].meta
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from headway import __version__
 from headway.cli.common import add_target_flags, not_yet
 from headway.cli.data import add_data
+from headway.cli.export import add_export
 from headway.config import RunConfig, describe
 from headway.errors import HeadwayError
 
@@ -51,22 +52,6 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         "--print-config", action="store_true", help="print the validated config and exit"
     )
     parser.set_defaults(handler=_run_train)
-
-
-def _add_export(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "export", help="export trained heads for vLLM / SGLang / the reference repos"
-    )
-    parser.add_argument("run_dir", help="a headway run directory (config.json + model.safetensors)")
-    parser.add_argument(
-        "--format",
-        required=True,
-        choices=["eagle3-hf", "eagle1", "medusa", "medusa-vllm"],
-        help="eagle3-hf: vLLM/SGLang EAGLE-3; eagle1: EAGLE-1/2 reference; medusa: "
-        "FasterDecoding/Medusa; medusa-vllm: vLLM's MedusaModel",
-    )
-    parser.add_argument("--out", required=True, help="output folder (written atomically)")
-    parser.set_defaults(handler=not_yet("export", 4))
 
 
 def _add_eval(commands: argparse._SubParsersAction) -> None:
@@ -112,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"headway {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (_add_train, _add_export, _add_eval, _add_generate, _add_quickstart, add_data):
+    for add in (_add_train, add_export, _add_eval, _add_generate, _add_quickstart, add_data):
         add(commands)
     return parser
 

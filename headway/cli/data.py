@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from headway.cli.common import add_target_flags, not_yet, target_from_flags
+from headway.cli.common import add_target_flags, target_from_flags
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -77,6 +77,77 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_regenerate)
 
 
+def run_cache_features(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import datasets
+
+    from headway.target import resolve_dtype
+    from headway.train.data import build_dataset, pad_id_of
+    from headway.train.features import cache_features
+
+    target = target_from_flags(args)
+    parts = []
+    for source in args.data:
+        part, report = build_dataset(
+            target.tokenizer,
+            source,
+            max_length=args.max_length,
+            limit=args.limit,
+            skip_bad_rows=args.skip_bad_rows,
+        )
+        print(report.summary())
+        parts.append(part.select_columns(["input_ids", "loss_mask"]))
+    layers = (
+        [int(layer) for layer in args.layers.split(",")]
+        if args.layers
+        else [int(target.model.config.get_text_config().num_hidden_layers)]
+    )
+    manifest = cache_features(
+        target.model,
+        datasets.concatenate_datasets(parts),
+        Path(args.out),
+        layers=layers,
+        dtype=resolve_dtype(args.feature_dtype),
+        batch_size=args.batch_size,
+        pad_token_id=pad_id_of(target.tokenizer),
+    )
+    print(
+        f"{manifest['tokens']:,} tokens, {manifest['bytes'] / 2**20:.1f} MiB "
+        f"({manifest['bytes_per_token']} bytes/token), layers {layers}, in {args.out}"
+    )
+    return 0
+
+
+def _add_cache_features(actions: argparse._SubParsersAction) -> None:
+    parser = actions.add_parser(
+        "cache-features",
+        help="write the target's hidden states to safetensors shards (offline training)",
+        description="Run the frozen target once over the data and store the hidden states a "
+        "drafter trains on; train with data.features=offline data.features_dir=OUT. Rerun the "
+        "same command to resume after an interruption.",
+    )
+    add_target_flags(parser)
+    parser.add_argument("--data", nargs="+", default=["chitchat"], help="data sources")
+    parser.add_argument("--out", required=True, help="output folder (resumable)")
+    parser.add_argument(
+        "--layers",
+        help="comma-separated indices into output_hidden_states (default: the last, the LM "
+        "head's input, as Medusa and EAGLE-1 use)",
+    )
+    parser.add_argument(
+        "--feature-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="dtype the features are stored in",
+    )
+    parser.add_argument("--max-length", type=int, default=1024, help="tokens per sample")
+    parser.add_argument("--limit", type=int, help="use at most this many conversations per source")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per target forward")
+    parser.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows")
+    parser.set_defaults(handler=run_cache_features)
+
+
 def add_data(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("data", help="inspect, regenerate and cache training data")
     actions = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
@@ -95,5 +166,4 @@ def add_data(commands: argparse._SubParsersAction) -> None:
     inspect.add_argument("--no-color", action="store_true", help="mark with [[ ]] instead")
     inspect.set_defaults(handler=run_inspect)
     _add_regenerate(actions)
-    cache = actions.add_parser("cache-features", help="write target hidden states to shards")
-    cache.set_defaults(handler=not_yet("data cache-features", 4))
+    _add_cache_features(actions)

@@ -52,6 +52,15 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         help="wrap each prompt as one user message through the target's chat template",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument(
+        "--tree",
+        default="default",
+        help="Medusa heads: tree of top-k choices, a name (default, mc_sim_7b_63) or a JSON list "
+        "of rank paths such as [[0],[0,0],[1]]",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="use heads trained for a different target anyway"
+    )
 
 
 def _prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
@@ -78,24 +87,28 @@ def _eos_ids(target_model: Any, tokenizer: Any) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
 
 
+def _heads_drafter(args: argparse.Namespace, model: Any) -> Any:
+    from headway.heads.io import load_drafter
+
+    tree = json.loads(args.tree) if args.tree.lstrip().startswith("[") else args.tree
+    return load_drafter(args.heads, model, force=args.force, choices=tree)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from headway.decode.drafters import PromptLookupDrafter
-    from headway.decode.generate import generate
+    from headway.decode.generate import Drafter, generate
     from headway.decode.sampling import SamplingParams
 
-    if args.heads:
-        raise HeadwayError("--heads: loading trained heads lands with the Medusa issue (#4)")
     target = target_from_flags(args)
     tokenizer, model = target.tokenizer, target.model
+    heads_drafter = _heads_drafter(args, model) if args.heads else None
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     stops = [tokenizer.encode(text, add_special_tokens=False) for text in args.stop]
     for prompt in args.prompts:
         ids = _prompt_ids(tokenizer, prompt, args.chat).to(model.device)
-        drafter = (
-            PromptLookupDrafter(num_draft_tokens=args.draft_length)
-            if args.drafter == "prompt-lookup"
-            else None
-        )
+        drafter: Drafter | None = heads_drafter
+        if drafter is None and args.drafter == "prompt-lookup":
+            drafter = PromptLookupDrafter(num_draft_tokens=args.draft_length)
         generator = torch.Generator(device=model.device).manual_seed(args.seed)
         start = time.perf_counter()
         result = generate(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -196,12 +197,22 @@ def run_shards(
     return rows
 
 
+def _request_text(answer: str) -> str:
+    """The request inside a self-instruct answer: its longest quoted passage if it has one
+    (small targets often answer 'A user might send: "..."'), else its first paragraph."""
+    quoted = re.findall(r'"([^"]{12,})"', answer)
+    if quoted:
+        return max(quoted, key=len).strip()
+    return answer.strip().split("\n\n")[0].strip().strip('"').strip()
+
+
 def prompts_from_self_instruct(rows: Sequence[dict[str, Any]]) -> list[PromptItem]:
-    """Turn the target's answers to meta prompts into user prompts (first paragraph, unquoted)."""
-    items = []
+    """Turn the target's answers to meta prompts into user prompts (deduplicated)."""
+    items, seen = [], set()
     for row in rows:
-        text = row["messages"][-1]["content"].strip().split("\n\n")[0].strip().strip('"').strip()
-        if len(text) >= 12 and row["finish_reason"] == "eos":
+        text = _request_text(row["messages"][-1]["content"])
+        if len(text) >= 12 and row["finish_reason"] == "eos" and text not in seen:
+            seen.add(text)
             extra: dict[str, str] = {k: str(row[k]) for k in ("task", "topic") if k in row}
             items.append(PromptItem(f"{row['id']}/prompt", "self-instruct", [text], extra=extra))
     return items
