@@ -6,6 +6,22 @@ measure their acceptance length, and decode with them losslessly through tree ve
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "generate", "load_drafter", "load_target"]
+
+
+def __getattr__(name: str) -> Any:
+    # The API pulls in torch and transformers; import it on first use, so `import headway` and
+    # `headway --help` stay quick.
+    if name in {"generate", "load_drafter", "load_target"}:
+        from headway import api, target
+
+        return {
+            "generate": api.generate,
+            "load_drafter": api.load_drafter,
+            "load_target": target.load_target,
+        }[name]
+    raise AttributeError(f"module 'headway' has no attribute {name!r}")

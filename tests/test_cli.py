@@ -115,3 +115,33 @@ def test_train_export_generate_end_to_end(
 def test_export_of_eagle_format_says_which_issue(tmp_path: Path) -> None:
     status = main(["export", str(tmp_path), "--format", "eagle3-hf", "--out", str(tmp_path / "x")])
     assert status == 2
+
+
+def test_cache_features_then_offline_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "target"
+    tiny_model("qwen2", vocab_size=400).save_pretrained(target)
+    smollm2_tokenizer().save_pretrained(target)
+    rows = [{"text": f"The quick brown fox {i} jumps over the lazy dog."} for i in range(10)]
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    cache = tmp_path / "features"
+    command = ["data", "cache-features", "--target", str(target), "--device", "cpu"]
+    assert main([*command, "--data", str(data), "--out", str(cache)]) == 0
+    assert "bytes/token" in capsys.readouterr().out
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["settings"]["layers"] == [2]
+    overrides = [
+        f"target.name={target}",
+        "target.device=cpu",
+        "data.features=offline",
+        f"data.features_dir={cache}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "train.max_steps=2",
+        "train.warmup_steps=0",
+        "train.batch_size=4",
+        "medusa.num_heads=1",
+    ]
+    assert main(["train", *overrides]) == 0
+    assert (tmp_path / "run" / "model.safetensors").is_file()

@@ -80,24 +80,20 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
 def run_cache_features(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import datasets
-
     from headway.target import resolve_dtype
-    from headway.train.data import build_dataset, pad_id_of
+    from headway.train.data import build_datasets, pad_id_of
     from headway.train.features import cache_features
 
     target = target_from_flags(args)
-    parts = []
-    for source in args.data:
-        part, report = build_dataset(
-            target.tokenizer,
-            source,
-            max_length=args.max_length,
-            limit=args.limit,
-            skip_bad_rows=args.skip_bad_rows,
-        )
+    dataset, reports = build_datasets(
+        target.tokenizer,
+        args.data,
+        max_length=args.max_length,
+        limit=args.limit,
+        skip_bad_rows=args.skip_bad_rows,
+    )
+    for report in reports:
         print(report.summary())
-        parts.append(part.select_columns(["input_ids", "loss_mask"]))
     layers = (
         [int(layer) for layer in args.layers.split(",")]
         if args.layers
@@ -105,7 +101,7 @@ def run_cache_features(args: argparse.Namespace) -> int:
     )
     manifest = cache_features(
         target.model,
-        datasets.concatenate_datasets(parts),
+        dataset,
         Path(args.out),
         layers=layers,
         dtype=resolve_dtype(args.feature_dtype),

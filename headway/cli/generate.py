@@ -11,13 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from typing import Any
-
-import torch
 
 from headway.cli.common import target_from_flags
-from headway.errors import HeadwayError
 
 
 def add_generate_flags(parser: argparse.ArgumentParser) -> None:
@@ -63,82 +58,39 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _prompt_ids(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
-    """Token ids `[P]` of `prompt`, through the chat template when `chat`."""
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise HeadwayError("--chat needs a tokenizer with a chat template; this one has none")
-        encoded = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            return_dict=True,
-            return_tensors="pt",
-        )
-        return encoded["input_ids"][0]
-    return tokenizer(prompt, return_tensors="pt")["input_ids"][0]
-
-
-def _eos_ids(target_model: Any, tokenizer: Any) -> list[int]:
-    eos = target_model.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
-
-
-def _heads_drafter(args: argparse.Namespace, model: Any) -> Any:
-    from headway.heads.io import load_drafter
-
-    tree = json.loads(args.tree) if args.tree.lstrip().startswith("[") else args.tree
-    return load_drafter(args.heads, model, force=args.force, choices=tree)
-
-
 def run_generate(args: argparse.Namespace) -> int:
-    from headway.decode.drafters import PromptLookupDrafter
-    from headway.decode.generate import Drafter, generate
-    from headway.decode.sampling import SamplingParams
+    from headway.api import generate, load_drafter
 
     target = target_from_flags(args)
-    tokenizer, model = target.tokenizer, target.model
-    heads_drafter = _heads_drafter(args, model) if args.heads else None
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    stops = [tokenizer.encode(text, add_special_tokens=False) for text in args.stop]
     for prompt in args.prompts:
-        ids = _prompt_ids(tokenizer, prompt, args.chat).to(model.device)
-        drafter: Drafter | None = heads_drafter
-        if drafter is None and args.drafter == "prompt-lookup":
-            drafter = PromptLookupDrafter(num_draft_tokens=args.draft_length)
-        generator = torch.Generator(device=model.device).manual_seed(args.seed)
-        start = time.perf_counter()
+        if args.heads:
+            tree = json.loads(args.tree) if args.tree.lstrip().startswith("[") else args.tree
+            drafter = load_drafter(args.heads, target, force=args.force, choices=tree)
+        elif args.drafter == "prompt-lookup":
+            drafter = load_drafter("prompt-lookup", target, num_draft_tokens=args.draft_length)
+        else:
+            drafter = None
+        stream = None if args.json else (lambda text: print(text, end="", flush=True))
         result = generate(
-            model,
-            ids,
+            target,
+            prompt,
             drafter=drafter,
             max_new_tokens=args.max_new_tokens,
-            sampling=sampling,
-            eos_token_ids=_eos_ids(model, tokenizer),
-            stop_sequences=stops,
-            generator=generator,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            chat=args.chat,
+            stop=args.stop,
+            on_text=stream,
         )
-        seconds = time.perf_counter() - start
-        text = tokenizer.decode(result.tokens, skip_special_tokens=True)
         if args.json:
-            record = {
-                "prompt": prompt,
-                "text": text,
-                "token_ids": list(result.tokens),
-                "accept_lengths": list(result.accept_lengths),
-                "tau": result.tau,
-                "tokens_per_s": len(result.tokens) / seconds if seconds > 0 else 0.0,
-                "stop_reason": result.stop_reason,
-            }
-            print(json.dumps(record), flush=True)
+            print(json.dumps({"prompt": prompt, **result.to_dict()}), flush=True)
         else:
-            print(text, flush=True)
+            print(flush=True)
             print(
-                f"[{len(result.tokens)} tokens, tau {result.tau:.2f}, "
-                f"{len(result.tokens) / seconds:.1f} tok/s]",
+                f"[{len(result.token_ids)} tokens, tau {result.tau:.2f}, "
+                f"{result.tokens_per_s:.1f} tok/s]",
                 file=sys.stderr,
             )
     return 0

@@ -117,6 +117,7 @@ class _Session:
     context_limit: int
     eos: frozenset[int]
     stop_sequences: tuple[tuple[int, ...], ...]
+    stop_check: Callable[[list[int]], bool] | None
     on_tokens: Callable[[list[int]], None] | None
     sequence: Tensor  # LongTensor [prompt + max_new_tokens] buffer; the first `length` are valid
     length: int
@@ -133,6 +134,8 @@ def _stop_after(session: _Session, token: int) -> StopReason | None:
     for stop in session.stop_sequences:
         if len(tail) >= len(stop) and tuple(tail[-len(stop) :]) == stop:
             return "stop_sequence"
+    if session.stop_check is not None and session.stop_check(tail):
+        return "stop_sequence"
     if len(tail) >= session.max_new_tokens:
         return "max_new_tokens"
     return None
@@ -227,6 +230,7 @@ def generate(
     sampling: SamplingParams = GREEDY,
     eos_token_ids: Sequence[int],
     stop_sequences: Sequence[Sequence[int]] = (),
+    stop_check: Callable[[list[int]], bool] | None = None,
     generator: torch.Generator | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     acceptance: AcceptanceRule = "lossless",
@@ -236,7 +240,9 @@ def generate(
 
     Stops after an EOS in ``eos_token_ids`` (also one inside an accepted draft), after a completed
     stop sequence (matched on the generated tokens; included in the output), at
-    ``max_new_tokens``, or when prompt + output fill the model's ``max_position_embeddings``
+    ``max_new_tokens``, when ``stop_check(generated_ids)`` turns true after a token (e.g. a stop
+    *string* found in the decoded text; the token stays in the output), or when prompt + output
+    fill the model's ``max_position_embeddings``
     (drafts are trimmed to fit). Committed tokens are streamed to ``on_tokens`` after every forward.
     ``sampling`` defaults to greedy. ``acceptance="typical"`` is Medusa's LOSSY rule
     (:func:`headway.decode.verify.verify_typical`); with greedy sampling both rules are greedy.
@@ -254,6 +260,7 @@ def generate(
         context_limit=_context_limit(model),
         eos=frozenset(int(token) for token in eos_token_ids),
         stop_sequences=tuple(tuple(int(t) for t in stop) for stop in stop_sequences),
+        stop_check=stop_check,
         on_tokens=on_tokens,
         sequence=torch.cat([prompt, prompt.new_zeros(max_new_tokens)]),
         length=prompt.numel(),

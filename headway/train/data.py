@@ -12,6 +12,7 @@ module ties them into a ``datasets.Dataset`` and renders samples for ``headway d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = [
     "Sample",
     "TokenizedSample",
     "build_dataset",
+    "build_datasets",
     "document_attention_mask",
     "format_inspection",
     "inspect_samples",
@@ -99,6 +101,26 @@ def build_dataset(
     report.tokens = sum(len(ids) for ids in kept["input_ids"])
     report.trained_tokens = sum(sum(mask) for mask in kept["loss_mask"])
     return kept.select_columns(["input_ids", "loss_mask"]), report
+
+
+def build_datasets(
+    tokenizer: PreTrainedTokenizerBase,
+    sources: Sequence[str | Path],
+    *,
+    max_length: int,
+    skip_bad_rows: bool = False,
+    limit: int | None = None,
+) -> tuple[datasets.Dataset, list[DataReport]]:
+    """:func:`build_dataset` over several sources, concatenated in order (``input_ids`` and
+    ``loss_mask`` columns), with one report per source."""
+    parts, reports = [], []
+    for source in sources:
+        part, report = build_dataset(
+            tokenizer, source, max_length=max_length, skip_bad_rows=skip_bad_rows, limit=limit
+        )
+        parts.append(part)
+        reports.append(report)
+    return datasets.concatenate_datasets(parts), reports
 
 
 def _tokenize_batch(

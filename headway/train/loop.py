@@ -35,7 +35,7 @@ from headway.config import RunConfig, to_dict
 from headway.errors import HeadwayError
 from headway.heads.io import save_heads
 from headway.target import Target, fingerprint, load_target
-from headway.train.data import build_dataset, pad_collate, pad_id_of
+from headway.train.data import build_datasets, pad_collate, pad_id_of
 from headway.train.features import (
     CachedFeatureDataset,
     OnlineFeatures,
@@ -93,20 +93,15 @@ def _datasets(config: RunConfig, target: Target) -> tuple[Dataset[Any], Dataset[
             )
         train_set, eval_set = _split(cached, config.data.eval_fraction, config.train.seed)
         return train_set, eval_set, partial(collate_cached, pad_token_id=pad_id)
-    import datasets
-
-    parts = []
-    for source in config.data.sources:
-        part, report = build_dataset(
-            target.tokenizer,
-            source,
-            max_length=config.data.max_length,
-            skip_bad_rows=config.data.skip_bad_rows,
-            limit=config.data.limit,
-        )
+    dataset, reports = build_datasets(
+        target.tokenizer,
+        config.data.sources,
+        max_length=config.data.max_length,
+        skip_bad_rows=config.data.skip_bad_rows,
+        limit=config.data.limit,
+    )
+    for report in reports:
         logger.info("%s", report.summary())
-        parts.append(part.select_columns(["input_ids", "loss_mask"]))
-    dataset = datasets.concatenate_datasets(parts)
     train_set, eval_set = _split(dataset, config.data.eval_fraction, config.train.seed)
     return train_set, eval_set, partial(pad_collate, pad_token_id=pad_id)
 

@@ -1,0 +1,181 @@
+"""The Python API: load a target and a drafter, generate text losslessly.
+
+    import headway
+    target = headway.load_target("smollm2-135m")
+    drafter = headway.load_drafter("runs/medusa1-smollm2", target)   # or "prompt-lookup"
+    out = headway.generate(target, "Name three rivers.", drafter=drafter, max_new_tokens=64)
+    print(out.text, out.tau)
+
+Token-level work happens in :mod:`headway.decode`; this module adds text in and text out (chat
+template, EOS ids from the target's generation config, stop strings) and timing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headway.decode.drafters import PromptLookupDrafter
+from headway.decode.generate import Drafter
+from headway.decode.generate import generate as decode
+from headway.decode.sampling import SamplingParams
+from headway.errors import HeadwayError
+from headway.heads.io import load_drafter as load_heads_drafter
+from headway.target import Target
+
+
+@dataclass
+class Generation:
+    """One generation: the text, the generated ids and how the drafter did."""
+
+    text: str
+    token_ids: list[int]
+    accept_lengths: list[int]
+    tau: float
+    tokens_per_s: float
+    stop_reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "accept_lengths": self.accept_lengths,
+            "tau": self.tau,
+            "tokens_per_s": self.tokens_per_s,
+            "stop_reason": self.stop_reason,
+        }
+
+
+def load_drafter(
+    source: str | Path, target: Target, *, force: bool = False, **options: Any
+) -> Drafter:
+    """``"prompt-lookup"`` or a folder of trained heads (checked against the target's
+    fingerprint; `force` accepts a mismatch). `options` go to the drafter (e.g. ``choices``)."""
+    if str(source) == "prompt-lookup":
+        return PromptLookupDrafter(**options)
+    return load_heads_drafter(source, target.model, force=force, **options)
+
+
+def prompt_ids(
+    target: Target, prompt: str | Sequence[dict[str, str]], *, chat: bool
+) -> torch.Tensor:
+    """Token ids ``[P]`` of a prompt: a string (wrapped as one user message when `chat`) or a
+    list of chat messages, rendered with ``add_generation_prompt=True``."""
+    tokenizer = target.tokenizer
+    if isinstance(prompt, str) and not chat:
+        return tokenizer(prompt, return_tensors="pt")["input_ids"][0]
+    if not getattr(tokenizer, "chat_template", None):
+        raise HeadwayError("chat prompts need a tokenizer with a chat template; this one has none")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    encoded: Any = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )
+    return torch.as_tensor(encoded["input_ids"][0])
+
+
+def eos_token_ids(target: Target) -> list[int]:
+    """EOS ids from the target's generation config (several for some models), else the
+    tokenizer's."""
+    eos = target.model.generation_config.eos_token_id
+    if eos is None:
+        eos = target.tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+
+def generate(
+    target: Target,
+    prompt: str | Sequence[dict[str, str]],
+    *,
+    drafter: Drafter | str | None = "prompt-lookup",
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    chat: bool = True,
+    stop: Sequence[str] = (),
+    on_text: Callable[[str], None] | None = None,
+) -> Generation:
+    """Generate from `prompt` with speculative decoding.
+
+    At temperature 0 the output equals the target's own greedy decoding (exactly, in fp32); with
+    sampling it follows the target's distribution. Generation stops right after the token that
+    completes one of the `stop` strings in the decoded text (the match stays in the output).
+    `on_text` receives each newly committed piece of text.
+    """
+    if isinstance(drafter, str):
+        drafter = load_drafter(drafter, target)
+    model = target.model
+    ids = prompt_ids(target, prompt, chat=chat).to(model.device)
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    streamer = _TextStreamer(target, on_text) if on_text else None
+    start = time.perf_counter()
+    result = decode(
+        model,
+        ids,
+        drafter=drafter,
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+        eos_token_ids=eos_token_ids(target),
+        stop_check=_stop_strings(target, stop) if stop else None,
+        generator=generator,
+        on_tokens=streamer,
+    )
+    seconds = time.perf_counter() - start
+    if streamer is not None:
+        streamer.flush()
+    tokens = [int(token) for token in result.tokens]
+    return Generation(
+        text=str(target.tokenizer.decode(tokens, skip_special_tokens=True)),
+        token_ids=tokens,
+        accept_lengths=list(result.accept_lengths),
+        tau=result.tau,
+        tokens_per_s=len(tokens) / seconds if seconds > 0 else 0.0,
+        stop_reason=result.stop_reason,
+    )
+
+
+def _stop_strings(target: Target, stops: Sequence[str]) -> Callable[[list[int]], bool]:
+    """A check, run after every committed token, for a stop string in the decoded tail. A stop
+    string first appears at the end of the text, so only the last few tokens are decoded."""
+    window = max(len(text) for text in stops) + 4
+
+    def check(generated: list[int]) -> bool:
+        tail = str(target.tokenizer.decode(generated[-window:], skip_special_tokens=True))
+        return any(text in tail for text in stops)
+
+    return check
+
+
+class _TextStreamer:
+    """Turns committed token ids into committed text pieces. The whole output is decoded each
+    time, so a character split over several tokens comes out whole; an incomplete UTF-8 tail is
+    held back until its rest arrives or :meth:`flush` is called."""
+
+    def __init__(self, target: Target, on_text: Callable[[str], None]) -> None:
+        self.tokenizer = target.tokenizer
+        self.on_text = on_text
+        self.generated: list[int] = []
+        self.emitted = 0
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.generated.extend(tokens)
+        self._emit(final=False)
+
+    def flush(self) -> None:
+        self._emit(final=True)
+
+    def _emit(self, *, final: bool) -> None:
+        text = str(self.tokenizer.decode(self.generated, skip_special_tokens=True))
+        if text.endswith("\ufffd") and not final:
+            return
+        if len(text) > self.emitted:
+            self.on_text(text[self.emitted :])
+            self.emitted = len(text)
