@@ -169,6 +169,34 @@ class MedusaSection:
 
 
 @dataclass
+class EagleSection:
+    """EAGLE-1 drafter (Li et al. 2024): used when train.method is eagle1."""
+
+    fc_bias: bool = field(
+        default=True,
+        metadata=_help("bias in fc (reference default; vLLM's loader drops it, SGLang needs it)"),
+    )
+    feature_loss_weight: float = field(
+        default=1.0, metadata=_help("weight of SmoothL1(predicted feature, target feature)")
+    )
+    ce_loss_weight: float = field(
+        default=0.1, metadata=_help("weight of the soft cross-entropy to the target's next token")
+    )
+    feature_noise: float = field(
+        default=0.1,
+        metadata=_help("a: training adds U(-a, a) noise to the input features (0 = off)"),
+    )
+
+    def __post_init__(self) -> None:
+        if self.feature_loss_weight < 0 or self.ce_loss_weight < 0:
+            raise ConfigError("eagle.feature_loss_weight and eagle.ce_loss_weight must be >= 0")
+        if self.feature_loss_weight == 0 and self.ce_loss_weight == 0:
+            raise ConfigError("eagle.feature_loss_weight and eagle.ce_loss_weight are both 0")
+        if self.feature_noise < 0:
+            raise ConfigError(f"eagle.feature_noise={self.feature_noise} must be >= 0")
+
+
+@dataclass
 class RunConfig:
     """A training run: target, data, loop, and the drafter's own section."""
 
@@ -176,6 +204,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     medusa: MedusaSection = field(default_factory=MedusaSection)
+    eagle: EagleSection = field(default_factory=EagleSection)
 
 
 class _SectionParser(HfArgumentParser):

@@ -14,8 +14,9 @@ the new ones, never a half-written file. ``config.json`` moves last and names th
 stored in the safetensors metadata, so a kill between the two moves is detected on load instead
 of pairing a config with weights from another save. Nothing is ever unpickled.
 
-Drafters are built through :data:`DRAFTER_METHODS`, a registry ``method -> MethodSpec``; EAGLE
-drafters register there without touching the loading code.
+Drafters are built through :data:`DRAFTER_METHODS`, a registry ``method -> MethodSpec``
+(``medusa1``, ``medusa2``, ``eagle1``). :func:`load_drafter` also accepts an EAGLE-1
+reference-layout folder (an ``eagle1`` export or a published EAGLE-1/2 drafter).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from torch import Tensor
 import headway
 from headway.decode.generate import Drafter
 from headway.errors import HeadwayError
+from headway.heads.drafter_eagle import EagleDrafter, build_eagle_drafter
 from headway.heads.drafter_medusa import MedusaDrafter, check_final_hidden, final_hidden_layer
+from headway.heads.eagle import EagleConfig, eagle_tensor_shapes
 from headway.heads.medusa import MedusaConfig, MedusaHeads, medusa_tensor_shapes
 from headway.target import TargetFingerprint, check_fingerprint, fingerprint
 
@@ -48,7 +51,9 @@ __all__ = [
     "HeadsError",
     "LoadedHeads",
     "MethodSpec",
+    "build_eagle",
     "check_tensors",
+    "is_eagle1_folder",
     "load_drafter",
     "load_heads",
     "read_safetensors",
@@ -121,8 +126,39 @@ def _build_medusa(loaded: LoadedHeads, model: Any, **options: Any) -> MedusaDraf
     return MedusaDrafter(heads, hidden_layer=layer, **options)
 
 
+def _eagle_shapes(head_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    return eagle_tensor_shapes(EagleConfig.from_dict(head_config))
+
+
+def build_eagle(
+    config: EagleConfig, state_dict: dict[str, Tensor], model: Any, **options: Any
+) -> EagleDrafter:
+    """An EAGLE drafter on the target's device and dtype (native run or imported export)."""
+    embed = model.get_input_embeddings().weight
+    lm_head = model.get_output_embeddings().weight
+    expected = (config.vocab_size, config.hidden_size)
+    if tuple(lm_head.shape) != expected or embed.shape[1] != config.hidden_size:
+        raise HeadsError(
+            f"an EAGLE drafter of hidden size {config.hidden_size} and vocabulary "
+            f"{config.vocab_size} cannot run on a target whose LM head is {list(lm_head.shape)} "
+            f"and embedding {list(embed.shape)}, not even with force"
+        )
+    layer = final_hidden_layer(model)
+    check_final_hidden(model, layer)
+    try:
+        return build_eagle_drafter(config, state_dict, model, hidden_layer=layer, **options)
+    except ValueError as error:
+        raise HeadsError(str(error)) from error
+
+
+def _build_eagle(loaded: LoadedHeads, model: Any, **options: Any) -> EagleDrafter:
+    config = EagleConfig.from_dict(loaded.head_config)
+    return build_eagle(config, loaded.state_dict, model, **options)
+
+
 _MEDUSA = MethodSpec(tensor_shapes=_medusa_shapes, build=_build_medusa)
-DRAFTER_METHODS: dict[str, MethodSpec] = {"medusa1": _MEDUSA, "medusa2": _MEDUSA}
+_EAGLE = MethodSpec(tensor_shapes=_eagle_shapes, build=_build_eagle)
+DRAFTER_METHODS: dict[str, MethodSpec] = {"medusa1": _MEDUSA, "medusa2": _MEDUSA, "eagle1": _EAGLE}
 """method name -> :class:`MethodSpec`. New drafter families add one entry."""
 
 
@@ -310,13 +346,31 @@ def load_heads(directory: str | Path) -> LoadedHeads:
     )
 
 
+def is_eagle1_folder(directory: Path) -> bool:
+    """True for an EAGLE-1/2 reference-layout folder (``headway export --format eagle1`` or a
+    published drafter): a 1-layer Llama ``config.json`` that is not a headway run directory."""
+    path = directory / CONFIG_NAME
+    try:
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False  # the run-directory loader reports the broken file
+    return (
+        isinstance(config, dict)
+        and "method" not in config
+        and config.get("architectures") == ["LlamaForCausalLM"]
+        and config.get("num_hidden_layers") == 1
+    )
+
+
 def load_drafter(
     directory: str | Path, target_model: Any, *, force: bool = False, **drafter_options: Any
 ) -> Drafter:
     """Load heads from a run directory and build their drafter for ``target_model``.
 
     Args:
-        directory: a run directory written by :func:`save_heads`.
+        directory: a run directory written by :func:`save_heads`, or an EAGLE-1 reference-layout
+            folder (:func:`is_eagle1_folder`, read by
+            :func:`headway.heads.export_eagle.load_eagle1_drafter`).
         target_model: the frozen Hugging Face causal LM to decode with.
         force: accept a target whose fingerprint differs (logged as a warning); sizes must still
             match.
@@ -326,6 +380,10 @@ def load_drafter(
         TargetError: the heads were trained for another target (both fingerprints named).
         HeadsError: see :func:`load_heads`.
     """
+    if is_eagle1_folder(Path(directory)):
+        from headway.heads.export_eagle import load_eagle1_drafter  # it imports this module
+
+        return load_eagle1_drafter(directory, target_model, force=force, **drafter_options)
     loaded = load_heads(directory)
     check_fingerprint(loaded.fingerprint, fingerprint(target_model), force=force)
     spec = DRAFTER_METHODS[loaded.method]

@@ -15,10 +15,35 @@ Worked example of the Medusa alignment (T = 5, tokens ``x0..x4``; head k reads p
 
 Position t counts for head k iff t + k + 1 < T and ``loss_mask[t + k + 1] == 1`` (the label is a
 trained token, e.g. an assistant token); each CE_k is the mean over those positions.
+
+- :func:`eagle_loss`: EAGLE-1 (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking
+  Feature Uncertainty", arXiv:2401.15077, §4.2):
+  ``L = w_f · SmoothL1(f̂_{t+1}, f_{t+1}) + w_c · CE(softmax(lm_head(f_{t+1})), lm_head(f̂_{t+1}))``
+  with ``w_f = 1.0`` and ``w_c = 0.1`` (the reference's ``v_w`` and ``p_w``); the CE is *soft*:
+  its target is the frozen target's whole next-token distribution, not a token id.
+
+Worked example of the EAGLE alignment (T = 6, tokens ``x0..x5``, target features ``f0..f5``). Row
+t of the draft model reads the pair (``f_t``, ``x_{t+1}``) at position t and predicts f̂_{t+1};
+that is compared with ``f_{t+1}``, and its LM-head output drafts ``x_{t+2}``, scored against the
+target's own distribution of ``x_{t+2}``, ``softmax(lm_head(f_{t+1}))``::
+
+    row 0: (f0, x1) -> f̂1 vs f1, drafts x2      row 3: (f3, x4) -> f̂4 vs f4, drafts x5
+    row 1: (f1, x2) -> f̂2 vs f2, drafts x3      row 4: (f4, x5) -> f̂5 vs f5, drafts x6 (beyond)
+    row 2: (f2, x3) -> f̂3 vs f3, drafts x4      row 5: (f5, -)  -> no f6: never trained
+
+Row t is trained iff ``t + 1 < T`` and ``loss_mask[t + mask_offset] == 1``. The default
+``mask_offset = 2`` keeps the rule of :func:`medusa_loss`: a row counts iff the token it drafts,
+``x_{t+2}``, is a trained token. With ``loss_mask = [0, 0, 1, 1, 1, 0]`` (x2..x4 are the
+assistant's) that is rows 0, 1, 2. The reference (SafeAILab/EAGLE ``eagle/train/main.py``:
+``input_ids[:, 1:]`` beside ``hidden_state``, ``target = hidden_state[:, 1:]``, weights
+``loss_mask[t]`` with ``loss_mask[-1] = 0``) uses ``mask_offset = 0``: rows 2, 3, 4 here. The two
+differ only at turn boundaries; offset 2 trains row ``s - 1`` of a reply starting at ``s``, which
+drafts the first token EAGLE ever proposes for that reply (the root after prefill is ``x_s``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +54,9 @@ __all__ = [
     "LossOutput",
     "distillation_kl",
     "distillation_kl_reference",
+    "eagle_loss",
+    "eagle_loss_reference",
+    "eagle_rows",
     "label_mask",
     "medusa_loss",
     "medusa_loss_reference",
@@ -197,3 +225,125 @@ def distillation_kl_reference(
                 log_q = torch.log_softmax(student_logits[b, t].float(), dim=-1)
                 terms.append((log_p.exp() * (log_p - log_q)).sum())
     return torch.stack(terms).mean() if terms else student_logits.new_zeros((), dtype=torch.float32)
+
+
+def _check_eagle(predicted: Tensor, features: Tensor, loss_mask: Tensor, mask_offset: int) -> None:
+    if predicted.dim() != 3 or predicted.shape != features.shape:
+        raise ValueError(
+            f"need predicted and features [B, T, H] of one shape, got {tuple(predicted.shape)} "
+            f"and {tuple(features.shape)}"
+        )
+    if loss_mask.shape != predicted.shape[:2]:
+        raise ValueError(
+            f"loss_mask {tuple(loss_mask.shape)} must be [B, T] = {tuple(predicted.shape[:2])}"
+        )
+    if not 0 <= mask_offset <= 2:
+        raise ValueError(f"mask_offset must be 0 (reference), 1 or 2 (default), got {mask_offset}")
+
+
+def eagle_rows(loss_mask: Tensor, mask_offset: int = 2) -> Tensor:
+    """Bool ``[B, T - 1]``: which rows t (predicting ``f_{t+1}``) are trained (module docstring)."""
+    return label_mask(loss_mask, mask_offset)[:, :-1]
+
+
+def eagle_loss(
+    predicted: Tensor,
+    features: Tensor,
+    loss_mask: Tensor,
+    *,
+    lm_head: Callable[[Tensor], Tensor],
+    feature_weight: float = 1.0,
+    ce_weight: float = 0.1,
+    mask_offset: int = 2,
+) -> LossOutput:
+    """EAGLE-1 loss (see the module docstring for the formula and the alignment).
+
+    Only the trained rows go through the LM head, so memory is ``rows x V``, not ``B x T x V``.
+
+    Args:
+        predicted: ``[B, T, H]``, row t = the draft's f̂_{t+1} from (``f_t``, ``x_{t+1}``); the
+            last row is never used.
+        features: ``[B, T, H]``, the target's clean features ``f_0..f_{T-1}``.
+        loss_mask: ``[B, T]``, 1 on trained tokens (assistant tokens), 0 on prompt and padding.
+        lm_head: the target's frozen LM head, ``[..., H] -> [..., V]``.
+        feature_weight: w_f, weight of the SmoothL1 (beta 1) feature regression.
+        ce_weight: w_c, weight of the soft cross-entropy.
+        mask_offset: row t counts iff ``loss_mask[t + mask_offset]``; 2 = the drafted token.
+
+    Returns:
+        :class:`LossOutput` with metrics ``feature_loss`` (SmoothL1, mean over rows and H),
+        ``ce``, ``feature_l1`` (mean absolute error), ``depth1/top1`` (draft argmax == target
+        argmax), ``depth1/top5`` (target argmax in the draft's top 5) and ``tokens`` (rows).
+    """
+    _check_eagle(predicted, features, loss_mask, mask_offset)
+    rows = eagle_rows(loss_mask, mask_offset)
+    draft = predicted[:, :-1][rows].float()  # [N, H]
+    truth = features[:, 1:][rows].detach().float()
+    count = rows.sum()
+    feature_sum = F.smooth_l1_loss(draft, truth, reduction="sum")
+    feature_loss = feature_sum / (count * draft.shape[-1]).clamp_min(1)
+    draft_logp = torch.log_softmax(lm_head(draft).float(), dim=-1)  # [N, V]
+    with torch.no_grad():
+        target_p = torch.softmax(lm_head(truth).float(), dim=-1)
+    ce = -(target_p * draft_logp).sum() / count.clamp_min(1)
+    loss = feature_weight * feature_loss + ce_weight * ce
+    with torch.no_grad():
+        wanted = target_p.argmax(-1)
+        top = draft_logp.topk(min(_TOP_K, draft_logp.shape[-1]), dim=-1).indices
+        hits = top == wanted[:, None]
+        stats = torch.stack(
+            [feature_loss, ce, (draft - truth).abs().sum(), hits[:, 0].sum(), hits.any(-1).sum()]
+        ).tolist()
+    return LossOutput(loss, _eagle_metrics(stats, int(count), draft.shape[-1]))
+
+
+def _eagle_metrics(stats: list[float], count: int, hidden: int) -> dict[str, float]:
+    """``[feature_loss, ce, abs error sum, top1 hits, top5 hits]`` -> named metrics."""
+    feature_loss, ce, abs_sum, top1, top5 = stats
+    rows = max(count, 1)
+    return {
+        "feature_loss": float(feature_loss),
+        "ce": float(ce),
+        "feature_l1": abs_sum / (rows * hidden),
+        "depth1/top1": top1 / rows,
+        "depth1/top5": top5 / rows,
+        "tokens": float(count),
+    }
+
+
+def eagle_loss_reference(
+    predicted: Tensor,
+    features: Tensor,
+    loss_mask: Tensor,
+    *,
+    lm_head: Callable[[Tensor], Tensor],
+    feature_weight: float = 1.0,
+    ce_weight: float = 0.1,
+    mask_offset: int = 2,
+) -> LossOutput:
+    """The slow, obvious :func:`eagle_loss`: a loop over batch rows and positions, the textbook
+    SmoothL1 and soft cross-entropy per position. Kept so a test holds the fast version equal."""
+    _check_eagle(predicted, features, loss_mask, mask_offset)
+    batch, length, hidden = predicted.shape
+    smooth, cross, abs_sum, top1, top5 = [], [], 0.0, 0, 0
+    for b in range(batch):
+        for t in range(length - 1):
+            label = t + mask_offset
+            if label >= length or not loss_mask[b, label]:
+                continue
+            error = predicted[b, t].float() - features[b, t + 1].detach().float()
+            small = error.abs() < 1.0
+            smooth.append(torch.where(small, 0.5 * error**2, error.abs() - 0.5).mean())
+            p = torch.softmax(lm_head(features[b, t + 1].detach().float()).float(), dim=-1)
+            log_q = torch.log_softmax(lm_head(predicted[b, t].float()).float(), dim=-1)
+            cross.append(-(p * log_q).sum())
+            abs_sum += float(error.detach().abs().sum())
+            ranking = log_q.topk(min(_TOP_K, log_q.numel())).indices.tolist()
+            top1 += ranking[0] == int(p.argmax())
+            top5 += int(p.argmax()) in ranking
+    zero = predicted.new_zeros((), dtype=torch.float32)
+    feature_loss = torch.stack(smooth).mean() if smooth else zero
+    ce = torch.stack(cross).mean() if cross else zero
+    loss = feature_weight * feature_loss + ce_weight * ce
+    stats = [float(feature_loss.detach()), float(ce.detach()), abs_sum, float(top1), float(top5)]
+    return LossOutput(loss, _eagle_metrics(stats, len(smooth), hidden))

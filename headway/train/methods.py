@@ -18,6 +18,7 @@ from headway.errors import ConfigError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.target import Target
 from headway.train.losses import LossOutput, medusa_loss
+from headway.train.method_eagle import Eagle1
 
 
 class Method(Protocol):
@@ -78,7 +79,7 @@ class Medusa1(nn.Module):
 
 
 MethodBuilder = Callable[[RunConfig, Target], nn.Module]
-METHODS: dict[str, MethodBuilder] = {"medusa1": Medusa1}
+METHODS: dict[str, MethodBuilder] = {"medusa1": Medusa1, "eagle1": Eagle1}
 
 
 def build_method(config: RunConfig, target: Target) -> nn.Module:

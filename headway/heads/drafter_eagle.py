@@ -1,0 +1,258 @@
+"""The EAGLE drafter: an EAGLE-1 draft model proposing EAGLE-2 dynamic draft trees.
+
+Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"
+(arXiv:2401.15077) for the draft model; Li et al. 2024, "EAGLE-2: Faster Inference of Language
+Models with Dynamic Draft Trees" (arXiv:2406.16858, §4) for the tree.
+
+**Draft KV cache.** The drafter keeps the draft layer's ``DynamicCache`` across steps. It holds
+one entry per *committed* pair (``f_t``, ``x_{t+1}``), where ``f_t`` is the TRUE target feature:
+:meth:`EagleDrafter.observe` receives ``hidden[0][i]``, the target state whose LM head produced
+``new_tokens[i]``, so (``hidden[0][i]``, ``new_tokens[i]``) is exactly such a pair. Each observe
+first crops the cache back to the committed pairs (dropping the tree entries of the last propose)
+and then feeds the new pairs in one causal forward. Its last output is f̂ at the root's position,
+the start of the next tree.
+
+**EAGLE-2 tree** (:meth:`EagleDrafter.propose`). Level 1 is the top-k of ``lm_head(f̂_root)``.
+Then, ``depth - 1`` times: run the draft layer on the *frontier* (the best ``top_k`` nodes of the
+last level) in ONE batched forward over the draft cache, each frontier node seeing the committed
+pairs, its ancestors and itself (a 4-D tree mask; a node at depth d reads its parent's predicted
+feature and its own token, at position ``committed + d - 1``); give every frontier node its top-k
+children; score every node by its cumulative draft log-probability (the sum along its path); keep
+the best ``top_k`` children as the next frontier. Finally keep the global best ``total_tokens - 1``
+nodes of all expanded ones (the reference's ``total_tokens`` counts the root).
+
+That selection is ancestor-closed: a child's score is its parent's plus a log-probability ``<= 0``
+(so never larger), and ties are broken by creation order (a stable sort over nodes listed parents
+first), so every kept node's parent ranks before it and is kept too. Sorting the kept indices
+restores creation order, which is topological. Chain drafting is ``top_k=1``.
+
+Depth convention: ``depth`` is the deepest tree level (number of drafted tokens on the longest
+path). The reference's ``depth=d`` runs d draft forwards after level 1, i.e. our ``depth=d+1``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from headway.decode.kv import crop_cache
+from headway.decode.tree import DraftTree, empty_tree
+from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
+
+__all__ = [
+    "DEFAULT_DEPTH",
+    "DEFAULT_TOP_K",
+    "DEFAULT_TOTAL_TOKENS",
+    "EagleDrafter",
+    "auto_total_tokens",
+    "build_eagle_drafter",
+    "select_nodes",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOP_K = 8
+DEFAULT_DEPTH = 4
+DEFAULT_TOTAL_TOKENS = 16
+"""Defaults sized for a CPU (verify cost grows ~1.3x from 1-10 to 16 nodes, and each level costs
+one ``[V, H]`` LM-head pass) and the weak drafters tiny data gives (DESIGN.md). The EAGLE-2
+reference uses top_k 10, total_tokens 60 and 6-8 levels on GPUs; re-tune for strong drafters."""
+
+
+def auto_total_tokens(target_model: Any) -> int:
+    """The hook for ``--tree auto``: choose the tree budget for this machine and target.
+
+    The reference (``total_token=-1``) times target forwards over a few block sizes and keeps the
+    fastest per token. Not measured yet here: returns :data:`DEFAULT_TOTAL_TOKENS` and says so.
+    """
+    logger.info(
+        "total_tokens=auto: using %d (timing-based sizing is not implemented yet)",
+        DEFAULT_TOTAL_TOKENS,
+    )
+    return DEFAULT_TOTAL_TOKENS
+
+
+def select_nodes(scores: Tensor, count: int) -> Tensor:
+    """Indices of the ``count`` best ``scores`` ``[n]``; ties go to the lower index (stable)."""
+    return torch.sort(scores, descending=True, stable=True).indices[:count]
+
+
+class EagleDrafter:
+    """An EAGLE-1 draft model as a :class:`~headway.decode.generate.Drafter` with EAGLE-2 trees.
+
+    Args:
+        model: the trained :class:`~headway.heads.eagle.EagleModel`, on the target's device/dtype.
+        head: the target's frozen embedding and LM head (:meth:`TargetHead.of`).
+        hidden_layer: index into the target's ``output_hidden_states`` of its LM head's input.
+        top_k: children per expanded node and frontier width (1 = chain drafting).
+        depth: deepest tree level (tokens on the longest drafted path).
+        total_tokens: N, the tree budget counting the root: at most N - 1 drafted nodes.
+    """
+
+    def __init__(
+        self,
+        model: EagleModel,
+        head: TargetHead,
+        *,
+        hidden_layer: int,
+        top_k: int = DEFAULT_TOP_K,
+        depth: int = DEFAULT_DEPTH,
+        total_tokens: int = DEFAULT_TOTAL_TOKENS,
+    ) -> None:
+        if top_k < 1 or depth < 1 or total_tokens < 2:
+            raise ValueError(
+                f"need top_k >= 1, depth >= 1 and total_tokens >= 2 (the root and one node), got "
+                f"top_k={top_k}, depth={depth}, total_tokens={total_tokens}"
+            )
+        self.model = model.eval()
+        self.head = head
+        self.hidden_layers: tuple[int, ...] = (hidden_layer,)
+        self.top_k = min(top_k, model.config.vocab_size)
+        self.depth, self.total_tokens = depth, total_tokens
+        weight = model.fc.weight
+        self._device, self._dtype = weight.device, weight.dtype
+        self.begin(torch.empty(0, dtype=torch.long))
+
+    def begin(self, prompt_ids: Tensor) -> None:
+        """Forget the previous sequence: empty draft cache, no root feature."""
+        self._cache = self.model.new_cache()
+        self._committed = 0  # pairs (f_t, x_{t+1}) in the cache
+        self._root_feature: Tensor | None = None  # [H], f̂ at the root's position
+
+    @torch.inference_mode()
+    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
+        """Roll the draft cache back to the committed pairs, then feed the new pairs
+        (``hidden[0][i]`` ``[H]``, ``new_tokens[i]``) with their true target features."""
+        crop_cache(self._cache, self._committed)
+        count = new_tokens.numel()
+        features = hidden[0].to(self._device, self._dtype)[None]  # [1, k, H]
+        embeddings = self.head.embed_tokens(new_tokens.to(self._device), self._dtype)[None]
+        # plain causal attention over the committed pairs, positions committed .. committed + k - 1
+        predicted = self.model(features, embeddings, cache=self._cache)
+        self._committed += count
+        self._root_feature = predicted[0, -1]
+
+    def _log_probs(self, features: Tensor) -> Tensor:
+        """Draft log-probabilities ``[n, V]`` (fp32) of features ``[n, H]``."""
+        return torch.log_softmax(self.head.logits(features).float(), dim=-1)
+
+    def _forward_frontier(
+        self, features: Tensor, tokens: Tensor, ancestors: Tensor, position: int
+    ) -> Tensor:
+        """One batched draft forward of the frontier.
+
+        Args:
+            features: ``[F, H]``, each frontier node's parent's predicted feature.
+            tokens: ``[F]``, the frontier nodes' tokens.
+            ancestors: bool ``[F, S]``, which of the S tree entries already in the cache are
+                ancestors of each node.
+            position: the frontier's pair position (``committed + level - 1``).
+
+        Returns:
+            ``[F, H]``, each node's predicted feature (the cache grows by F entries).
+        """
+        count = tokens.numel()
+        visible = torch.cat(
+            [
+                torch.ones(count, self._committed, dtype=torch.bool, device=self._device),
+                ancestors,
+                torch.eye(count, dtype=torch.bool, device=self._device),
+            ],
+            dim=1,
+        )
+        predicted = self.model(
+            features[None],
+            self.head.embed_tokens(tokens, self._dtype)[None],
+            position_ids=torch.full((1, count), position, device=self._device),
+            attention_mask=additive_mask(visible, self._dtype)[None, None],
+            cache=self._cache,
+        )
+        return predicted[0]
+
+    def _expand(self, root_feature: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Grow the EAGLE-2 candidate tree; returns tokens, parents and cumulative scores of
+        every expanded node ``[n]``, parents listed before their children. Starts by dropping the
+        previous tree's entries from the draft cache."""
+        crop_cache(self._cache, self._committed)
+        k = self.top_k
+        best = self._log_probs(root_feature[None]).topk(k, dim=-1)
+        tokens, scores = [best.indices[0]], [best.values[0]]
+        parents = [torch.full((k,), -1, dtype=torch.long, device=self._device)]
+        expanded = k  # nodes so far; the next level's first node index
+        frontier = torch.arange(k, device=self._device)  # node index of each frontier node
+        frontier_tokens, frontier_scores = best.indices[0], best.values[0]
+        features = root_feature.expand(k, -1)
+        ancestors = torch.zeros(k, 0, dtype=torch.bool, device=self._device)
+        for level in range(1, self.depth):
+            predicted = self._forward_frontier(
+                features, frontier_tokens, ancestors, self._committed + level - 1
+            )
+            children = self._log_probs(predicted).topk(k, dim=-1)  # [F, k]
+            child_scores = (frontier_scores[:, None] + children.values).flatten()
+            tokens.append(children.indices.flatten())
+            scores.append(child_scores)
+            parents.append(frontier.repeat_interleave(k))
+            pick = select_nodes(child_scores, k)
+            parent_row = pick // k
+            frontier = expanded + pick
+            expanded += child_scores.numel()
+            frontier_tokens, frontier_scores = tokens[-1][pick], child_scores[pick]
+            features = predicted[parent_row]
+            just_forwarded = torch.eye(parent_row.numel(), dtype=torch.bool, device=self._device)
+            ancestors = torch.cat([ancestors[parent_row], just_forwarded[parent_row]], dim=1)
+        return torch.cat(tokens), torch.cat(parents), torch.cat(scores)
+
+    @torch.inference_mode()
+    def propose(self, sequence: Tensor) -> DraftTree:
+        """The best ``total_tokens - 1`` nodes of an EAGLE-2 tree below the root (the last id
+        of ``sequence``, whose pair is already in the draft cache); empty before any observe."""
+        if self._root_feature is None:
+            return empty_tree()
+        tokens, parents, scores = self._expand(self._root_feature)
+        keep = select_nodes(scores, self.total_tokens - 1).sort().values
+        new_index = torch.full_like(parents, -1)
+        new_index[keep] = torch.arange(keep.numel(), device=keep.device)
+        kept_parents = parents[keep]
+        remapped = torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], -1)
+        return DraftTree(tokens[keep].cpu(), remapped.cpu())
+
+
+def build_eagle_drafter(
+    config: EagleConfig,
+    state_dict: dict[str, Tensor],
+    target_model: Any,
+    *,
+    hidden_layer: int,
+    choices: Any = "default",
+    total_tokens: int | str = DEFAULT_TOTAL_TOKENS,
+    **options: Any,
+) -> EagleDrafter:
+    """An :class:`EagleDrafter` for ``target_model`` from trained weights (any dtype/device).
+
+    ``choices`` exists because ``headway generate --tree`` passes it to every drafter: EAGLE-2
+    trees are dynamic, so only ``"default"`` and ``"auto"`` (= ``total_tokens="auto"``, see
+    :func:`auto_total_tokens`) are meaningful; a Medusa choices list is refused.
+    """
+    if choices == "auto":
+        total_tokens = "auto"
+    elif choices not in (None, "default"):
+        raise ValueError(
+            f"EAGLE drafters build dynamic trees; --tree/choices={choices!r} is a Medusa tree. "
+            "Use 'default' or 'auto', and top_k / depth / total_tokens to size the tree"
+        )
+    if total_tokens == "auto":
+        total_tokens = auto_total_tokens(target_model)
+    weight = target_model.get_output_embeddings().weight
+    model = EagleModel(config)
+    model.load_state_dict(state_dict)
+    model.to(device=weight.device, dtype=weight.dtype)
+    return EagleDrafter(
+        model,
+        TargetHead.of(target_model),
+        hidden_layer=hidden_layer,
+        total_tokens=int(total_tokens),
+        **options,
+    )
