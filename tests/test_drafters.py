@@ -111,3 +111,21 @@ def test_adversarial_never_proposes_the_right_first_token() -> None:
     assert tree.tokens[tree.parents != -1].tolist() == [22, 23] * 3
     with pytest.raises(ValueError, match="width"):
         AdversarialDrafter(vocab_size=4, depth=2, width=4, continuation=TRUTH)
+
+
+def test_prompt_lookup_adapts_its_draft_length_to_acceptance() -> None:
+    sequence = torch.tensor([5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1])  # [1] matched: 2 3 4 5 ... follows
+    drafter = PromptLookupDrafter(num_draft_tokens=6, max_nodes=6)
+    drafter.begin(sequence)
+    no_hidden: tuple[torch.Tensor, ...] = ()
+    drafter.observe(sequence[1:], no_hidden)  # the prefill's observation changes nothing
+    assert drafter.propose(sequence).size == 6
+    drafter.observe(torch.tensor([2, 0]), no_hidden)  # 1 of 6 accepted: shrink by one
+    assert drafter.propose(sequence).size == 5
+    drafter.observe(torch.tensor([2, 3, 4, 5, 6, 0]), no_hidden)  # all 5 accepted: grow by two
+    assert drafter.propose(sequence).size == 6  # capped at num_draft_tokens
+    fixed = PromptLookupDrafter(num_draft_tokens=6, max_nodes=6, adaptive=False)
+    fixed.begin(sequence)
+    fixed.propose(sequence)
+    fixed.observe(torch.tensor([0]), no_hidden)
+    assert fixed.propose(sequence).size == 6

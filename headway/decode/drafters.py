@@ -55,9 +55,15 @@ class PromptLookupDrafter:
     first; when occurrences disagree on the continuation, their continuations are merged into one
     tree of at most ``max_nodes`` nodes. Each continuation is at most ``num_draft_tokens`` long.
 
+    With ``adaptive`` (default), the continuation length follows transformers' heuristic for
+    assistant models: +2 after a fully accepted draft, −1 otherwise (between 1 and
+    ``num_draft_tokens``). A verify forward over k tokens costs more than over one on a CPU, so
+    drafts that keep failing should shrink.
+
     The n-gram index (n-gram → end positions) is updated incrementally with the tokens committed
     since the last call, so a proposal costs O(new tokens · n-gram sizes + tree size), not a scan
-    of the sequence. :func:`prompt_lookup_reference` is the plain scan it must agree with.
+    of the sequence. :func:`prompt_lookup_reference` is the plain scan it must agree with (before
+    any adaptation).
     """
 
     hidden_layers: tuple[int, ...] = ()
@@ -68,7 +74,8 @@ class PromptLookupDrafter:
         max_ngram: int = 3,
         min_ngram: int = 1,
         num_draft_tokens: int = 8,
-        max_nodes: int = 16,
+        max_nodes: int = 8,
+        adaptive: bool = True,
     ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
@@ -78,6 +85,9 @@ class PromptLookupDrafter:
             )
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_draft_tokens, self.max_nodes = num_draft_tokens, max_nodes
+        self.adaptive = adaptive
+        self._length = num_draft_tokens  # current continuation length
+        self._proposed_depth = 0  # depth of the last proposed tree (0: nothing proposed)
         self._tokens: list[int] = []
         self._index: dict[tuple[int, ...], list[int]] = {}
         self._indexed_until = 0  # n-grams ending before this position are in the index
@@ -85,9 +95,18 @@ class PromptLookupDrafter:
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget the previous sequence."""
         self._tokens, self._index, self._indexed_until = [], {}, 0
+        self._length, self._proposed_depth = self.num_draft_tokens, 0
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
-        """Nothing to learn beyond the sequence itself, which :meth:`propose` receives."""
+        """Adapt the draft length to how much of the last draft was accepted."""
+        if not self.adaptive or self._proposed_depth == 0:
+            return
+        accepted = new_tokens.numel() - 1  # the last committed token is the bonus
+        if accepted >= self._proposed_depth:
+            self._length = min(self.num_draft_tokens, self._length + 2)
+        else:
+            self._length = max(1, self._length - 1)
+        self._proposed_depth = 0
 
     def _sync(self, sequence: Tensor) -> None:
         """Index every n-gram that ends before the root (those whose continuation is known)."""
@@ -108,10 +127,10 @@ class PromptLookupDrafter:
             ends = self._index.get(tuple(tokens[-size:]))
             if ends:
                 recent_first = reversed(ends[-self.max_nodes :])
-                continuations = (
-                    tokens[end + 1 : end + 1 + self.num_draft_tokens] for end in recent_first
-                )
-                return trie_tree(continuations, self.max_nodes)
+                continuations = (tokens[end + 1 : end + 1 + self._length] for end in recent_first)
+                tree = trie_tree(continuations, self.max_nodes)
+                self._proposed_depth = int(tree.depths.max()) if tree.size else 0
+                return tree
         return empty_tree()
 
 

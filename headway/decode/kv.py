@@ -141,8 +141,13 @@ def tree_forward(
         )
     _check_window(cache, prefix_len + size)
     device = model.device
-    mask = tree_attention_mask(parents, prefix_len, dtype=model.dtype, device=device)
-    position_ids = (depths(parents) + prefix_len).to(device)[None]
+    if is_chain(parents):
+        # A chain's ancestor mask is the causal mask: take the model's own (fast) causal path.
+        mask = torch.ones(1, prefix_len + size, dtype=torch.long, device=device)
+        position_ids = torch.arange(prefix_len, prefix_len + size, device=device)[None]
+    else:
+        mask = tree_attention_mask(parents, prefix_len, dtype=model.dtype, device=device)
+        position_ids = (depths(parents) + prefix_len).to(device)[None]
     outputs = model(
         input_ids=root_and_tree_tokens.to(device),
         attention_mask=mask,
@@ -152,6 +157,12 @@ def tree_forward(
         output_hidden_states=bool(hidden_layers),
     )
     return outputs.logits[0], _hidden(outputs, hidden_layers)
+
+
+def is_chain(parents: Tensor) -> bool:
+    """True when node i's parent is node i - 1 for every node (the empty tree included)."""
+    count = parents.numel()
+    return count == 0 or torch.equal(parents.cpu(), torch.arange(-1, count - 1))
 
 
 def _set_length(layer: Any, length: int) -> None:
@@ -173,9 +184,13 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: Tensor) -> None:
     copy is in place, so call it under the same grad mode as the forward (a cache filled under
     ``torch.inference_mode`` can only be modified there).
     """
+    contiguous = int(keep[-1]) == keep.numel() - 1  # increasing from 0: the path 0..k-1
     for layer in cache.layers:
         if getattr(layer, "is_initialized", True):
-            _compact_layer(layer, prefix_len, keep)
+            if contiguous:
+                _set_length(layer, prefix_len + keep.numel())  # nothing moves: just crop
+            else:
+                _compact_layer(layer, prefix_len, keep)
 
 
 def _compact_layer(layer: Any, prefix_len: int, keep: Tensor) -> None:
