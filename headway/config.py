@@ -197,6 +197,46 @@ class EagleSection:
 
 
 @dataclass
+class Eagle3Section:
+    """EAGLE-3 drafter (Li et al. 2025): used when train.method is eagle3."""
+
+    draft_vocab_size: int = field(
+        default=8192,
+        metadata=_help(
+            "draft vocabulary: the most frequent trained tokens (capped at the target's); the "
+            "draft LM head is [this, H], one pass per draft level"
+        ),
+    )
+    feature_layers: list[int] = field(
+        default_factory=list,
+        metadata=_help(
+            "low,mid,high output_hidden_states indices (= inputs of those target layers); "
+            "empty = the reference's 2,L//2,L-3"
+        ),
+    )
+    ttt_steps: int = field(
+        default=7, metadata=_help("training-time test: draft steps unrolled per position")
+    )
+    loss_decay: float = field(default=0.8, metadata=_help("step j's loss weight is decay^j"))
+    lm_head_init: Literal["target", "random"] = field(
+        default="target",
+        metadata=_help("init the draft LM head from the target's rows, or randomly (reference)"),
+    )
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab_size < 1 or self.ttt_steps < 1:
+            raise ConfigError("eagle3.draft_vocab_size and eagle3.ttt_steps must be >= 1")
+        if not 0 < self.loss_decay <= 1:
+            raise ConfigError(f"eagle3.loss_decay={self.loss_decay} must be in (0, 1]")
+        layers = self.feature_layers
+        if layers and (len(layers) != 3 or not 1 <= layers[0] < layers[1] < layers[2]):
+            raise ConfigError(
+                f"eagle3.feature_layers={layers} must be three increasing indices >= 1 "
+                "(low,mid,high), or empty for the default"
+            )
+
+
+@dataclass
 class RunConfig:
     """A training run: target, data, loop, and the drafter's own section."""
 
@@ -205,6 +245,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     medusa: MedusaSection = field(default_factory=MedusaSection)
     eagle: EagleSection = field(default_factory=EagleSection)
+    eagle3: Eagle3Section = field(default_factory=Eagle3Section)
 
 
 class _SectionParser(HfArgumentParser):

@@ -18,15 +18,17 @@ FORMATS = {
 def run_export(args: argparse.Namespace) -> int:
     from headway.heads.export import export_medusa, export_medusa_vllm
     from headway.heads.export_eagle import export_eagle1
+    from headway.heads.export_eagle3 import export_eagle3
 
     exporters = {
         "medusa": export_medusa,
         "medusa-vllm": export_medusa_vllm,
         "eagle1": export_eagle1,
+        "eagle3-hf": export_eagle3,
     }
     exporter = exporters.get(args.format)
     if exporter is None:
-        raise HeadwayError(f"--format {args.format}: EAGLE-3 exports are not available yet")
+        raise HeadwayError(f"--format {args.format}: unknown format; choose from {list(FORMATS)}")
     out = exporter(Path(args.run_dir), Path(args.out))
     print(f"exported {args.run_dir} as {args.format} to {out}")
     return 0

@@ -1,4 +1,5 @@
-"""The EAGLE drafter: an EAGLE-1 draft model proposing EAGLE-2 dynamic draft trees.
+"""The EAGLE drafter: an EAGLE-1 draft model proposing EAGLE-2 dynamic draft trees (EAGLE-3
+drafters reuse it through three hooks, :mod:`headway.heads.drafter_eagle3`).
 
 Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"
 (arXiv:2401.15077) for the draft model; Li et al. 2024, "EAGLE-2: Faster Inference of Language
@@ -33,10 +34,11 @@ path). The reference's ``depth=d`` runs d draft forwards after level 1, i.e. our
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from transformers import DynamicCache
 
 from headway.decode.kv import crop_cache
 from headway.decode.tree import DraftTree, empty_tree
@@ -47,8 +49,10 @@ __all__ = [
     "DEFAULT_TOP_K",
     "DEFAULT_TOTAL_TOKENS",
     "EagleDrafter",
+    "FeatureDraftModel",
     "auto_total_tokens",
     "build_eagle_drafter",
+    "resolve_total_tokens",
     "select_nodes",
 ]
 
@@ -80,13 +84,44 @@ def select_nodes(scores: Tensor, count: int) -> Tensor:
     return torch.sort(scores, descending=True, stable=True).indices[:count]
 
 
+class FeatureDraftModel(Protocol):
+    """What :class:`EagleDrafter` needs of a draft model: one draft step over T pairs with the
+    interface of :meth:`EagleModel.forward` (EAGLE-1) and
+    :meth:`~headway.heads.eagle3.Eagle3Model.forward` (EAGLE-3), returning the states that are
+    fed back as the next pairs' features."""
+
+    config: Any
+    fc: nn.Linear
+
+    def new_cache(self) -> DynamicCache: ...
+
+    def eval(self) -> Any: ...
+
+    def __call__(
+        self,
+        features: Tensor,
+        token_embeddings: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: DynamicCache | None = None,
+    ) -> Tensor: ...
+
+
 class EagleDrafter:
-    """An EAGLE-1 draft model as a :class:`~headway.decode.generate.Drafter` with EAGLE-2 trees.
+    """An EAGLE draft model as a :class:`~headway.decode.generate.Drafter` with EAGLE-2 trees.
+
+    EAGLE-1 as it stands; EAGLE-3 (:class:`~headway.heads.drafter_eagle3.Eagle3Drafter`) reuses
+    all of it and overrides three small hooks: :meth:`_pair_features` (what the committed pairs
+    read from the target's hidden states), :meth:`_top_children` (the draft head) and
+    :meth:`_vocabulary_size`.
 
     Args:
-        model: the trained :class:`~headway.heads.eagle.EagleModel`, on the target's device/dtype.
+        model: the trained draft model (:class:`~headway.heads.eagle.EagleModel` for EAGLE-1), on
+            the target's device and dtype.
         head: the target's frozen embedding and LM head (:meth:`TargetHead.of`).
-        hidden_layer: index into the target's ``output_hidden_states`` of its LM head's input.
+        hidden_layer: index (or indices) into the target's ``output_hidden_states`` the pairs
+            read: the LM head's input for EAGLE-1.
         top_k: children per expanded node and frontier width (1 = chain drafting).
         depth: deepest tree level (tokens on the longest drafted path).
         total_tokens: N, the tree budget counting the root: at most N - 1 drafted nodes.
@@ -94,10 +129,10 @@ class EagleDrafter:
 
     def __init__(
         self,
-        model: EagleModel,
+        model: FeatureDraftModel,
         head: TargetHead,
         *,
-        hidden_layer: int,
+        hidden_layer: int | tuple[int, ...],
         top_k: int = DEFAULT_TOP_K,
         depth: int = DEFAULT_DEPTH,
         total_tokens: int = DEFAULT_TOTAL_TOKENS,
@@ -109,12 +144,28 @@ class EagleDrafter:
             )
         self.model = model.eval()
         self.head = head
-        self.hidden_layers: tuple[int, ...] = (hidden_layer,)
-        self.top_k = min(top_k, model.config.vocab_size)
+        layers = (hidden_layer,) if isinstance(hidden_layer, int) else tuple(hidden_layer)
+        self.hidden_layers: tuple[int, ...] = layers
+        self.top_k = min(top_k, self._vocabulary_size())
         self.depth, self.total_tokens = depth, total_tokens
         weight = model.fc.weight
         self._device, self._dtype = weight.device, weight.dtype
         self.begin(torch.empty(0, dtype=torch.long))
+
+    def _vocabulary_size(self) -> int:
+        """How many tokens the draft head chooses from (the target's whole vocabulary)."""
+        return int(self.model.config.vocab_size)
+
+    def _pair_features(self, hidden: tuple[Tensor, ...]) -> Tensor:
+        """Features ``[k, H]`` of newly committed pairs from the target states ``hidden``
+        (one ``[k, H_t]`` per layer of :attr:`hidden_layers`): EAGLE-1 reads the last one as is."""
+        return hidden[0].to(self._device, self._dtype)
+
+    def _top_children(self, states: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The ``k`` best next tokens after each of ``states`` ``[n, H]``: (fp32 draft
+        log-probabilities, target token ids), each ``[n, k]``, best first."""
+        best = self._log_probs(states).topk(k, dim=-1)
+        return best.values, best.indices
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget the previous sequence: empty draft cache, no root feature."""
@@ -128,7 +179,7 @@ class EagleDrafter:
         (``hidden[0][i]`` ``[H]``, ``new_tokens[i]``) with their true target features."""
         crop_cache(self._cache, self._committed)
         count = new_tokens.numel()
-        features = hidden[0].to(self._device, self._dtype)[None]  # [1, k, H]
+        features = self._pair_features(hidden)[None]  # [1, k, H]
         embeddings = self.head.embed_tokens(new_tokens.to(self._device), self._dtype)[None]
         # plain causal attention over the committed pairs, positions committed .. committed + k - 1
         predicted = self.model(features, embeddings, cache=self._cache)
@@ -178,21 +229,21 @@ class EagleDrafter:
         previous tree's entries from the draft cache."""
         crop_cache(self._cache, self._committed)
         k = self.top_k
-        best = self._log_probs(root_feature[None]).topk(k, dim=-1)
-        tokens, scores = [best.indices[0]], [best.values[0]]
+        root_scores, root_tokens = self._top_children(root_feature[None], k)
+        tokens, scores = [root_tokens[0]], [root_scores[0]]
         parents = [torch.full((k,), -1, dtype=torch.long, device=self._device)]
         expanded = k  # nodes so far; the next level's first node index
         frontier = torch.arange(k, device=self._device)  # node index of each frontier node
-        frontier_tokens, frontier_scores = best.indices[0], best.values[0]
+        frontier_tokens, frontier_scores = root_tokens[0], root_scores[0]
         features = root_feature.expand(k, -1)
         ancestors = torch.zeros(k, 0, dtype=torch.bool, device=self._device)
         for level in range(1, self.depth):
             predicted = self._forward_frontier(
                 features, frontier_tokens, ancestors, self._committed + level - 1
             )
-            children = self._log_probs(predicted).topk(k, dim=-1)  # [F, k]
-            child_scores = (frontier_scores[:, None] + children.values).flatten()
-            tokens.append(children.indices.flatten())
+            child_logp, child_tokens = self._top_children(predicted, k)  # [F, k] each
+            child_scores = (frontier_scores[:, None] + child_logp).flatten()
+            tokens.append(child_tokens.flatten())
             scores.append(child_scores)
             parents.append(frontier.repeat_interleave(k))
             pick = select_nodes(child_scores, k)
@@ -232,19 +283,9 @@ def build_eagle_drafter(
 ) -> EagleDrafter:
     """An :class:`EagleDrafter` for ``target_model`` from trained weights (any dtype/device).
 
-    ``choices`` exists because ``headway generate --tree`` passes it to every drafter: EAGLE-2
-    trees are dynamic, so only ``"default"`` and ``"auto"`` (= ``total_tokens="auto"``, see
-    :func:`auto_total_tokens`) are meaningful; a Medusa choices list is refused.
+    ``choices`` exists because ``headway generate --tree`` passes it to every drafter (see
+    :func:`resolve_total_tokens`).
     """
-    if choices == "auto":
-        total_tokens = "auto"
-    elif choices not in (None, "default"):
-        raise ValueError(
-            f"EAGLE drafters build dynamic trees; --tree/choices={choices!r} is a Medusa tree. "
-            "Use 'default' or 'auto', and top_k / depth / total_tokens to size the tree"
-        )
-    if total_tokens == "auto":
-        total_tokens = auto_total_tokens(target_model)
     weight = target_model.get_output_embeddings().weight
     model = EagleModel(config)
     model.load_state_dict(state_dict)
@@ -253,6 +294,22 @@ def build_eagle_drafter(
         model,
         TargetHead.of(target_model),
         hidden_layer=hidden_layer,
-        total_tokens=int(total_tokens),
+        total_tokens=resolve_total_tokens(choices, total_tokens, target_model),
         **options,
     )
+
+
+def resolve_total_tokens(choices: Any, total_tokens: int | str, target_model: Any) -> int:
+    """The tree budget from ``--tree`` (``choices``) and ``total_tokens``: EAGLE-2 trees are
+    dynamic, so only ``"default"`` and ``"auto"`` (= ``total_tokens="auto"``, see
+    :func:`auto_total_tokens`) are meaningful; a Medusa choices list is refused."""
+    if choices == "auto":
+        total_tokens = "auto"
+    elif choices not in (None, "default"):
+        raise ValueError(
+            f"EAGLE drafters build dynamic trees; --tree/choices={choices!r} is a Medusa tree. "
+            "Use 'default' or 'auto', and top_k / depth / total_tokens to size the tree"
+        )
+    if total_tokens == "auto":
+        return auto_total_tokens(target_model)
+    return int(total_tokens)

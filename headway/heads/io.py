@@ -15,8 +15,9 @@ stored in the safetensors metadata, so a kill between the two moves is detected 
 of pairing a config with weights from another save. Nothing is ever unpickled.
 
 Drafters are built through :data:`DRAFTER_METHODS`, a registry ``method -> MethodSpec``
-(``medusa1``, ``medusa2``, ``eagle1``). :func:`load_drafter` also accepts an EAGLE-1
-reference-layout folder (an ``eagle1`` export or a published EAGLE-1/2 drafter).
+(``medusa1``, ``medusa2``, ``eagle1``, ``eagle3``). :func:`load_drafter` also accepts an EAGLE-1
+reference-layout folder (an ``eagle1`` export or a published EAGLE-1/2 drafter) and an
+``eagle3-hf`` folder (``LlamaForCausalLMEagle3``, an export or a published EAGLE-3 drafter).
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ import headway
 from headway.decode.generate import Drafter
 from headway.errors import HeadwayError
 from headway.heads.drafter_eagle import EagleDrafter, build_eagle_drafter
+from headway.heads.drafter_eagle3 import Eagle3Drafter, build_eagle3_drafter
 from headway.heads.drafter_medusa import MedusaDrafter, check_final_hidden, final_hidden_layer
 from headway.heads.eagle import EagleConfig, eagle_tensor_shapes
+from headway.heads.eagle3 import Eagle3Config, eagle3_tensor_shapes
 from headway.heads.medusa import MedusaConfig, MedusaHeads, medusa_tensor_shapes
 from headway.target import TargetFingerprint, check_fingerprint, fingerprint
 
@@ -52,8 +55,10 @@ __all__ = [
     "LoadedHeads",
     "MethodSpec",
     "build_eagle",
+    "build_eagle3",
     "check_tensors",
     "is_eagle1_folder",
+    "is_eagle3_folder",
     "load_drafter",
     "load_heads",
     "read_safetensors",
@@ -156,9 +161,35 @@ def _build_eagle(loaded: LoadedHeads, model: Any, **options: Any) -> EagleDrafte
     return build_eagle(config, loaded.state_dict, model, **options)
 
 
+def _eagle3_shapes(head_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    return eagle3_tensor_shapes(Eagle3Config.from_dict(head_config))
+
+
+def build_eagle3(
+    config: Eagle3Config, state_dict: dict[str, Tensor], model: Any, **options: Any
+) -> Eagle3Drafter:
+    """An EAGLE-3 drafter on the target's device and dtype (native run or imported export);
+    a target without the sizes, vocabulary or feature layers it needs is refused."""
+    try:
+        return build_eagle3_drafter(config, state_dict, model, **options)
+    except ValueError as error:
+        raise HeadsError(str(error)) from error
+
+
+def _build_eagle3(loaded: LoadedHeads, model: Any, **options: Any) -> Eagle3Drafter:
+    config = Eagle3Config.from_dict(loaded.head_config)
+    return build_eagle3(config, loaded.state_dict, model, **options)
+
+
 _MEDUSA = MethodSpec(tensor_shapes=_medusa_shapes, build=_build_medusa)
 _EAGLE = MethodSpec(tensor_shapes=_eagle_shapes, build=_build_eagle)
-DRAFTER_METHODS: dict[str, MethodSpec] = {"medusa1": _MEDUSA, "medusa2": _MEDUSA, "eagle1": _EAGLE}
+_EAGLE3 = MethodSpec(tensor_shapes=_eagle3_shapes, build=_build_eagle3)
+DRAFTER_METHODS: dict[str, MethodSpec] = {
+    "medusa1": _MEDUSA,
+    "medusa2": _MEDUSA,
+    "eagle1": _EAGLE,
+    "eagle3": _EAGLE3,
+}
 """method name -> :class:`MethodSpec`. New drafter families add one entry."""
 
 
@@ -346,20 +377,30 @@ def load_heads(directory: str | Path) -> LoadedHeads:
     )
 
 
-def is_eagle1_folder(directory: Path) -> bool:
-    """True for an EAGLE-1/2 reference-layout folder (``headway export --format eagle1`` or a
-    published drafter): a 1-layer Llama ``config.json`` that is not a headway run directory."""
+def _engine_config(directory: Path) -> dict[str, Any]:
+    """The ``config.json`` of an engine-format folder: one that is not a headway run directory
+    (no ``method`` key); ``{}`` otherwise (the run-directory loader reports broken files)."""
     path = directory / CONFIG_NAME
     try:
         config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return False  # the run-directory loader reports the broken file
+        return {}
+    return config if isinstance(config, dict) and "method" not in config else {}
+
+
+def is_eagle1_folder(directory: Path) -> bool:
+    """True for an EAGLE-1/2 reference-layout folder (``headway export --format eagle1`` or a
+    published drafter): a 1-layer Llama ``config.json`` that is not a headway run directory."""
+    config = _engine_config(directory)
     return (
-        isinstance(config, dict)
-        and "method" not in config
-        and config.get("architectures") == ["LlamaForCausalLM"]
-        and config.get("num_hidden_layers") == 1
+        config.get("architectures") == ["LlamaForCausalLM"] and config.get("num_hidden_layers") == 1
     )
+
+
+def is_eagle3_folder(directory: Path) -> bool:
+    """True for an ``eagle3-hf`` folder (``headway export --format eagle3-hf`` or a published
+    EAGLE-3 drafter): a ``LlamaForCausalLMEagle3`` ``config.json``, not a run directory."""
+    return _engine_config(directory).get("architectures") == ["LlamaForCausalLMEagle3"]
 
 
 def load_drafter(
@@ -368,9 +409,10 @@ def load_drafter(
     """Load heads from a run directory and build their drafter for ``target_model``.
 
     Args:
-        directory: a run directory written by :func:`save_heads`, or an EAGLE-1 reference-layout
+        directory: a run directory written by :func:`save_heads`, an EAGLE-1 reference-layout
             folder (:func:`is_eagle1_folder`, read by
-            :func:`headway.heads.export_eagle.load_eagle1_drafter`).
+            :func:`headway.heads.export_eagle.load_eagle1_drafter`) or an ``eagle3-hf`` folder
+            (:func:`is_eagle3_folder`, :func:`headway.heads.export_eagle3.load_eagle3_drafter`).
         target_model: the frozen Hugging Face causal LM to decode with.
         force: accept a target whose fingerprint differs (logged as a warning); sizes must still
             match.
@@ -384,6 +426,10 @@ def load_drafter(
         from headway.heads.export_eagle import load_eagle1_drafter  # it imports this module
 
         return load_eagle1_drafter(directory, target_model, force=force, **drafter_options)
+    if is_eagle3_folder(Path(directory)):
+        from headway.heads.export_eagle3 import load_eagle3_drafter  # it imports this module
+
+        return load_eagle3_drafter(directory, target_model, force=force, **drafter_options)
     loaded = load_heads(directory)
     check_fingerprint(loaded.fingerprint, fingerprint(target_model), force=force)
     spec = DRAFTER_METHODS[loaded.method]

@@ -39,11 +39,26 @@ assistant's) that is rows 0, 1, 2. The reference (SafeAILab/EAGLE ``eagle/train/
 ``loss_mask[t]`` with ``loss_mask[-1] = 0``) uses ``mask_offset = 0``: rows 2, 3, 4 here. The two
 differ only at turn boundaries; offset 2 trains row ``s - 1`` of a reply starting at ``s``, which
 drafts the first token EAGLE ever proposes for that reply (the root after prefill is ``x_s``).
+
+- :func:`eagle3_loss`: EAGLE-3 training-time test (Li et al. 2025, "EAGLE-3: Scaling up Inference
+  Acceleration of Large Language Models via Training-Time Test", arXiv:2503.01840, §3.2):
+  ``L = Σ_j decay^j · CE_j`` over the S unrolled draft steps (decay 0.8, the reference's
+  ``ploss_weight``), ``CE_j`` the soft cross-entropy between the target's next-token
+  distribution *renormalised over the draft vocabulary* and the draft's (forward KL up to the
+  target's entropy). Step j at row t has read ``x_{t+1} .. x_{t+j+1}`` and drafts ``x_{t+j+2}``,
+  scored against ``softmax(lm_head(f_{t+j+1})[draft ids])``; step 0 is the EAGLE-1 alignment
+  above. Row t of step j counts iff ``loss_mask[t + j + 2]`` (the drafted token is trained, as
+  ``mask_offset = 2``; the reference shifts ``loss_mask`` with the inputs and reads
+  ``loss_mask[t + j]``), t and t + j + 2 lie in one sample, and the target's argmax at t + j + 1
+  is a draft token (the reference's ``position_mask = t2d[argmax] * loss_mask``: a token the
+  drafter cannot propose teaches it nothing). ``CE_j`` is the mean over step j's counted rows;
+  the reference divides every step by all B·T rows instead (``.mean()``), which weights steps by
+  how many rows they count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +69,9 @@ __all__ = [
     "LossOutput",
     "distillation_kl",
     "distillation_kl_reference",
+    "eagle3_loss",
+    "eagle3_loss_reference",
+    "eagle3_rows",
     "eagle_loss",
     "eagle_loss_reference",
     "eagle_rows",
@@ -347,3 +365,146 @@ def eagle_loss_reference(
     loss = feature_weight * feature_loss + ce_weight * ce
     stats = [float(feature_loss.detach()), float(ce.detach()), abs_sum, float(top1), float(top5)]
     return LossOutput(loss, _eagle_metrics(stats, len(smooth), hidden))
+
+
+def eagle3_rows(loss_mask: Tensor, steps: int, document_ids: Tensor | None = None) -> Tensor:
+    """Bool ``[S, B, T]``: which rows t of step j are trained before the draft-vocabulary check
+    (``loss_mask[t + j + 2]`` and, for packed batches, one sample; module docstring)."""
+    rows = []
+    length = loss_mask.shape[1]
+    for step in range(steps):
+        offset = step + 2
+        rows_j = label_mask(loss_mask, offset)
+        if document_ids is not None and offset < length:
+            same = torch.zeros_like(rows_j)
+            same[:, : length - offset] = document_ids[:, :-offset] == document_ids[:, offset:]
+            rows_j &= same
+        rows.append(rows_j)
+    return torch.stack(rows)
+
+
+def _check_eagle3(step_states: Sequence[Tensor], target_states: Tensor, loss_mask: Tensor) -> None:
+    shapes = {tuple(states.shape[:2]) for states in step_states}
+    if not step_states or shapes != {tuple(loss_mask.shape)} or target_states.dim() != 3:
+        raise ValueError(
+            f"need S >= 1 step states [B, T, H], target_states [B, T, H_t] and loss_mask [B, T] "
+            f"of one [B, T]; got steps {sorted(shapes)}, target {tuple(target_states.shape)}, "
+            f"mask {tuple(loss_mask.shape)}"
+        )
+
+
+def eagle3_loss(
+    step_states: Sequence[Tensor],
+    target_states: Tensor,
+    loss_mask: Tensor,
+    *,
+    draft_logits: Callable[[Tensor], Tensor],
+    target_logits: Callable[[Tensor], Tensor],
+    target_ids: Tensor,
+    decay: float = 0.8,
+    document_ids: Tensor | None = None,
+) -> LossOutput:
+    """EAGLE-3 training-time-test loss (see the module docstring for the formula and alignment).
+
+    The target's LM head runs once, on the positions some step needs; each step's draft head
+    only on its counted rows, so memory is ``rows x V``, not ``S x B x T x V``.
+
+    Args:
+        step_states: S tensors ``[B, T, H]``, the draft's pre-norm states after step j.
+        target_states: ``[B, T, H_t]``, the target's LM-head inputs ``f_0 .. f_{T-1}``.
+        loss_mask: ``[B, T]``, 1 on trained tokens.
+        draft_logits: the draft head, ``[n, H] -> [n, N]``.
+        target_logits: the target's frozen LM head, ``[n, H_t] -> [n, V]``.
+        target_ids: int64 ``[N]``, the target id of each draft id (``arange + d2t``).
+        decay: step j's weight is ``decay^j``.
+        document_ids: ``[B, T]`` sample numbers of packed batches, if any.
+
+    Returns:
+        :class:`LossOutput` with ``depth{j+1}/ce``, ``depth{j+1}/top1`` (the draft's argmax is
+        the target's) and ``depth{j+1}/tokens`` per step, and ``in_vocab`` (the share of step 0's
+        rows whose target argmax is a draft token).
+    """
+    _check_eagle3(step_states, target_states, loss_mask)
+    rows = eagle3_rows(loss_mask, len(step_states), document_ids)  # [S, B, T]
+    length = loss_mask.shape[1]
+    needed = torch.zeros_like(rows[0])  # positions s = t + j + 1 some counted row reads
+    for step, rows_j in enumerate(rows):
+        needed[:, step + 1 :] |= rows_j[:, : max(length - step - 1, 0)]
+    where = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
+    where[needed] = torch.arange(int(needed.sum()), device=needed.device)
+    with torch.no_grad():
+        full = target_logits(target_states[needed].detach()).float()  # [n, V]
+        wanted = full.argmax(-1)
+        target_logp = torch.log_softmax(full.index_select(-1, target_ids), dim=-1)  # [n, N]
+        drafted = torch.zeros(full.shape[-1], dtype=torch.bool, device=full.device)
+        drafted[target_ids] = True
+    total = step_states[0].new_zeros((), dtype=torch.float32)
+    stats = []  # per step: ce, top1 hits, rows counted, rows before the vocabulary check
+    for step, (states, rows_j) in enumerate(zip(step_states, rows, strict=True)):
+        index = torch.full_like(where, -1)  # [B, T]: row t reads target position t + step + 1
+        index[:, : max(length - step - 1, 0)] = where[:, step + 1 :]
+        counted = rows_j.clone()
+        counted[rows_j] = drafted[wanted[index[rows_j]]]
+        targets = index[counted]
+        log_q = torch.log_softmax(draft_logits(states[counted]).float(), dim=-1)
+        count = counted.sum()
+        ce = (target_logp[targets].exp() * -log_q).sum() / count.clamp_min(1)
+        total = total + decay**step * ce
+        with torch.no_grad():
+            hits = (target_ids[log_q.argmax(-1)] == wanted[targets]).sum()
+            stats.append(torch.stack([ce.detach(), hits, count, rows_j.sum()]))
+    return LossOutput(total, _eagle3_metrics(torch.stack(stats).tolist()))
+
+
+def _eagle3_metrics(rows: list[list[float]]) -> dict[str, float]:
+    """``[[ce, top1 hits, rows counted, rows before the vocabulary check], ...]`` -> metrics."""
+    metrics: dict[str, float] = {}
+    for index, (ce, top1, count, _) in enumerate(rows):
+        depth = index + 1
+        metrics[f"depth{depth}/ce"] = float(ce)
+        metrics[f"depth{depth}/top1"] = top1 / count if count else 0.0
+        metrics[f"depth{depth}/tokens"] = float(count)
+    first_count, first_candidates = rows[0][2], rows[0][3]
+    metrics["in_vocab"] = first_count / first_candidates if first_candidates else 0.0
+    return metrics
+
+
+def eagle3_loss_reference(
+    step_states: Sequence[Tensor],
+    target_states: Tensor,
+    loss_mask: Tensor,
+    *,
+    draft_logits: Callable[[Tensor], Tensor],
+    target_logits: Callable[[Tensor], Tensor],
+    target_ids: Tensor,
+    decay: float = 0.8,
+    document_ids: Tensor | None = None,
+) -> LossOutput:
+    """The slow, obvious :func:`eagle3_loss`: loops over steps, batch rows and positions, the
+    textbook renormalised soft cross-entropy per row. Kept so a test holds the fast one equal."""
+    _check_eagle3(step_states, target_states, loss_mask)
+    batch, length = loss_mask.shape
+    draft_set = set(target_ids.tolist())
+    total = step_states[0].new_zeros((), dtype=torch.float32)
+    rows = []
+    for step, states in enumerate(step_states):
+        terms, top1, candidates = [], 0, 0
+        for b in range(batch):
+            for t in range(length - step - 2):
+                label = t + step + 2
+                if not loss_mask[b, label]:
+                    continue
+                if document_ids is not None and document_ids[b, t] != document_ids[b, label]:
+                    continue
+                candidates += 1
+                full = target_logits(target_states[b, t + step + 1].detach()).float()
+                if int(full.argmax()) not in draft_set:
+                    continue
+                p = torch.softmax(full[target_ids], dim=-1)
+                log_q = torch.log_softmax(draft_logits(states[b, t]).float(), dim=-1)
+                terms.append(-(p * log_q).sum())
+                top1 += int(target_ids[log_q.argmax()]) == int(full.argmax())
+        ce = torch.stack(terms).mean() if terms else total.new_zeros(())
+        total = total + decay**step * ce
+        rows.append([float(ce.detach()), float(top1), float(len(terms)), float(candidates)])
+    return LossOutput(total, _eagle3_metrics(rows))

@@ -19,6 +19,7 @@ from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.target import Target
 from headway.train.losses import LossOutput, medusa_loss
 from headway.train.method_eagle import Eagle1
+from headway.train.method_eagle3 import Eagle3
 
 
 class Method(Protocol):
@@ -79,7 +80,7 @@ class Medusa1(nn.Module):
 
 
 MethodBuilder = Callable[[RunConfig, Target], nn.Module]
-METHODS: dict[str, MethodBuilder] = {"medusa1": Medusa1, "eagle1": Eagle1}
+METHODS: dict[str, MethodBuilder] = {"medusa1": Medusa1, "eagle1": Eagle1, "eagle3": Eagle3}
 
 
 def build_method(config: RunConfig, target: Target) -> nn.Module:

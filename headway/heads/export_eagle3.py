@@ -1,0 +1,290 @@
+"""The ``eagle3-hf`` layout (``headway export --format eagle3-hf``): export, import, decode.
+
+The layout vLLM and SGLang load as an EAGLE-3 drafter (Li et al. 2025, "EAGLE-3: Scaling up
+Inference Acceleration of Large Language Models via Training-Time Test", arXiv:2503.01840),
+checked against vLLM ``vllm/model_executor/models/llama_eagle3.py`` (``Eagle3LlamaForCausalLM``:
+``draft_vocab_size``, ``target_hidden_size``, ``midlayer.`` -> ``layers.0.``, ``d2t`` ->
+``draft_id_to_target_id``, ``t2d`` skipped, ``embed_tokens`` optional), SGLang
+``python/sglang/srt/models/llama_eagle3.py`` (``LlamaForCausalLMEagle3``: ``fc`` bias from
+``config.bias`` default false, ``lm_head`` tied to ``embed_tokens`` if ``tie_word_embeddings``,
+``hot_token_id = d2t + arange``), SpecForge ``configs/llama3-8B-eagle3.json`` and the reference
+(SafeAILab/EAGLE ``eagle/model/cnets.py``):
+
+- ``config.json``: ``architectures: ["LlamaForCausalLMEagle3"]``, ``model_type: llama``,
+  ``num_hidden_layers: 1``, the draft layer's ``hidden_size``, ``intermediate_size``,
+  ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``hidden_act``,
+  ``rms_norm_eps``, ``rope_theta``, ``max_position_embeddings``, ``vocab_size`` (the target's),
+  ``draft_vocab_size``, ``target_hidden_size``, ``tie_word_embeddings: false``, ``torch_dtype``,
+  the feature layers (below), and a ``headway`` block (method, target fingerprint, feature layers
+  in headway's convention) that engines ignore.
+- ``model.safetensors``: ``fc.weight`` ``[H, 3H]``, ``midlayer.{input_layernorm,hidden_norm,
+  post_attention_layernorm}.weight``, ``midlayer.self_attn.{q,k,v}_proj.weight`` ``[*, 2H]``,
+  ``midlayer.self_attn.o_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``,
+  ``norm.weight``, ``lm_head.weight`` ``[N, H]``, ``d2t`` int64 ``[N]``, ``t2d`` bool ``[V]``.
+  No ``embed_tokens`` (the engines share the target's).
+
+Feature layers: the engines read the same key with two meanings. vLLM takes
+``eagle_aux_hidden_state_layer_ids`` from the top level of the draft config (then from
+``eagle_config``) and captures the *input* of those target layers (``gpu_model_runner``
+``_get_eagle3_aux_layers_from_config``; ``llama.py`` appends ``hidden_states + residual`` before
+layer ``idx``): transformers' ``output_hidden_states[idx]``, headway's convention. SGLang reads
+``eagle_config.eagle_aux_hidden_state_layer_ids`` and captures ``id + 1``
+(``set_eagle3_layers_to_capture``): ids of layer *outputs*, SpecForge's convention (its default
+``[1, L//2-1, L-4]``). The export writes both, naming the same tensors: the top-level key with
+headway's ``feature_layers`` (for vLLM) and ``eagle_config`` with ``feature_layers - 1`` and
+``use_aux_hidden_state: true`` (for SGLang and SpecForge). With the default layers both engines
+would also pick the right tensors from their own defaults. Import reads them back the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import headway
+from headway.heads.drafter_eagle3 import Eagle3Drafter
+from headway.heads.eagle3 import Eagle3Config, default_feature_layers, eagle3_tensor_shapes
+from headway.heads.export_eagle import _read_tensors
+from headway.heads.io import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    HeadsError,
+    LoadedHeads,
+    build_eagle3,
+    check_tensors,
+    load_heads,
+    staged_directory,
+    write_json,
+    write_safetensors,
+)
+from headway.heads.vocab import DraftVocab
+from headway.target import TargetFingerprint, check_fingerprint, fingerprint
+
+__all__ = [
+    "ImportedEagle3",
+    "eagle3_hf_config",
+    "export_eagle3",
+    "import_eagle3",
+    "load_eagle3_drafter",
+    "reference_tensor_names",
+]
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+_SHARED_WITH_TARGET = ("embed_tokens.weight",)
+
+
+@dataclass
+class ImportedEagle3:
+    """An ``eagle3-hf`` folder read back into headway's terms.
+
+    Attributes:
+        config: sizes and feature layers from ``config.json``, checked against the tensors.
+        state_dict: :class:`~headway.heads.eagle3.Eagle3Model` keys (with ``d2t``/``t2d``), CPU.
+        fingerprint: the target recorded by a headway export, ``None`` for foreign folders.
+        target_name: how that target was named, if recorded.
+    """
+
+    config: Eagle3Config
+    state_dict: dict[str, Tensor]
+    fingerprint: TargetFingerprint | None
+    target_name: str | None
+
+
+def reference_tensor_names() -> list[str]:
+    """The tensor names of the ``eagle3-hf`` layout, written out by hand."""
+    layer = ["input_layernorm", "hidden_norm", "post_attention_layernorm"]
+    names = ["fc.weight", *(f"midlayer.{name}.weight" for name in layer)]
+    names += [f"midlayer.self_attn.{name}_proj.weight" for name in ("q", "k", "v", "o")]
+    names += [f"midlayer.mlp.{name}_proj.weight" for name in ("gate", "up", "down")]
+    return [*names, "norm.weight", "lm_head.weight", "d2t", "t2d"]
+
+
+def _checked_shapes(config: Eagle3Config, where: Path) -> dict[str, tuple[int, ...]]:
+    """Our model's tensor shapes, after checking its names are exactly the layout's (a guard
+    against a transformers release renaming the stock modules' parameters)."""
+    shapes = eagle3_tensor_shapes(config)
+    if sorted(shapes) != sorted(reference_tensor_names()):
+        raise HeadsError(
+            f"{where}: the draft model's tensors {sorted(shapes)} no longer match the eagle3-hf "
+            f"names {sorted(reference_tensor_names())}; update headway"
+        )
+    return shapes
+
+
+def eagle3_hf_config(
+    config: Eagle3Config, dtype: torch.dtype, headway_block: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The engine ``config.json`` for ``config`` (see the module docstring)."""
+    engine: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
+        "eagle_config": {
+            "use_aux_hidden_state": True,
+            "eagle_aux_hidden_state_layer_ids": [layer - 1 for layer in config.feature_layers],
+        },
+    }
+    if headway_block is not None:
+        engine["headway"] = headway_block
+    return engine
+
+
+def export_eagle3(run: str | Path | LoadedHeads, out_dir: str | Path) -> Path:
+    """Write an ``eagle3`` run in the ``eagle3-hf`` layout to ``out_dir``; returns it."""
+    loaded = run if isinstance(run, LoadedHeads) else load_heads(run)
+    if loaded.method != "eagle3":
+        raise HeadsError(f"cannot export {loaded.method!r} heads as eagle3-hf; train method eagle3")
+    config = Eagle3Config.from_dict(loaded.head_config)
+    out = Path(out_dir)
+    check_tensors(loaded.state_dict, _checked_shapes(config, out), out)
+    block = {
+        "method": "eagle3",
+        "headway_version": headway.__version__,
+        "target": loaded.fingerprint.to_dict(),
+        "target_name": loaded.target_name,
+        "feature_layers": list(config.feature_layers),
+        "feature_layers_convention": "transformers output_hidden_states indices (layer inputs)",
+    }
+    engine = eagle3_hf_config(config, loaded.state_dict["fc.weight"].dtype, block)
+    with staged_directory(out) as staging:
+        write_safetensors(staging / WEIGHTS_NAME, loaded.state_dict, {"format": "pt"})
+        write_json(staging / CONFIG_NAME, engine)
+    return out
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / CONFIG_NAME
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as error:
+        raise HeadsError(f"{folder} has no {CONFIG_NAME}; pass an eagle3-hf folder") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise HeadsError(f"{path} is not valid JSON ({error})") from error
+    if not isinstance(data, dict) or data.get("architectures") != [ARCHITECTURE]:
+        raise HeadsError(f"{path} is not an eagle3-hf config (architectures != [{ARCHITECTURE}])")
+    return data
+
+
+def _feature_layers(engine: dict[str, Any], target_layers: int | None, where: Path) -> Any:
+    """Feature layers in headway's convention: the headway block, vLLM's top-level ids, SGLang's
+    ``eagle_config`` ids + 1, else the engines' default for the target's depth."""
+    block = engine.get("headway") or {}
+    nested = engine.get("eagle_config") or {}
+    if "feature_layers" in block:
+        return tuple(block["feature_layers"])
+    if engine.get("eagle_aux_hidden_state_layer_ids"):
+        return tuple(engine["eagle_aux_hidden_state_layer_ids"])
+    if nested.get("eagle_aux_hidden_state_layer_ids"):
+        return tuple(int(layer) + 1 for layer in nested["eagle_aux_hidden_state_layer_ids"])
+    if target_layers is None:
+        raise HeadsError(f"{where} names no feature layers; pass the target's layer count")
+    return default_feature_layers(target_layers)
+
+
+def _config_from_engine(engine: dict[str, Any], layers: Any, where: Path) -> Eagle3Config:
+    rope = engine.get("rope_scaling") or engine.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise HeadsError(f"{where}: RoPE scaling {rope} is not supported by the EAGLE draft layer")
+    hidden, heads = int(engine["hidden_size"]), int(engine["num_attention_heads"])
+    if int(engine.get("target_hidden_size") or hidden) != hidden:
+        raise HeadsError(f"{where}: target_hidden_size != hidden_size is not supported")
+    return Eagle3Config(
+        hidden_size=hidden,
+        intermediate_size=int(engine["intermediate_size"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(engine.get("num_key_value_heads") or heads),
+        head_dim=int(engine.get("head_dim") or hidden // heads),
+        vocab_size=int(engine["vocab_size"]),
+        draft_vocab_size=int(engine.get("draft_vocab_size") or engine["vocab_size"]),
+        feature_layers=tuple(int(layer) for layer in layers),  # type: ignore[arg-type]
+        hidden_act=str(engine.get("hidden_act", "silu")),
+        rms_norm_eps=float(engine.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(engine.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        max_position_embeddings=int(engine.get("max_position_embeddings", 2048)),
+    )
+
+
+def _with_vocab(tensors: dict[str, Tensor], config: Eagle3Config, where: Path) -> None:
+    """Fill a missing ``t2d`` from ``d2t`` (engines ignore ``t2d``) or both for a full-vocabulary
+    drafter, then check they agree."""
+    if "d2t" not in tensors and config.draft_vocab_size == config.vocab_size:
+        tensors["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)
+    if "d2t" in tensors and "t2d" not in tensors:
+        ids = torch.arange(tensors["d2t"].numel()) + tensors["d2t"].long()
+        tensors["t2d"] = DraftVocab.from_target_ids(ids, config.vocab_size).t2d
+    try:
+        if "d2t" in tensors:
+            DraftVocab.from_tensors(tensors["d2t"], tensors["t2d"])
+    except ValueError as error:
+        raise HeadsError(f"{where}: {error}") from error
+
+
+def import_eagle3(path: str | Path, *, target_layers: int | None = None) -> ImportedEagle3:
+    """Read an ``eagle3-hf`` folder (a headway export or a published EAGLE-3 drafter).
+
+    Args:
+        path: the folder (``config.json`` + ``model.safetensors``, or ``pytorch_model.bin`` read
+            with ``weights_only=True``). An ``embed_tokens.weight`` copy is dropped.
+        target_layers: the target's layer count, for folders that name no feature layers.
+
+    Raises:
+        HeadsError: no or bad config, a corrupt file, unsupported RoPE scaling, an inconsistent
+            vocabulary map, or missing / unexpected / mis-shaped tensors.
+    """
+    folder = Path(path)
+    engine = _read_config(folder)
+    tensors, weights = _read_tensors(folder)
+    shared = [name for name in _SHARED_WITH_TARGET if name in tensors]
+    if shared:
+        logger.info("%s: ignoring %s (the target's own are used)", weights, shared)
+    tensors = {name: value for name, value in tensors.items() if name not in shared}
+    layers = _feature_layers(engine, target_layers, folder / CONFIG_NAME)
+    try:
+        config = _config_from_engine(engine, layers, folder / CONFIG_NAME)
+    except (KeyError, TypeError, ValueError) as error:
+        raise HeadsError(f"{folder / CONFIG_NAME}: not an EAGLE-3 config ({error})") from error
+    _with_vocab(tensors, config, weights)
+    check_tensors(tensors, _checked_shapes(config, weights), weights)
+    recorded = engine.get("headway")
+    block: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
+    target = TargetFingerprint.from_dict(block["target"]) if "target" in block else None
+    name = block.get("target_name")
+    return ImportedEagle3(config, tensors, target, str(name) if name is not None else None)
+
+
+def load_eagle3_drafter(
+    path: str | Path, target_model: Any, *, force: bool = False, **options: Any
+) -> Eagle3Drafter:
+    """Decode with an ``eagle3-hf`` folder on ``target_model``: a headway export's fingerprint is
+    checked like a run directory's (``force`` accepts a mismatch); a foreign folder has none, so
+    only the sizes are checked."""
+    layers = int(target_model.config.get_text_config().num_hidden_layers)
+    imported = import_eagle3(path, target_layers=layers)
+    if imported.fingerprint is not None:
+        check_fingerprint(imported.fingerprint, fingerprint(target_model), force=force)
+    else:
+        logger.warning("%s records no target fingerprint; only sizes are checked", path)
+    return build_eagle3(imported.config, imported.state_dict, target_model, **options)

@@ -1,0 +1,260 @@
+"""EAGLE-3 training with training-time test (Li et al. 2025, "EAGLE-3: Scaling up Inference
+Acceleration of Large Language Models via Training-Time Test", arXiv:2503.01840, §3.2), as a
+:class:`~headway.train.methods.Method`.
+
+**Training-time test (TTT).** Teacher forcing alone trains step 0 only: at inference every deeper
+draft step reads the drafter's *own* previous state, never a target feature. TTT unrolls S steps
+(default 7) over the whole sequence at once. Step 0 reads the fused target features ``g_t``;
+step j >= 1 at row t reads the drafter's own output of step j - 1 at row t and the embedding of
+the ground-truth token ``x_{t+j+1}`` (the reference shifts ``input_ids`` left once per step), at
+rotary position ``t + j`` (the reference's ``position_ids + lck``). Row t of step j drafts
+``x_{t+j+2}``; :func:`~headway.train.losses.eagle3_loss` scores it.
+
+Attention. Step j at row t sees what the drafter will see at inference after committing
+``x_0 .. x_{t+1}`` and drafting j tokens: step 0 at rows ``<= t`` of its sample (the committed
+pairs) and steps ``1 .. j`` at row t itself (its own chain), nothing else. :func:`ttt_unroll` runs
+the stock draft layer once per step over a ``DynamicCache`` that grows by T keys per step, with
+the 4-D mask ``[causal within the sample | I | I | ... | I]`` (:func:`ttt_attention_mask`): the
+reference's concatenated per-step KV and custom mask, written with transformers' own attention
+kernels. :func:`ttt_unroll_reference` recomputes every (row, step) from scratch as plain causal
+decoding, and a test holds the two equal. Gradients flow through every step, cached keys
+included, as in the reference (no feature noise and no feature regression in EAGLE-3).
+
+**Draft vocabulary.** The N most frequent trained tokens of the training data
+(:func:`~headway.heads.vocab.choose_vocab`), counted over the same dataset the loop builds (all
+of it, held-out rows included, as the reference's ``scandata`` counts its whole training file).
+The draft LM head starts from the target's rows for those tokens (``eagle3.lm_head_init=target``;
+the reference starts from a random ``nn.Linear``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from headway.config import RunConfig
+from headway.errors import ConfigError
+from headway.heads.drafter_medusa import final_hidden_layer
+from headway.heads.eagle import TargetHead, additive_mask
+from headway.heads.eagle3 import Eagle3Config, Eagle3Model
+from headway.heads.vocab import DraftVocab, TokenCounts, choose_vocab, token_counts
+from headway.target import Target
+from headway.train.batching import document_attention_mask
+from headway.train.data import build_datasets
+from headway.train.features import CachedFeatureDataset
+from headway.train.losses import LossOutput, eagle3_loss
+
+__all__ = [
+    "Eagle3",
+    "training_token_counts",
+    "ttt_attention_mask",
+    "ttt_unroll",
+    "ttt_unroll_reference",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def ttt_attention_mask(visible: Tensor, step: int, dtype: torch.dtype) -> Tensor:
+    """Additive mask ``[B, 1, T, (step + 1) T]`` of TTT step ``step`` over the keys of steps
+    ``0 .. step`` (in cache order): ``visible`` (bool ``[B, 1, T, T]``, causal within a sample)
+    for step 0's keys, the identity (row t sees only row t) for each later step's.
+
+    Example, T = 3, step 2 (``.`` = blocked)::
+
+        row 0:  1 . .   1 . .   1 . .
+        row 1:  1 1 .   . 1 .   . 1 .
+        row 2:  1 1 1   . . 1   . . 1
+    """
+    length = visible.shape[-1]
+    own = torch.eye(length, dtype=torch.bool, device=visible.device).expand_as(visible)
+    return additive_mask(torch.cat([visible, *([own] * step)], dim=-1), dtype)
+
+
+def _shift_left(embeddings: Tensor, offset: int) -> Tensor:
+    """Row t gets ``embeddings[:, t + offset]``; rows past the end get zeros. ``[B, T, H]``."""
+    pad = embeddings.new_zeros(
+        embeddings.shape[0], min(offset, embeddings.shape[1]), *embeddings.shape[2:]
+    )
+    return torch.cat([embeddings[:, offset:], pad], dim=1)
+
+
+def ttt_unroll(
+    draft: Eagle3Model,
+    fused: Tensor,
+    embeddings: Tensor,
+    *,
+    positions: Tensor,
+    visible: Tensor,
+    steps: int,
+) -> list[Tensor]:
+    """The draft's states after each of ``steps`` TTT steps (module docstring).
+
+    Args:
+        draft: the EAGLE-3 draft model.
+        fused: ``[B, T, H]``, ``g_t = fc([l_t; m_t; h_t])``.
+        embeddings: ``[B, T, H]``, the target's embedding of ``x_t`` (row t of step j reads row
+            ``t + j + 1``; zeros past the end).
+        positions: LongTensor ``[B or 1, T]``, position of row t (restarting per packed sample).
+        visible: bool ``[B, 1, T, T]``, step 0's attention: causal within a sample.
+        steps: S, how many draft steps to unroll.
+
+    Returns:
+        S tensors ``[B, T, H]``: the pre-norm state after step j at each row.
+    """
+    cache = draft.new_cache()
+    states, outputs = fused, []
+    for step in range(steps):
+        states = draft(
+            states,
+            _shift_left(embeddings, step + 1),
+            position_ids=positions + step,
+            attention_mask=ttt_attention_mask(visible, step, fused.dtype),
+            cache=cache,
+        )
+        outputs.append(states)
+    return outputs
+
+
+def ttt_unroll_reference(
+    draft: Eagle3Model, fused: Tensor, embeddings: Tensor, steps: int
+) -> list[Tensor]:
+    """The slow, obvious :func:`ttt_unroll` for one unpadded sequence (``[1, T, H]`` inputs):
+    every row t is decoded on its own, as the drafter would at inference, by a plain causal
+    forward over the committed pairs ``0 .. t`` followed by its own chain of drafted pairs, run
+    from scratch (no cache, no TTT mask) once per step."""
+    length = fused.shape[1]
+    zero = embeddings.new_zeros(1, 1, embeddings.shape[-1])
+    padded = torch.cat([embeddings, *([zero] * (steps + 1))], dim=1)
+    outputs = [torch.zeros_like(fused) for _ in range(steps)]
+    for row in range(length):
+        features = fused[:, : row + 1]
+        for step in range(steps):
+            tokens = padded[:, 1 : row + step + 2]  # x_1 .. x_{row+step+1}
+            states = draft(features, tokens, attention_mask=None)  # causal, positions 0 ..
+            outputs[step][0, row] = states[0, -1]
+            features = torch.cat([features, states[:, -1:]], dim=1)
+    return outputs
+
+
+def training_token_counts(
+    config: RunConfig, target: Target, feature_layers: tuple[int, ...]
+) -> TokenCounts:
+    """Token counts of the data the loop trains on: the offline feature cache (checked to hold
+    ``feature_layers``), else the tokenized ``data.sources`` (the loop's own
+    :func:`~headway.train.data.build_datasets` call)."""
+    vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
+    if config.data.features == "offline":
+        assert config.data.features_dir is not None  # checked by DataConfig
+        cached = CachedFeatureDataset(Path(config.data.features_dir))
+        if not set(feature_layers) <= set(cached.layers):
+            raise ConfigError(
+                f"{config.data.features_dir} caches layers {list(cached.layers)} but eagle3 "
+                f"trains on {list(feature_layers)}; rerun `headway data cache-features` with "
+                f"--layers {','.join(map(str, feature_layers))}"
+            )
+        samples = (cached[index] for index in range(len(cached)))
+        return token_counts(((s["input_ids"], s["loss_mask"]) for s in samples), vocab_size)
+    dataset, _ = build_datasets(
+        target.tokenizer,
+        config.data.sources,
+        max_length=config.data.max_length,
+        skip_bad_rows=config.data.skip_bad_rows,
+        limit=config.data.limit,
+    )
+    return token_counts(zip(dataset["input_ids"], dataset["loss_mask"], strict=True), vocab_size)
+
+
+def _log_coverage(vocab: DraftVocab, counts: TokenCounts) -> None:
+    covered = int(counts.trained[vocab.target_ids].sum())
+    logger.info(
+        "draft vocabulary: %d of %d tokens, %.1f%% of the trained tokens",
+        vocab.size,
+        vocab.vocab_size,
+        100.0 * covered / max(int(counts.trained.sum()), 1),
+    )
+
+
+class Eagle3(nn.Module):
+    """The ``eagle3`` method: an EAGLE-3 drafter trained with training-time test."""
+
+    name = "eagle3"
+
+    def __init__(
+        self, config: RunConfig, target: Target, *, vocab: DraftVocab | None = None
+    ) -> None:
+        super().__init__()
+        settings = config.eagle3
+        layers = settings.feature_layers
+        self.head_config = Eagle3Config.from_target(
+            target.model,
+            draft_vocab_size=settings.draft_vocab_size,
+            feature_layers=(layers[0], layers[1], layers[2]) if layers else None,
+        )
+        self.final_layer = final_hidden_layer(target.model)
+        self.feature_layers = (*self.head_config.feature_layers, self.final_layer)
+        if vocab is None:
+            counts = training_token_counts(config, target, self.feature_layers)
+            vocab = choose_vocab(counts, self.head_config.draft_vocab_size)
+            _log_coverage(vocab, counts)
+        self.draft = Eagle3Model(self.head_config)
+        self.draft.set_vocab(vocab)
+        self.target_head = TargetHead.of(target.model)  # a plain attribute: not a submodule
+        if settings.lm_head_init == "target":
+            weight = self.target_head.lm_head.weight
+            assert isinstance(weight, Tensor)
+            self.draft.lm_head.weight.data.copy_(weight.detach()[vocab.target_ids])
+        self.steps, self.decay = settings.ttt_steps, settings.loss_decay
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.draft.fc.weight.dtype
+
+    def _visible(self, batch: dict[str, Tensor]) -> Tensor:
+        """Bool ``[B, 1, T, T]``: causal, within one sample, padding only sees padding."""
+        if "document_ids" in batch:
+            return document_attention_mask(batch["document_ids"])
+        return document_attention_mask(batch["attention_mask"].long() - 1)
+
+    def forward(self, batch: dict[str, Tensor], hidden: dict[int, Tensor]) -> LossOutput:
+        """Loss of a batch: ``input_ids``/``attention_mask``/``loss_mask`` ``[B, T]`` (+ packed
+        ``position_ids``/``document_ids``); ``hidden[l]`` ``[B, T, H]`` for the three feature
+        layers and the final one (the target's LM-head input, for its distribution)."""
+        taps = [hidden[layer].to(self.dtype) for layer in self.head_config.feature_layers]
+        fused = self.draft.fuse(torch.cat(taps, dim=-1))
+        ids = batch["input_ids"]
+        with torch.no_grad():
+            embeddings = self.target_head.embed_tokens(ids, self.dtype)
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        states = ttt_unroll(
+            self.draft,
+            fused,
+            embeddings,
+            positions=positions,
+            visible=self._visible(batch),
+            steps=self.steps,
+        )
+        return eagle3_loss(
+            states,
+            hidden[self.final_layer],
+            batch["loss_mask"],
+            draft_logits=self.draft.logits,
+            target_logits=self.target_head.logits,
+            target_ids=self.draft.vocab.target_ids,
+            decay=self.decay,
+            document_ids=batch.get("document_ids"),
+        )
+
+    def parameter_groups(self, lr: float, weight_decay: float) -> list[dict[str, Any]]:
+        return [{"params": list(self.draft.parameters()), "lr": lr, "weight_decay": weight_decay}]
+
+    def export(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """(head config, draft weights with ``d2t``/``t2d``), never the target's tensors."""
+        state = {name: value.detach().cpu() for name, value in self.draft.state_dict().items()}
+        return self.head_config.to_dict(), state
