@@ -112,7 +112,7 @@ def test_train_export_generate_end_to_end(
         assert key in with_heads
 
 
-def test_export_of_eagle_format_says_which_issue(tmp_path: Path) -> None:
+def test_export_of_a_folder_without_heads_fails_cleanly(tmp_path: Path) -> None:
     status = main(["export", str(tmp_path), "--format", "eagle3-hf", "--out", str(tmp_path / "x")])
     assert status == 2
 

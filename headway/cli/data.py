@@ -94,10 +94,11 @@ def run_cache_features(args: argparse.Namespace) -> int:
     )
     for report in reports:
         print(report.summary())
+    num_layers = int(target.model.config.get_text_config().num_hidden_layers)
     layers = (
         [int(layer) for layer in args.layers.split(",")]
         if args.layers
-        else [int(target.model.config.get_text_config().num_hidden_layers)]
+        else _method_layers(args.method, num_layers)
     )
     manifest = cache_features(
         target.model,
@@ -115,6 +116,16 @@ def run_cache_features(args: argparse.Namespace) -> int:
     return 0
 
 
+def _method_layers(method: str, num_layers: int) -> list[int]:
+    """The ``output_hidden_states`` indices a method trains on: the last (the LM head's input)
+    for Medusa and EAGLE-1; the three taps plus the last for EAGLE-3."""
+    if method == "eagle3":
+        from headway.heads.eagle3 import default_feature_layers
+
+        return [*default_feature_layers(num_layers), num_layers]
+    return [num_layers]
+
+
 def _add_cache_features(actions: argparse._SubParsersAction) -> None:
     parser = actions.add_parser(
         "cache-features",
@@ -127,9 +138,14 @@ def _add_cache_features(actions: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", nargs="+", default=["chitchat"], help="data sources")
     parser.add_argument("--out", required=True, help="output folder (resumable)")
     parser.add_argument(
+        "--method",
+        default="medusa1",
+        choices=["medusa1", "medusa2", "eagle1", "eagle3"],
+        help="cache the layers this method trains on (eagle3: the three taps and the last)",
+    )
+    parser.add_argument(
         "--layers",
-        help="comma-separated indices into output_hidden_states (default: the last, the LM "
-        "head's input, as Medusa and EAGLE-1 use)",
+        help="comma-separated indices into output_hidden_states, overriding --method",
     )
     parser.add_argument(
         "--feature-dtype",
