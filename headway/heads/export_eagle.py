@@ -41,7 +41,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import headway
 from headway.heads.drafter_eagle import EagleDrafter
 from headway.heads.eagle import EagleConfig, eagle_tensor_shapes
 from headway.heads.io import (
@@ -52,10 +51,9 @@ from headway.heads.io import (
     build_eagle,
     check_tensors,
     load_heads,
+    provenance,
     read_safetensors,
-    staged_directory,
-    write_json,
-    write_safetensors,
+    write_export,
 )
 from headway.target import TargetFingerprint, check_fingerprint, fingerprint
 
@@ -146,17 +144,8 @@ def export_eagle1(run: str | Path | LoadedHeads, out_dir: str | Path) -> Path:
     config = EagleConfig.from_dict(loaded.head_config)
     out = Path(out_dir)
     check_tensors(loaded.state_dict, _checked_shapes(config, out), out)
-    block = {
-        "method": "eagle1",
-        "headway_version": headway.__version__,
-        "target": loaded.fingerprint.to_dict(),
-        "target_name": loaded.target_name,
-    }
-    engine = eagle1_config(config, loaded.state_dict["fc.weight"].dtype, block)
-    with staged_directory(out) as staging:
-        write_safetensors(staging / WEIGHTS_NAME, loaded.state_dict, {"format": "pt"})
-        write_json(staging / CONFIG_NAME, engine)
-    return out
+    engine = eagle1_config(config, loaded.state_dict["fc.weight"].dtype, provenance(loaded))
+    return write_export(out, loaded.state_dict, engine)
 
 
 def _read_config(folder: Path) -> dict[str, Any]:

@@ -47,21 +47,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import headway
 from headway.heads.drafter_eagle3 import Eagle3Drafter
 from headway.heads.eagle3 import Eagle3Config, default_feature_layers, eagle3_tensor_shapes
 from headway.heads.export_eagle import _read_tensors
 from headway.heads.io import (
     CONFIG_NAME,
-    WEIGHTS_NAME,
     HeadsError,
     LoadedHeads,
     build_eagle3,
     check_tensors,
     load_heads,
-    staged_directory,
-    write_json,
-    write_safetensors,
+    provenance,
+    write_export,
 )
 from headway.heads.vocab import DraftVocab
 from headway.target import TargetFingerprint, check_fingerprint, fingerprint
@@ -161,18 +158,12 @@ def export_eagle3(run: str | Path | LoadedHeads, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     check_tensors(loaded.state_dict, _checked_shapes(config, out), out)
     block = {
-        "method": "eagle3",
-        "headway_version": headway.__version__,
-        "target": loaded.fingerprint.to_dict(),
-        "target_name": loaded.target_name,
+        **provenance(loaded),
         "feature_layers": list(config.feature_layers),
         "feature_layers_convention": "transformers output_hidden_states indices (layer inputs)",
     }
     engine = eagle3_hf_config(config, loaded.state_dict["fc.weight"].dtype, block)
-    with staged_directory(out) as staging:
-        write_safetensors(staging / WEIGHTS_NAME, loaded.state_dict, {"format": "pt"})
-        write_json(staging / CONFIG_NAME, engine)
-    return out
+    return write_export(out, loaded.state_dict, engine)
 
 
 def _read_config(folder: Path) -> dict[str, Any]:

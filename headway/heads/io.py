@@ -246,6 +246,25 @@ def write_safetensors(
         os.fsync(handle.fileno())
 
 
+def provenance(loaded: LoadedHeads) -> dict[str, Any]:
+    """The ``"headway"`` block an export's ``config.json`` carries, so loading it back can check
+    the target (engines ignore unknown keys)."""
+    return {
+        "method": loaded.method,
+        "headway_version": headway.__version__,
+        "target": loaded.fingerprint.to_dict(),
+        "target_name": loaded.target_name,
+    }
+
+
+def write_export(out: Path, tensors: Mapping[str, Tensor], config: Mapping[str, Any]) -> Path:
+    """Write ``model.safetensors`` + ``config.json`` into `out` atomically; returns `out`."""
+    with staged_directory(out) as staging:
+        write_safetensors(staging / WEIGHTS_NAME, dict(tensors), {"format": "pt"})
+        write_json(staging / CONFIG_NAME, config)
+    return out
+
+
 def save_heads(
     directory: str | Path,
     *,
