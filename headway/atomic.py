@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,10 +21,24 @@ def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file, fsync and rename."""
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _temporary_file(path: Path) -> tuple[int, str]:
+    """A temporary file beside `path` with the permissions a plain ``open()`` would give
+    (``mkstemp`` makes it owner-only, which would leak into the final file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    Path(temporary).chmod(0o666 & ~_umask())
+    return handle, temporary
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file, fsync and rename."""
+    handle, temporary = _temporary_file(path)
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(data)
@@ -44,8 +59,7 @@ def atomic_file(path: Path) -> Iterator[Path]:
         with atomic_file(out / "model.safetensors") as temporary:
             save_file(tensors, str(temporary))
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    handle, temporary = _temporary_file(path)
     os.close(handle)
     try:
         yield Path(temporary)
@@ -65,7 +79,9 @@ def atomic_dir(path: Path, *, overwrite: bool = False) -> Iterator[Path]:
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists")
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    # mkdir, not mkdtemp (which makes it owner-only): the folder gets the usual permissions.
+    staging = path.parent / f".{path.name}.staging-{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
     try:
         yield staging
         if path.exists():
