@@ -58,11 +58,6 @@ def test_print_config_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
     assert "max_steps: 77" in capsys.readouterr().out
 
 
-def test_unbuilt_subcommand_says_which_issue(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["quickstart"]) == 2
-    assert "issue #" in capsys.readouterr().err
-
-
 def test_train_export_generate_end_to_end(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -12,9 +12,11 @@ import sys
 from collections.abc import Sequence
 
 from headway import __version__
-from headway.cli.common import add_target_flags, not_yet
+from headway.cli.common import add_target_flags
 from headway.cli.data import add_data
+from headway.cli.eval import add_eval
 from headway.cli.export import add_export
+from headway.cli.quickstart import add_quickstart
 from headway.config import RunConfig, describe
 from headway.errors import HeadwayError
 
@@ -54,18 +56,6 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_run_train)
 
 
-def _add_eval(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("eval", help="measure acceptance length and speedup")
-    add_target_flags(parser)
-    parser.add_argument("--heads", help="trained heads folder (run dir or export)")
-    parser.add_argument("--drafter", help="a drafter that needs no training, e.g. prompt-lookup")
-    parser.add_argument(
-        "--prompts", default="mt-bench", help="mt-bench, humaneval, or a .jsonl file of prompts"
-    )
-    parser.add_argument("--out", default="eval-out", help="folder for report.json, summary, plots")
-    parser.set_defaults(handler=not_yet("eval", 6))
-
-
 def _add_generate(commands: argparse._SubParsersAction) -> None:
     from headway.cli.generate import add_generate_flags, run_generate
 
@@ -80,13 +70,6 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_generate)
 
 
-def _add_quickstart(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "quickstart", help="the whole pipeline on the embedded model, on CPU, in minutes"
-    )
-    parser.set_defaults(handler=not_yet("quickstart", 6))
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The full ``headway`` argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(
@@ -97,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"headway {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (_add_train, add_export, _add_eval, _add_generate, _add_quickstart, add_data):
+    for add in (_add_train, add_export, add_eval, _add_generate, add_quickstart, add_data):
         add(commands)
     return parser
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
 
 from headway.target import Target, load_target
 
@@ -41,13 +39,3 @@ def target_from_flags(args: argparse.Namespace) -> Target:
         device=args.device,
         trust_remote_code=args.trust_remote_code,
     )
-
-
-def not_yet(what: str, issue: int) -> Callable[[argparse.Namespace], int]:
-    """A handler for a subcommand another issue fills in: says so and exits with status 2."""
-
-    def handler(args: argparse.Namespace) -> int:
-        print(f"headway {what}: not built yet (tracked in issue #{issue})", file=sys.stderr)
-        return 2
-
-    return handler

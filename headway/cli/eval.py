@@ -1,0 +1,230 @@
+"""``headway eval``: a drafter's tau, per-depth acceptance and speedup against plain decoding, or
+(``--heads-only``) its heads' held-out accuracy without decoding."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from headway.cli.common import add_target_flags
+from headway.errors import HeadwayError
+
+DESCRIPTION = """\
+Evaluate a drafter. In ONE run, every prompt is decoded with the drafter and with plain decoding
+(interleaved prompt by prompt, after a warm-up), and --out receives report.json (tau, acceptance
+by tree depth, tokens/s of both, speedup, per-category figures, identical-output fraction at
+temperature 0), summary.md and PNG plots.
+
+With --heads-only, the heads of a training run directory are scored on its held-out data with
+the training method's own metrics (top-1 / top-5 per head or draft step), without decoding.
+
+Examples:
+  headway eval --drafter prompt-lookup --prompts mt-bench --num-prompts 10 --out eval-out
+  headway eval --heads runs/medusa1-smollm2 --tree default --out eval-medusa
+  headway eval --heads runs/medusa1-smollm2 --heads-only --num-samples 64
+"""
+
+
+def _option_value(text: str) -> Any:
+    """``3`` -> 3, ``0.5`` -> 0.5, ``[[0],[1]]`` -> list, ``true`` -> True, else the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_draft_options(pairs: list[str]) -> dict[str, Any]:
+    """``["depth=3", "total_tokens=8"]`` -> ``{"depth": 3, "total_tokens": 8}``."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise HeadwayError(f"--draft-option {pair!r} is not KEY=VALUE (e.g. depth=3)")
+        options[key.strip()] = _option_value(value.strip())
+    return options
+
+
+def _reword(parser: argparse.ArgumentParser, **helps: str) -> None:
+    """Replace the help of shared flags whose defaults this command resolves differently."""
+    for action in parser._actions:
+        if action.dest in helps:
+            action.help = helps[action.dest]
+
+
+def add_eval_flags(parser: argparse.ArgumentParser) -> None:
+    """Every flag of ``headway eval``."""
+    add_target_flags(parser)
+    parser.set_defaults(target=None, dtype=None)
+    _reword(
+        parser,
+        target="target model: HF folder, model id in the local HF cache, .gguf file or "
+        "'smollm2-135m'; default: the target the heads were trained for (their config.json), "
+        "else smollm2-135m",
+        dtype="target weights dtype; default float32 (outputs are exact against plain decoding "
+        "only in float32), or the run's own dtype with --heads-only",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--heads", help="trained heads: a run directory or an eagle1 export")
+    source.add_argument(
+        "--drafter", choices=["prompt-lookup"], help="a drafter that needs no training"
+    )
+    parser.add_argument(
+        "--prompts", default="mt-bench", help="mt-bench (default), humaneval, or a .jsonl file"
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=10, help="prompts used, spread evenly over categories"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold if sampling")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k best (0 = off)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
+    parser.add_argument(
+        "--tree",
+        default="default",
+        help="Medusa heads: a named tree (default, mc_sim_7b_63) or a JSON list of rank paths "
+        "such as [[0],[0,0],[1]]; EAGLE: default or auto",
+    )
+    parser.add_argument(
+        "--draft-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="drafter constructor option, repeatable: EAGLE top_k / depth / total_tokens, prompt "
+        "lookup num_draft_tokens / max_nodes / max_ngram",
+    )
+    parser.add_argument(
+        "--baseline",
+        default="hf",
+        choices=["hf", "headway"],
+        help="plain decoding to compare with: hf = model.generate (default), headway = the "
+        "same decoding loop without a drafter",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="use heads trained for a different target anyway"
+    )
+    parser.add_argument("--out", default="eval-out", help="folder for report.json, summary, plots")
+    parser.add_argument(
+        "--heads-only",
+        action="store_true",
+        help="score --heads (a run directory) on held-out data without decoding",
+    )
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        help="--heads-only: data sources (default: the run's data.sources)",
+    )
+    parser.add_argument(
+        "--num-samples", type=int, default=64, help="--heads-only: held-out samples used"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=4, help="--heads-only: samples per target forward"
+    )
+
+
+def _heads_target(heads: str | None) -> str | None:
+    """The target a heads folder records (``target_name`` in its config.json), if any."""
+    if heads is None:
+        return None
+    try:
+        config = json.loads((Path(heads) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    name = config.get("target_name") if isinstance(config, dict) else None
+    return str(name) if name else None
+
+
+def run_heads_only(args: argparse.Namespace) -> int:
+    from headway.eval.heads_only import heads_only
+
+    if not args.heads:
+        raise HeadwayError("--heads-only needs --heads RUN_DIR (a training run directory)")
+    overrides = [f"target.device={args.device}"]
+    if args.target:
+        overrides.append(f"target.name={args.target}")
+    if args.dtype:
+        overrides.append(f"target.dtype={args.dtype}")
+    if args.trust_remote_code:
+        overrides.append("target.trust_remote_code=true")
+    if args.data:
+        overrides.append(f"data.sources={','.join(args.data)}")
+    result = heads_only(
+        Path(args.heads),
+        overrides=overrides,
+        num_samples=args.num_samples,
+        batch_size=args.batch_size,
+        force=args.force,
+        out_dir=Path(args.out),
+    )
+    print(f"{result.method} heads of {result.run_dir} on {result.samples} held-out samples:")
+    print(result.table())
+    print(f"written to {Path(args.out) / 'heads_report.json'}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    if args.heads_only:
+        return run_heads_only(args)
+    from headway.eval.run import DrafterSpec, evaluate, load_eval_drafter
+    from headway.eval.speed import EvalSettings
+    from headway.evalsets import load_prompts
+    from headway.target import load_target
+
+    options = parse_draft_options(args.draft_option)
+    if args.heads and args.tree != "default":
+        options["choices"] = _option_value(args.tree) if args.tree.startswith("[") else args.tree
+    spec = DrafterSpec(name=args.drafter, heads=args.heads, options=options, force=args.force)
+    settings = EvalSettings(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        baseline=args.baseline,
+    )
+    prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    target = load_target(
+        args.target or _heads_target(args.heads) or "smollm2-135m",
+        dtype=args.dtype or "float32",
+        device=args.device,
+        trust_remote_code=args.trust_remote_code,
+    )
+    drafter, info = load_eval_drafter(spec, target)
+    report = evaluate(
+        target,
+        drafter,
+        prompts,
+        settings,
+        Path(args.out),
+        drafter_info=info,
+        prompt_set=args.prompts,
+    )
+    print(format_headline(report))
+    print(f"report, summary and plots in {args.out}/")
+    return 0
+
+
+def format_headline(report: dict[str, Any]) -> str:
+    """One line of the figures people look for first."""
+    identical = report["identical_fraction"]
+    same = "n/a (sampling)" if identical is None else f"{identical:.0%}"
+    tau = "n/a" if report["tau"] is None else f"{report['tau']:.2f}"
+    rates = report["tokens_per_s"]
+    speedup = "n/a" if report["speedup"] is None else f"{report['speedup']:.2f}x"
+    return (
+        f"tau {tau}, {rates['drafter']:.1f} vs {rates['plain']:.1f} tokens/s, speedup {speedup}, "
+        f"identical outputs {same}, eval overhead {report['overhead_fraction']:.1%}"
+    )
+
+
+def add_eval(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "eval",
+        help="measure acceptance length, per-depth acceptance and speedup",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_eval_flags(parser)
+    parser.set_defaults(handler=run_eval)

@@ -1,0 +1,121 @@
+"""What ``headway quickstart`` does at each stage: one plan for the embedded SmolLM2 on a CPU, one
+for ``--tiny``.
+
+Sizing of :data:`SMOLLM2_PLAN`, measured on 2 shared CPU cores with one torch thread while other
+jobs ran (so ±30%); one full run took 390 s (6 min 40 s wall with model loading):
+
+- *data* (120 s): the target answers 112 prompts (80 templated instructions, 16 code, 16
+  chitchat) in bfloat16, 32 at a time: 14,028 answer tokens (~120 tokens/s). Drafts never change
+  what is committed, so training data need not be float32.
+- *train* (172 s): two Medusa-1 heads, features from the bfloat16 target, bf16 autocast, 20 steps
+  of 8 samples x 320 tokens (~8.5 s each). Held-out head-1 top-1 0.13, top-5 0.32 (DESIGN.md:
+  tiny data gives weak heads).
+- *eval* (97 s): 4 MT-bench questions x 256 new tokens against ``model.generate``. On this CPU a
+  float32 verify forward over 2-13 tokens costs 1.6-2.4x a one-token forward (MKL's small-M
+  sgemm), so a drafted token pays only if accepted ~70% of the time (measured break-even 0.71).
+  Weak heads drafting every step measured 0.5-0.8x. So the drafter drafts only what is likely:
+  prompt lookup on 2-4-gram matches (2-gram minimum measured 1.26x vs 1.07x for 1-grams), merged
+  with the heads' top-1 chain, gated by a confidence threshold calibrated on held-out data
+  (:mod:`headway.eval.calibrate`) on the data's own draft vocabulary. With 20 steps of training
+  no threshold reaches break-even, so the gate turns the heads off and says so; the measured
+  1.33x (tau 1.65, 4/4 outputs identical) is prompt lookup's. Longer training is what lets the
+  heads in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SMOLLM2_PLAN", "TINY_PLAN", "QuickstartPlan"]
+
+
+@dataclass(frozen=True)
+class QuickstartPlan:
+    """Every knob of the quickstart.
+
+    Attributes:
+        tiny: build the tiny random target instead of loading ``target``.
+        mix: ``headway data regenerate --mix``; ``TINY_CHAT`` stands for the tiny chat file.
+        train_overrides: ``section.key=value`` settings of the training run.
+        export_format: ``medusa-vllm`` or ``medusa``; the eval reads the heads back from it.
+        eval_prompts: ``mt-bench`` (or any prompt set); None = the tiny prompts file.
+        draft_dtype: dtype the heads draft in (the target always verifies in float32).
+        prompt_lookup: merge prompt lookup's drafts (first) with the heads'.
+        confidence: the heads draft a token only while their cumulative probability >= this;
+            None calibrates it on held-out data (:mod:`headway.eval.calibrate`).
+        draft_vocab_size: the heads propose only the most frequent tokens of the data (0 = all).
+    """
+
+    tiny: bool
+    target: str
+    mix: str
+    regen_max_new_tokens: int
+    regen_batch_size: int
+    regen_shard_size: int
+    train_overrides: tuple[str, ...]
+    eval_num_prompts: int
+    eval_max_new_tokens: int
+    eval_prompts: str | None = "mt-bench"
+    device: str = "cpu"
+    regen_dtype: str = "bfloat16"
+    export_format: str = "medusa-vllm"
+    draft_dtype: str = "float32"
+    prompt_lookup: bool = True
+    lookup_min_ngram: int = 2
+    lookup_max_ngram: int = 4
+    lookup_tokens: int = 8
+    confidence: float | None = None
+    draft_vocab_size: int = 4096
+
+
+SMOLLM2_PLAN = QuickstartPlan(
+    tiny=False,
+    target="smollm2-135m",
+    mix="instruct:80,code:16,chitchat:16",
+    regen_max_new_tokens=160,
+    regen_batch_size=32,
+    regen_shard_size=32,
+    train_overrides=(
+        "target.dtype=bfloat16",
+        "train.method=medusa1",
+        "medusa.num_heads=2",
+        "medusa.num_layers=1",
+        "data.max_length=320",
+        "data.eval_fraction=0.05",
+        "train.max_steps=20",
+        "train.warmup_steps=2",
+        "train.batch_size=8",
+        "train.lr=3e-3",
+        "train.mixed_precision=bf16",
+        "train.eval_every=20",
+        "train.save_every=5",
+    ),
+    eval_num_prompts=4,
+    eval_max_new_tokens=256,
+)
+
+TINY_PLAN = QuickstartPlan(
+    tiny=True,
+    target="tiny",
+    mix="TINY_CHAT:12",
+    regen_max_new_tokens=16,
+    regen_batch_size=6,
+    regen_shard_size=6,
+    regen_dtype="float32",
+    train_overrides=(
+        "train.method=medusa1",
+        "medusa.num_heads=2",
+        "data.max_length=64",
+        "data.eval_fraction=0.25",
+        "train.max_steps=3",
+        "train.warmup_steps=1",
+        "train.batch_size=4",
+        "train.eval_every=3",
+        "train.save_every=3",
+    ),
+    eval_prompts=None,
+    eval_num_prompts=3,
+    eval_max_new_tokens=24,
+    # random heads are never confident: a low bar makes the tiny run exercise the heads' drafts
+    confidence=0.001,
+)

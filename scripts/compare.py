@@ -1,0 +1,217 @@
+"""Compare every headway drafter and Hugging Face's own decoding on the same prompts, in one run.
+
+Configurations (batch 1, greedy, interleaved prompt by prompt after a warm-up of each):
+
+- ``hf greedy``: ``model.generate(do_sample=False)``, the baseline of every speedup;
+- ``hf prompt lookup``: ``model.generate(prompt_lookup_num_tokens=N)``;
+- ``prompt lookup``: headway's prompt-lookup drafter;
+- for each run directory given: Medusa-1 / Medusa-2 heads with their default tree; EAGLE-1 as a
+  chain (``top_k=1``) and as an EAGLE-2 dynamic tree; EAGLE-3 (if that method is installed) as a
+  dynamic tree. The method is read from the run's ``config.json``.
+
+Prints a Markdown table (tau, tokens/s, speedup vs HF greedy as a ratio measured in this run, and
+whether each output equals HF greedy) under a line naming the machine, dtype and prompt set.
+
+    .venv/bin/python scripts/compare.py runs/medusa1-smollm2 runs/eagle1-smollm2 \\
+        --num-prompts 8 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from headway.api import load_drafter, prompt_ids
+from headway.decode.bench import timed
+from headway.decode.drafters import PromptLookupDrafter
+from headway.decode.generate import Drafter
+from headway.eval.acceptance import acceptance_stats
+from headway.eval.speed import EvalSettings, drafter_runner, plain_runner
+from headway.evalsets import load_prompts
+from headway.target import Target, load_target
+
+Runner = Callable[[Target, torch.Tensor, int], tuple[Callable[[], list[int]], list[Any]]]
+
+
+@dataclass
+class Row:
+    """One configuration's totals over the prompts."""
+
+    name: str
+    make: Runner
+    tokens: int = 0
+    seconds: float = 0.0
+    traces: list[list[int]] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="*", help="headway run directories (any drafter method)")
+    parser.add_argument("--target", default="smollm2-135m", help="target model (default embedded)")
+    parser.add_argument("--dtype", default="float32", help="target dtype (exact in float32)")
+    parser.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda:0'")
+    parser.add_argument("--prompts", default="mt-bench", help="mt-bench, humaneval or a .jsonl")
+    parser.add_argument(
+        "--num-prompts", type=int, default=8, help="prompts, spread over categories"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--lookup-tokens", type=int, default=8, help="prompt lookup draft length")
+    parser.add_argument("--eagle-depth", type=int, default=4, help="EAGLE chain / tree depth")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    return parser.parse_args()
+
+
+def hf_runner(lookup: int | None) -> Runner:
+    """HF generate, greedy, optionally with its prompt-lookup candidate generator."""
+    settings = EvalSettings(baseline="hf")
+
+    def make(
+        target: Target, ids: torch.Tensor, new: int
+    ) -> tuple[Callable[[], list[int]], list[Any]]:
+        if lookup is None:
+            return plain_runner(target, ids, settings, 0, new), []
+        model = target.model
+
+        def run() -> list[int]:
+            batch = ids.to(model.device)[None]
+            with torch.inference_mode():
+                out = model.generate(  # type: ignore[operator]
+                    batch,
+                    attention_mask=torch.ones_like(batch),
+                    max_new_tokens=new,
+                    do_sample=False,
+                    prompt_lookup_num_tokens=lookup,
+                )
+            return [int(t) for t in out[0, batch.shape[1] :]]
+
+        return run, []
+
+    return make
+
+
+def headway_runner(drafter: Drafter) -> Runner:
+    """headway's loop with ``drafter`` (greedy); the result list collects accept lengths."""
+    settings = EvalSettings()
+
+    def make(
+        target: Target, ids: torch.Tensor, new: int
+    ) -> tuple[Callable[[], list[int]], list[Any]]:
+        return drafter_runner(target, ids, drafter, settings, 0, new)
+
+    return make
+
+
+def run_method(run_dir: str) -> str:
+    """The drafter method of a run directory, or of an exported EAGLE folder."""
+    config = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
+    if "method" in config:
+        return str(config["method"])
+    eagle3 = "LlamaForCausalLMEagle3" in config.get("architectures", [])
+    return "eagle3-export" if eagle3 else "eagle1-export"
+
+
+def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
+    """Every configuration to compare, baseline first."""
+    rows = [
+        Row("hf greedy", hf_runner(None)),
+        Row("hf prompt lookup", hf_runner(args.lookup_tokens)),
+        Row(
+            "prompt lookup",
+            headway_runner(PromptLookupDrafter(num_draft_tokens=args.lookup_tokens)),
+        ),
+    ]
+    for run_dir in args.runs:
+        method = run_method(run_dir)
+        name = Path(run_dir).name
+        if method.startswith("medusa"):
+            drafter = load_drafter(run_dir, target)
+            rows.append(Row(f"{method} {name}", headway_runner(drafter)))
+        elif method.startswith("eagle"):
+            chain = load_drafter(run_dir, target, top_k=1, depth=args.eagle_depth)
+            tree = load_drafter(run_dir, target, depth=args.eagle_depth)
+            rows.append(Row(f"{method} chain {name}", headway_runner(chain)))
+            rows.append(Row(f"{method} dynamic tree {name}", headway_runner(tree)))
+        else:
+            rows.append(Row(f"{method} {name}", headway_runner(load_drafter(run_dir, target))))
+    return rows
+
+
+def measure(rows: list[Row], target: Target, encoded: list[torch.Tensor], new: int) -> None:
+    """Warm up every configuration, then run them all on each prompt in turn (order rotating)."""
+    device = target.model.device
+    for row in rows:
+        row.make(target, encoded[0], 8)[0]()
+    for index, ids in enumerate(tqdm(encoded, desc="compare", unit="prompt")):
+        shift = index % len(rows)
+        for row in rows[shift:] + rows[:shift]:
+            run, results = row.make(target, ids, new)
+            output, seconds = timed(run, device)
+            row.tokens += len(output)
+            row.seconds += seconds
+            row.outputs.append(output)
+            if results:
+                row.traces.append(list(results[0].accept_lengths))
+
+
+def table(rows: list[Row]) -> list[dict[str, Any]]:
+    baseline = rows[0]
+    rate_0 = baseline.tokens / baseline.seconds
+    result = []
+    for row in rows:
+        # HF generate exposes no acceptance counts: its rows have no tau.
+        stats = acceptance_stats(row.traces) if row.traces else None
+        rate = row.tokens / row.seconds
+        same = sum(a == b for a, b in zip(row.outputs, baseline.outputs, strict=True))
+        result.append(
+            {
+                "drafter": row.name,
+                "tau": stats.tau if stats else None,
+                "tokens_per_s": rate,
+                "speedup": rate / rate_0,
+                "identical": f"{same}/{len(row.outputs)}",
+            }
+        )
+    return result
+
+
+def _tau(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def main() -> None:
+    args = parse_args()
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    encoded = [prompt_ids(target, p.text, chat=p.chat) for p in prompts]
+    rows = configurations(args, target)
+    measure(rows, target, encoded, args.max_new_tokens)
+    results = table(rows)
+    print(
+        f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+        f"threads, torch {torch.__version__}; target {args.target} ({args.dtype}); prompts: "
+        f"{args.prompts} x{len(prompts)}, max_new_tokens {args.max_new_tokens}, batch 1, greedy\n"
+    )
+    print("| drafter | tau | tokens/s | speedup vs HF greedy | identical to HF greedy |")
+    print("|---|---|---|---|---|")
+    for row in results:
+        print(
+            f"| {row['drafter']} | {_tau(row['tau'])} | {row['tokens_per_s']:.1f} | "
+            f"{row['speedup']:.2f}x | {row['identical']} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

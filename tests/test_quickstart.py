@@ -1,0 +1,110 @@
+"""`headway quickstart --tiny` end to end, resuming, and the pieces of its drafter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from headway.cli import main
+from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
+from headway.decode.tree import chain
+from headway.eval.calibrate import choose_threshold
+from headway.eval.quickstart_drafter import ConfidentMedusaDrafter, MergedDrafter, tree_paths
+from headway.heads.medusa import MedusaConfig, MedusaHeads
+
+
+def test_tiny_quickstart_runs_every_stage_then_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "qs"
+    assert main(["quickstart", "--tiny", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for stage in ("[1/5] target", "[2/5] data", "[3/5] train", "[4/5] export", "[5/5] eval"):
+        assert stage in printed
+    assert "speedup" in printed and "tau" in printed
+    summary = json.loads((out / "quickstart.json").read_text())
+    assert [stage["name"] for stage in summary["stages"]] == [
+        "target",
+        "data",
+        "train",
+        "export",
+        "eval",
+    ]
+    assert not any(stage["skipped"] for stage in summary["stages"])
+    assert summary["figures"]["identical_fraction"] == 1.0
+    assert (out / "export-medusa-vllm" / "model.safetensors").is_file()
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert report["drafter"]["export"] == str(out / "export-medusa-vllm")
+    assert report["num_prompts"] == 3
+    # Rerunning resumes: every stage after the target is reported as already done.
+    assert main(["quickstart", "--tiny", "--out", str(out)]) == 0
+    again = json.loads((out / "quickstart.json").read_text())
+    assert [stage["skipped"] for stage in again["stages"]] == [False, True, True, True, True]
+    assert "already done" in capsys.readouterr().out
+
+
+def test_interrupted_training_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "qs"
+    assert main(["quickstart", "--tiny", "--out", str(out)]) == 0
+    for name in ("model.safetensors", "training_summary.json", "config.json"):
+        (out / "run" / name).unlink()  # as if killed after the last checkpoint
+    first_report = (out / "eval" / "report.json").stat().st_mtime_ns
+    assert main(["quickstart", "--tiny", "--out", str(out)]) == 0
+    summary = json.loads((out / "quickstart.json").read_text())
+    skipped = [stage["skipped"] for stage in summary["stages"]]
+    assert skipped == [False, True, False, False, False]  # target, data, train, export, eval
+    assert "resumed" in summary["stages"][2]["summary"]
+    assert (out / "run" / "model.safetensors").is_file()
+    # the stages after a rerun one ran again on its output, not from their old results
+    assert (out / "eval" / "report.json").stat().st_mtime_ns > first_report
+
+
+def test_choose_threshold_on_a_hand_made_example() -> None:
+    confidence = torch.tensor([0.9, 0.8, 0.3, 0.2])
+    correct = torch.tensor([True, True, False, False])
+    # Drafting at >= 0.3 is right 2/3 of the time, at >= 0.2 half of the time.
+    gate = choose_threshold(confidence, correct, break_even=0.6, min_drafts=1)
+    assert gate.threshold == pytest.approx(0.3)
+    assert gate.drafted_fraction == pytest.approx(3 / 4)
+    assert gate.accuracy == pytest.approx(2 / 3)
+    assert choose_threshold(confidence, correct, break_even=0.6, min_drafts=4).threshold is None
+    assert choose_threshold(confidence, ~correct, break_even=0.6, min_drafts=1).threshold is None
+
+
+def test_merged_drafter_unions_paths_and_credits_the_proposer() -> None:
+    lookup = OracleDrafter([5, 6, 7], depth=3)
+    other = OracleDrafter([9, 8], depth=2)
+    merged = MergedDrafter([lookup, other], max_nodes=8)
+    merged.begin(torch.tensor([1, 2]))
+    merged.observe(torch.tensor([2, 5]), ())  # prefill: no proposal to credit
+    tree = merged.propose(torch.tensor([1, 2]))
+    assert sorted(tree_paths(tree)) == [[5, 6, 7], [9, 8]]
+    merged.observe(torch.tensor([9, 8, 4]), ())  # accepted 9, 8 + bonus 4
+    assert merged.accepted_by_source == [0, 2]
+    assert tree_paths(chain([])) == []
+
+
+def test_confident_medusa_drafts_only_above_the_threshold() -> None:
+    config = MedusaConfig(num_heads=2, num_layers=1, hidden_size=4, vocab_size=6)
+    heads = MedusaHeads(config)
+    with torch.no_grad():
+        for head in heads.heads:
+            head.lm_head.weight.zero_()  # type: ignore[union-attr]
+        heads.heads[0].lm_head.weight[3, 0] = 10.0  # type: ignore[union-attr,index]
+    hidden = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    sure = ConfidentMedusaDrafter(heads, hidden_layer=0, threshold=0.9, max_depth=2)
+    sure.begin(torch.tensor([1]))
+    assert sure.propose(torch.tensor([1])).size == 0  # nothing observed yet
+    sure.observe(torch.tensor([1]), (hidden,))
+    # head 1 puts ~1.0 on token 3; head 2 is uniform (1/6), so the chain stops after one token
+    assert sure.propose(torch.tensor([1])).tokens.tolist() == [3]
+    restricted = ConfidentMedusaDrafter(
+        heads, hidden_layer=0, threshold=0.9, max_depth=1, vocab=torch.tensor([2, 4])
+    )
+    restricted.observe(torch.tensor([1]), (hidden,))
+    assert restricted.propose(torch.tensor([1])).size == 0  # token 3 is outside the vocabulary
+    lookup = PromptLookupDrafter()
+    assert MergedDrafter([lookup, sure], max_nodes=4).hidden_layers == (0,)
