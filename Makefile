@@ -25,8 +25,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/headway generate --chat --max-new-tokens 64 \
-		"Give me three tips for writing clear Python code."
+	$(BIN)/headway quickstart
 
 lint: setup
 	$(BIN)/ruff check headway tests scripts
