@@ -111,6 +111,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     )
     runs: dict[str, RunStats] = {}
     names = ["hf greedy", "hf prompt lookup", "headway plain", "headway prompt lookup"]
+    names += ["headway prompt lookup n=1..3"]
     names += [f"headway oracle d={d}" for d in depths]
     for name in names:
         runs[name] = RunStats(name)
@@ -127,6 +128,9 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         drafters: dict[str, Drafter | None] = {
             "headway plain": None,
             "headway prompt lookup": PromptLookupDrafter(num_draft_tokens=args.lookup_tokens),
+            "headway prompt lookup n=1..3": PromptLookupDrafter(
+                min_ngram=1, max_ngram=3, num_draft_tokens=args.lookup_tokens
+            ),
         }
         # The oracle knows HF's greedy continuation; in bf16 the tree forward's rounding differs
         # from step-by-step decoding, so there even the oracle is sometimes (rightly) rejected.

@@ -41,7 +41,7 @@ def test_prompt_lookup_merges_matches_most_recent_first() -> None:
 
 def test_prompt_lookup_prefers_longer_ngrams_and_respects_min_ngram() -> None:
     sequence = torch.tensor([7, 8, 1, 9, 8, 2, 7, 8])
-    longest = PromptLookupDrafter(max_ngram=2, num_draft_tokens=2)
+    longest = PromptLookupDrafter(min_ngram=1, max_ngram=2, num_draft_tokens=2)
     longest.begin(sequence)
     assert as_lists(longest.propose(sequence)) == ([1, 9], [-1, 0])  # [7, 8] beats [8]
     only_long = PromptLookupDrafter(min_ngram=3, max_ngram=3)
@@ -69,7 +69,7 @@ def test_prompt_lookup_index_equals_the_plain_scan() -> None:
 
 
 def test_prompt_lookup_restarts_cleanly() -> None:
-    drafter = PromptLookupDrafter(num_draft_tokens=2)
+    drafter = PromptLookupDrafter(min_ngram=1, num_draft_tokens=2)
     first = torch.tensor([3, 4, 5, 3])
     drafter.begin(first)
     assert as_lists(drafter.propose(first)) == ([4, 5], [-1, 0])
@@ -115,7 +115,7 @@ def test_adversarial_never_proposes_the_right_first_token() -> None:
 
 def test_prompt_lookup_adapts_its_draft_length_to_acceptance() -> None:
     sequence = torch.tensor([5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1])  # [1] matched: 2 3 4 5 ... follows
-    drafter = PromptLookupDrafter(num_draft_tokens=6, max_nodes=6)
+    drafter = PromptLookupDrafter(min_ngram=1, num_draft_tokens=6, max_nodes=6)
     drafter.begin(sequence)
     no_hidden: tuple[torch.Tensor, ...] = ()
     drafter.observe(sequence[1:], no_hidden)  # the prefill's observation changes nothing
@@ -124,7 +124,7 @@ def test_prompt_lookup_adapts_its_draft_length_to_acceptance() -> None:
     assert drafter.propose(sequence).size == 5
     drafter.observe(torch.tensor([2, 3, 4, 5, 6, 0]), no_hidden)  # all 5 accepted: grow by two
     assert drafter.propose(sequence).size == 6  # capped at num_draft_tokens
-    fixed = PromptLookupDrafter(num_draft_tokens=6, max_nodes=6, adaptive=False)
+    fixed = PromptLookupDrafter(min_ngram=1, num_draft_tokens=6, max_nodes=6, adaptive=False)
     fixed.begin(sequence)
     fixed.propose(sequence)
     fixed.observe(torch.tensor([0]), no_hidden)

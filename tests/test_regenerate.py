@@ -55,7 +55,9 @@ def test_regenerate_writes_every_conversation_once(
 ) -> None:
     manifest = regenerate(tiny_chat_target, items(), tmp_path, OPTIONS, mix={"test": 8})
     rows = read_all(tmp_path)
-    assert [row["id"] for row in rows] == [item.id for item in items()]
+    assert sorted(row["id"] for row in rows) == sorted(item.id for item in items())
+    listed = [row["id"] for row in read_jsonl(tmp_path / "prompts.jsonl")]
+    assert [row["id"] for row in rows] == listed  # shards follow prompts.jsonl
     assert manifest["complete"] and manifest["rows"] == 8
     multi = next(row for row in rows if row["id"] == "t/0")
     roles = [m["role"] for m in multi["messages"]]  # type: ignore[index, union-attr]
@@ -73,22 +75,34 @@ def test_resume_after_crash_equals_uninterrupted_run(
     reference = tmp_path / "reference"
     regenerate(tiny_chat_target, items(), reference, OPTIONS, mix={"test": 8})
     real_answer_batch = regenerate_module.answer_batch
-    calls = {"n": 0}
+    resumed = tmp_path / "resumed"
 
-    def crash_on_fourth_batch(*args: object, **kwargs: object) -> object:
-        calls["n"] += 1
-        if calls["n"] == 4:
+    def crash_in_second_shard(*args: object, **kwargs: object) -> object:
+        if len(list((resumed / "data").glob("part-*.jsonl"))) == 1:
             raise KeyboardInterrupt  # killed in the middle of the second shard
         return real_answer_batch(*args, **kwargs)  # type: ignore[arg-type]
 
-    resumed = tmp_path / "resumed"
-    monkeypatch.setattr(regenerate_module, "answer_batch", crash_on_fourth_batch)
+    monkeypatch.setattr(regenerate_module, "answer_batch", crash_in_second_shard)
     with pytest.raises(KeyboardInterrupt):
         regenerate(tiny_chat_target, items(), resumed, OPTIONS, mix={"test": 8})
     assert len(list((resumed / "data").glob("part-*.jsonl"))) == 1  # only complete shards
     monkeypatch.setattr(regenerate_module, "answer_batch", real_answer_batch)
     regenerate(tiny_chat_target, items(), resumed, OPTIONS, mix={"test": 8})
     assert read_all(resumed) == read_all(reference)
+
+
+def test_prompt_list_is_shuffled_so_every_shard_mixes_sources(
+    tiny_chat_target: Target, tmp_path: Path
+) -> None:
+    """Sources arrive grouped; a run stopped after a few shards must still hold all of them."""
+    grouped = [PromptItem(f"{source}/{i}", source, ["hi"]) for source in "abc" for i in range(6)]
+    options = RegenerateOptions(max_new_tokens=2, batch_size=6, shard_size=6)
+    regenerate(tiny_chat_target, grouped, tmp_path, options, mix={"a": 6, "b": 6, "c": 6})
+    first = read_jsonl(tmp_path / "data" / "part-00000.jsonl")
+    assert len({row["source"] for row in first}) > 1
+    again = tmp_path / "again"
+    regenerate(tiny_chat_target, grouped, again, options, mix={"a": 6, "b": 6, "c": 6})
+    assert read_jsonl(again / "prompts.jsonl") == read_jsonl(tmp_path / "prompts.jsonl")
 
 
 def test_resume_with_other_settings_is_refused(tiny_chat_target: Target, tmp_path: Path) -> None:

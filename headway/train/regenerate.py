@@ -6,7 +6,8 @@ regenerated data), so every assistant turn of the training data is written by th
 Layout of an output folder::
 
     manifest.json            settings, target fingerprint, prompt mix, counts (rewritten as it goes)
-    prompts.jsonl            the full, ordered prompt list (self-instruct prompts included)
+    prompts.jsonl            the full prompt list (self-instruct prompts included), shuffled with
+                             the seed so every shard, and so any finished prefix, mixes all sources
     self-instruct/part-*.jsonl   the target's answers to the self-instruct meta prompts
     data/part-*.jsonl        the training conversations (``messages`` rows, loadable as data)
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -268,6 +270,7 @@ def regenerate(
             target, meta, out_dir / "self-instruct", meta_options, desc="self-instruct"
         )
         direct += prompts_from_self_instruct(meta_rows)
+    random.Random(options.seed).shuffle(direct)
     prompts = _load_or_write_prompts(out_dir / "prompts.jsonl", direct)
     rows = run_shards(target, prompts, out_dir / "data", options, desc="regenerate")
     manifest = {
