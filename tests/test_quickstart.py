@@ -10,9 +10,10 @@ import torch
 
 from headway.cli import main
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
+from headway.decode.merged import MergedDrafter, tree_paths
 from headway.decode.tree import chain
 from headway.eval.calibrate import choose_threshold
-from headway.eval.quickstart_drafter import ConfidentMedusaDrafter, MergedDrafter, tree_paths
+from headway.heads.drafter_confident import ConfidentMedusaDrafter
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 
 

@@ -215,7 +215,7 @@ class _Pipeline:
 
 def _sources(drafter: Any) -> dict[str, int]:
     """Accepted drafted tokens per source of a merged drafter (warm-up included)."""
-    from headway.eval.quickstart_drafter import ConfidentMedusaDrafter
+    from headway.heads.drafter_confident import ConfidentMedusaDrafter
 
     counts = getattr(drafter, "accepted_by_source", None)
     if counts is None:

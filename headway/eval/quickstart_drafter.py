@@ -2,12 +2,13 @@
 
 - The heads are read back from the *exported* folder (:func:`headway.heads.export.import_medusa`),
   so the evaluation also proves that the export loads.
-- :class:`ConfidentMedusaDrafter` drafts the heads' top-1 chain only while its probability stays
-  above a threshold calibrated on held-out data (:mod:`headway.eval.calibrate`), over a draft
-  vocabulary of the training data's most frequent tokens (a cheaper ``[V', H]`` projection).
-- :class:`MergedDrafter` proposes the union of several drafters' trees, merged as a prefix tree
-  (:func:`headway.decode.drafters.trie_tree`) within a node budget, the first drafter's paths
-  first, and counts which drafter proposed each accepted token.
+- :class:`~headway.heads.drafter_confident.ConfidentMedusaDrafter` drafts the heads' top-1
+  chain only while its probability stays above a threshold calibrated on held-out data
+  (:mod:`headway.eval.calibrate`), over a draft vocabulary of the training data's most frequent
+  tokens (a cheaper ``[V', H]`` projection).
+- :class:`~headway.decode.merged.MergedDrafter` proposes the union of several drafters' trees,
+  merged as a prefix tree within a node budget, the first drafter's paths first, and counts which
+  drafter proposed each accepted token.
 
 Drafts never affect what is committed (the float32 target verifies every token), so none of this
 touches exactness; it only decides how much verification work is spent, and on what.
@@ -22,12 +23,11 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from headway.decode.drafters import PromptLookupDrafter, trie_tree
+from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.generate import Drafter
-from headway.decode.tree import DraftTree, chain, empty_tree, root_to_leaf_paths
+from headway.decode.merged import MergedDrafter
 from headway.errors import HeadwayError
 from headway.eval.calibrate import (
     GateCalibration,
@@ -35,6 +35,7 @@ from headway.eval.calibrate import (
     head1_scores,
     verify_break_even,
 )
+from headway.heads.drafter_confident import ConfidentMedusaDrafter
 from headway.heads.drafter_medusa import check_final_hidden, final_hidden_layer
 from headway.heads.export import import_medusa
 from headway.heads.medusa import MedusaHead, MedusaHeads
@@ -42,139 +43,9 @@ from headway.target import Target, resolve_dtype
 from headway.train.regenerate import read_jsonl
 
 __all__ = [
-    "ConfidentMedusaDrafter",
-    "MergedDrafter",
     "build_quickstart_drafter",
     "draft_vocabulary",
-    "tree_paths",
 ]
-
-
-def tree_paths(tree: DraftTree) -> list[list[int]]:
-    """The token sequences of every root-to-leaf path of ``tree`` (none for an empty tree)."""
-    if tree.size == 0:
-        return []
-    tokens = tree.tokens.tolist()
-    return [[tokens[block - 1] for block in path[1:]] for path in root_to_leaf_paths(tree.parents)]
-
-
-class ConfidentMedusaDrafter:
-    """Medusa heads drafting only what they are sure of: a chain of each head's top-1 token, cut
-    where the product of the heads' probabilities falls below ``threshold`` (often empty).
-
-    Why: on a CPU, verifying even one drafted token costs ~1.6x a plain forward (small-M matrix
-    products), so a draft pays only when it is likely accepted; an empty draft costs nothing
-    beyond the heads. The same reasoning as EAGLE-2's confidence-scored trees (Li et al. 2024),
-    applied to a chain. ``vocab`` optionally restricts the heads' output to the given token ids
-    (e.g. the most frequent tokens of the training data, as EAGLE-3 / FR-Spec do), which makes
-    the heads' ``[V, H]`` projection that much cheaper; probabilities are then normalised over
-    that vocabulary.
-
-    Args:
-        heads: trained :class:`~headway.heads.medusa.MedusaHeads` (any dtype, target's device).
-        hidden_layer: index of the LM head's input in ``output_hidden_states``.
-        threshold: minimum cumulative probability of a drafted token.
-        max_depth: heads used at most (chain length).
-        vocab: optional LongTensor ``[V']`` of target token ids the heads may propose.
-    """
-
-    def __init__(
-        self,
-        heads: MedusaHeads,
-        *,
-        hidden_layer: int,
-        threshold: float,
-        max_depth: int,
-        vocab: Tensor | None = None,
-    ) -> None:
-        if not 0 < threshold <= 1 or not 1 <= max_depth <= heads.config.num_heads:
-            raise ValueError(
-                f"need 0 < threshold <= 1 and 1 <= max_depth <= {heads.config.num_heads}, got "
-                f"{threshold} and {max_depth}"
-            )
-        self.hidden_layers: tuple[int, ...] = (hidden_layer,)
-        self.threshold, self.vocab = threshold, vocab
-        used = [cast(MedusaHead, head) for head in list(heads.heads)[:max_depth]]
-        self.blocks = [head.blocks for head in used]
-        weights = [head.lm_head.weight for head in used]
-        self.weights = [w if vocab is None else w[vocab.to(w.device)].contiguous() for w in weights]
-        self._last_hidden: Tensor | None = None
-
-    def begin(self, prompt_ids: Tensor) -> None:
-        self._last_hidden = None
-
-    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
-        """Keep the state that predicted the next root, as
-        :class:`~headway.heads.drafter_medusa.MedusaDrafter` does."""
-        self._last_hidden = hidden[0][-1]
-
-    @torch.inference_mode()
-    def propose(self, sequence: Tensor) -> DraftTree:
-        """Top-1 tokens of heads 1, 2, ... while their cumulative probability >= threshold."""
-        if self._last_hidden is None:
-            return empty_tree()
-        hidden = self._last_hidden.to(self.weights[0].dtype)
-        tokens: list[int] = []
-        confidence = 1.0
-        for blocks, weight in zip(self.blocks, self.weights, strict=True):
-            z = hidden
-            for block in blocks:
-                z = block(z)
-            probs = torch.softmax(F.linear(z, weight).float(), dim=-1)
-            best = int(probs.argmax())
-            confidence *= float(probs[best])
-            if confidence < self.threshold:
-                break
-            tokens.append(best if self.vocab is None else int(self.vocab[best]))
-        return chain(tokens)
-
-
-class MergedDrafter:
-    """Several drafters as one: each proposes, and their trees are merged into one prefix tree of
-    at most ``max_nodes`` nodes, earlier drafters' paths first. Each drafter observes exactly the
-    hidden states it asked for. ``accepted_by_source[i]`` counts the accepted drafted tokens that
-    drafter i proposed (credited to the first drafter whose path holds them).
-
-    Args:
-        drafters: the drafters, in priority order.
-        max_nodes: node budget of the merged tree.
-    """
-
-    def __init__(self, drafters: Sequence[Drafter], *, max_nodes: int) -> None:
-        if not drafters or max_nodes < 1:
-            raise ValueError("MergedDrafter needs at least one drafter and max_nodes >= 1")
-        self.drafters = list(drafters)
-        self.max_nodes = max_nodes
-        self.hidden_layers: tuple[int, ...] = tuple(
-            sorted({layer for drafter in drafters for layer in drafter.hidden_layers})
-        )
-        self.accepted_by_source = [0] * len(self.drafters)
-        self._proposed: list[list[list[int]]] | None = None
-
-    def begin(self, prompt_ids: Tensor) -> None:
-        for drafter in self.drafters:
-            drafter.begin(prompt_ids)
-
-    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
-        self._credit(new_tokens.tolist()[:-1])
-        for drafter in self.drafters:
-            own = tuple(hidden[self.hidden_layers.index(layer)] for layer in drafter.hidden_layers)
-            drafter.observe(new_tokens, own)
-
-    def propose(self, sequence: Tensor) -> DraftTree:
-        self._proposed = [tree_paths(drafter.propose(sequence)) for drafter in self.drafters]
-        return trie_tree([path for paths in self._proposed for path in paths], self.max_nodes)
-
-    def _credit(self, accepted: list[int]) -> None:
-        """Credit the accepted drafted tokens of the last step to the first drafter that proposed
-        them (nothing after the prefill, which follows no proposal)."""
-        proposed, self._proposed = self._proposed, None
-        if proposed is None or not accepted:
-            return
-        for index, paths in enumerate(proposed):
-            if any(path[: len(accepted)] == accepted for path in paths):
-                self.accepted_by_source[index] += len(accepted)
-                return
 
 
 def _heads_from_export(export_dir: Path, target: Target, dtype: str) -> MedusaHeads:
