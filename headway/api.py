@@ -55,7 +55,10 @@ def load_drafter(
     source: str | Path, target: Target, *, force: bool = False, **options: Any
 ) -> Drafter:
     """``"prompt-lookup"`` or a folder of trained heads (checked against the target's
-    fingerprint; `force` accepts a mismatch). `options` go to the drafter (e.g. ``choices``)."""
+    fingerprint; `force` accepts a mismatch). `options` go to the drafter (e.g. ``choices``).
+
+    A Medusa-2 run merges its LoRA adapter into ``target.model`` in place (logged): the output is
+    then the merged model's, so compare it with plain decoding of this same ``target``."""
     if str(source) == "prompt-lookup":
         return PromptLookupDrafter(**options)
     return load_heads_drafter(source, target.model, force=force, **options)

@@ -192,6 +192,8 @@ def evaluate(method: Any, loader: Any, features: Any, accelerator: Accelerator) 
 
 
 def _feature_source(config: RunConfig, target: Target, layers: tuple[int, ...]) -> Any:
+    if not layers:  # the method runs the target itself (medusa2): no extra frozen forward
+        return lambda batch: {}
     if config.data.features == "offline":
         return partial(cached_hidden, layers=layers)
     return OnlineFeatures(target.model, layers)
@@ -263,7 +265,8 @@ def train(config: RunConfig, *, resume: bool = False) -> Path:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_text_atomic(run_dir / "training_summary.json", json.dumps(summary, indent=2))
-        head_config, state = accelerator.unwrap_model(method).export()
+        trained = accelerator.unwrap_model(method)
+        head_config, state = trained.export()
         save_heads(
             run_dir,
             method=config.train.method,
@@ -272,6 +275,9 @@ def train(config: RunConfig, *, resume: bool = False) -> Path:
             target_fingerprint=fingerprint(target.model),
             target_name=config.target.name,
         )
+        save_extra = getattr(trained, "save_extra", None)  # optional Method hook (methods.py)
+        if save_extra is not None:
+            save_extra(run_dir)
     accelerator.end_training()
     return run_dir
 
