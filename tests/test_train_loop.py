@@ -91,10 +91,20 @@ def test_training_saves_heads_checkpoints_eval_and_summary(workspace: Path) -> N
     assert summary["num_processes"] == 1 and summary["peak_memory_mb_per_process"][0] > 0
 
 
+@pytest.mark.parametrize(
+    "method",
+    [
+        ["train.method=medusa1"],
+        # EAGLE-1's feature noise draws from the global RNG in every step.
+        ["train.method=eagle1", "eagle.feature_noise=0.2"],
+    ],
+    ids=["medusa1", "eagle1-noise"],
+)
 def test_resume_after_stop_reproduces_uninterrupted_weights(
-    workspace: Path, monkeypatch: pytest.MonkeyPatch
+    workspace: Path, monkeypatch: pytest.MonkeyPatch, method: list[str]
 ) -> None:
-    uninterrupted = loop.train(config_for(workspace, "full"))
+    name = method[0].split("=")[1]
+    uninterrupted = loop.train(config_for(workspace, f"full-{name}", *method))
 
     def stop_at_step_three(progress: loop.Progress) -> None:
         if progress.step == 3:
@@ -102,11 +112,11 @@ def test_resume_after_stop_reproduces_uninterrupted_weights(
 
     monkeypatch.setattr(loop, "after_checkpoint", stop_at_step_three)
     with pytest.raises(KeyboardInterrupt):
-        loop.train(config_for(workspace, "stopped"))
+        loop.train(config_for(workspace, f"stopped-{name}", *method))
     monkeypatch.setattr(loop, "after_checkpoint", lambda progress: None)
     with pytest.raises(loop.TrainingError, match="--resume"):
-        loop.train(config_for(workspace, "stopped"))
-    resumed = loop.train(config_for(workspace, "stopped"), resume=True)
+        loop.train(config_for(workspace, f"stopped-{name}", *method))
+    resumed = loop.train(config_for(workspace, f"stopped-{name}", *method), resume=True)
     expected, actual = weights(uninterrupted), weights(resumed)
     assert expected.keys() == actual.keys()
     for name in expected:

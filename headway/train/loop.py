@@ -16,7 +16,7 @@ import os
 import resource
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -149,16 +149,39 @@ def _save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int) -> None
 
 
 def _epochs(loader: Any, accelerator: Accelerator, progress: Progress) -> Iterator[Any]:
-    """Batches forever, epoch after epoch, starting at the saved position of the saved epoch."""
+    """Batches forever, epoch after epoch, starting at the saved position of the saved epoch.
+
+    Fetching batches leaves the global RNG untouched (:func:`_rng_neutral`): a DataLoader draws a
+    seed from it whenever an epoch's iterator starts, and a resumed run starts its iterator at
+    another moment than the uninterrupted run did, so any randomness of the training step
+    (dropout, feature noise) would otherwise differ after ``--resume``. The order itself comes
+    from accelerate's sampler, seeded by ``train.seed`` and the epoch.
+    """
     while True:
         loader.set_epoch(progress.epoch)
         skip = progress.batches_in_epoch
         epoch_loader = accelerator.skip_first_batches(loader, skip) if skip else loader
-        for batch in epoch_loader:
+        for batch in _rng_neutral(epoch_loader):
             progress.batches_in_epoch += 1
             yield batch
         progress.epoch += 1
         progress.batches_in_epoch = 0
+
+
+def _rng_neutral(loader: Iterable[Any]) -> Iterator[Any]:
+    """Iterate ``loader`` with the global CPU RNG restored after every fetch."""
+    state = torch.get_rng_state()
+    iterator = iter(loader)
+    torch.set_rng_state(state)
+    while True:
+        state = torch.get_rng_state()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        finally:
+            torch.set_rng_state(state)
+        yield batch
 
 
 def _check_finite(loss: Tensor, progress: Progress) -> None:
