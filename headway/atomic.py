@@ -3,17 +3,30 @@
 Everything headway writes that a later run reads (checkpoints, shards, regenerated data, exports,
 conversion caches) goes through a temporary name in the same folder and an ``os.replace``/rename,
 so a kill at any moment leaves either the old complete file or the new complete one.
+
+A SIGKILL cannot clean up, so temporary names carry the writer's process id
+(``.NAME.KIND-PID-RANDOM``); the next write of the same path removes those whose writer is no
+longer running (:func:`remove_stale`), and restores a folder that a killed :func:`atomic_dir` had
+moved aside but not yet replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import re
 import shutil
-import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+# Temporary names written before the pid was part of them have no owner to ask; they count as
+# stale once they are older than this process.
+_STARTED = time.time()
+_OWNED = re.compile(r"-(\d+)-[0-9a-f]+$")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -21,19 +34,71 @@ def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def temporary_name(path: Path, kind: str) -> Path:
+    """``.NAME.KIND-PID-RANDOM`` beside `path`: hidden, unique, and naming its writer."""
+    return path.parent / f".{path.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists on this machine (signal 0 checks without sending)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        return True
+    return True
+
+
+def _is_stale(candidate: Path) -> bool:
+    owner = _OWNED.search(candidate.name)
+    if owner is None:
+        return 0.0 < _mtime(candidate) < _STARTED
+    pid = int(owner.group(1))
+    return pid != os.getpid() and not _running(pid)
+
+
+def _mtime(candidate: Path) -> float:
+    try:
+        return candidate.lstat().st_mtime
+    except FileNotFoundError:  # removed meanwhile by another writer's cleanup
+        return 0.0
+
+
+def _stale(path: Path, kind: str) -> list[Path]:
+    """The ``.NAME.KIND-*`` temporaries of `path` whose writer is gone, newest first."""
+    pattern = glob.escape(f".{path.name}.{kind}-") + "*"
+    stale = [candidate for candidate in path.parent.glob(pattern) if _is_stale(candidate)]
+    return sorted(stale, key=_mtime, reverse=True)
+
+
+def remove_stale(path: Path, kind: str) -> list[Path]:
+    """Remove the ``.NAME.KIND-*`` leftovers of writers of `path` that were killed (their process
+    is gone); live writers' temporaries are kept. Returns what was removed.
+
+    Args:
+        path: the final file or folder.
+        kind: the temporary-name kind, e.g. ``"tmp"``, ``"staging"``, ``"saving"``.
+    """
+    removed = []
+    for candidate in _stale(path, kind):
+        if candidate.is_dir() and not candidate.is_symlink():
+            shutil.rmtree(candidate, ignore_errors=True)
+        else:
+            candidate.unlink(missing_ok=True)
+        removed.append(candidate)
+    return removed
 
 
 def _temporary_file(path: Path) -> tuple[int, str]:
-    """A temporary file beside `path` with the permissions a plain ``open()`` would give
-    (``mkstemp`` makes it owner-only, which would leak into the final file)."""
+    """A new temporary file beside `path`, opened for writing, with the permissions a plain
+    ``open()`` would give (0o666 less the umask; ``mkstemp``'s owner-only mode would leak into
+    the final file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    Path(temporary).chmod(0o666 & ~_umask())
-    return handle, temporary
+    remove_stale(path, "tmp")
+    temporary = temporary_name(path, "tmp")
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    return handle, str(temporary)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -76,16 +141,18 @@ def atomic_dir(path: Path, *, overwrite: bool = False) -> Iterator[Path]:
     With `overwrite`, an existing `path` is replaced (moved aside, then deleted) only once the new
     folder is complete; without it, an existing `path` raises ``FileExistsError``.
     """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _recover(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists")
-    path.parent.mkdir(parents=True, exist_ok=True)
     # mkdir, not mkdtemp (which makes it owner-only): the folder gets the usual permissions.
-    staging = path.parent / f".{path.name}.staging-{uuid.uuid4().hex[:12]}"
+    staging = temporary_name(path, "staging")
     staging.mkdir()
     try:
         yield staging
         if path.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+            retired = temporary_name(path, "old")
+            retired.mkdir()
             path.rename(retired / "old")
             staging.rename(path)
             shutil.rmtree(retired, ignore_errors=True)
@@ -93,3 +160,17 @@ def atomic_dir(path: Path, *, overwrite: bool = False) -> Iterator[Path]:
             staging.rename(path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _recover(path: Path) -> None:
+    """Undo what killed :func:`atomic_dir` calls on `path` left: a writer killed between moving
+    the old folder aside and renaming the new one in left no `path`; the old one comes back.
+    Then stale staging and retired folders are removed."""
+    if not path.exists():
+        for retired in _stale(path, "old"):
+            if (retired / "old").is_dir():
+                with contextlib.suppress(OSError):  # another process restored it first
+                    (retired / "old").rename(path)
+                break
+    remove_stale(path, "old")
+    remove_stale(path, "staging")

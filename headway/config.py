@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -313,6 +314,7 @@ def parse_section(section_type: type[T], values: Mapping[str, Any], *, where: st
     """
     fields = _field_types(section_type)
     argv: list[str] = []
+    given: dict[str, list[str]] = {}
     nulls: list[str] = []
     empties: list[str] = []
     for key, value in values.items():
@@ -325,13 +327,18 @@ def parse_section(section_type: type[T], values: Mapping[str, Any], *, where: st
             continue
         if isinstance(value, str) and _is_list(fields[key]):
             value = [item for item in value.split(",") if item]
-        tokens = _as_argument(value)
+        try:
+            tokens = _as_argument(value)
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {name}.{key}: {error}") from None
         if not tokens:
             if not _is_list(fields[key]):
                 raise ConfigError(f"{where}: {name}.{key} has an empty value")
             empties.append(key)  # argparse cannot express an empty list; set it afterwards
             continue
-        argv += [f"--{key}", *tokens]
+        given[key] = tokens
+        # `--key=value` keeps a value that looks like an option ('-inf', '--') a value.
+        argv += [f"--{key}={tokens[0]}"] if len(tokens) == 1 else [f"--{key}", *tokens]
     parser = _SectionParser(section_type, where, name)
     try:
         namespace, remaining = parser.parse_known_args(argv)
@@ -340,10 +347,21 @@ def parse_section(section_type: type[T], values: Mapping[str, Any], *, where: st
     except Exception as error:  # argparse.ArgumentError and type conversion failures
         raise ConfigError(f"{where}: {_readable(str(error), name)}") from error
     if remaining:
-        raise ConfigError(f"{where}: {name}: could not use {remaining}")
+        keys = [f"{name}.{key}" for key, tokens in given.items() if set(tokens) & set(remaining)]
+        raise ConfigError(
+            f"{where}: {', '.join(keys) or name}: could not use {remaining}; give one value per "
+            "key (a list only where the key takes one)"
+        )
     kwargs = {key: getattr(namespace, key) for key in fields}
     kwargs.update(dict.fromkeys(nulls))
     kwargs.update({key: [] for key in empties})
+    for key, value in kwargs.items():
+        # argparse's float() takes 'nan' and 'inf'; no hyper-parameter can be either.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}: {name}.{key}={value} must be a finite number")
+        # argparse drops a '--' value, leaving [] where one value was expected.
+        if isinstance(value, list) and not _is_list(fields[key]):
+            raise ConfigError(f"{where}: {name}.{key}: cannot read {given[key]} as one value")
     try:
         return section_type(**kwargs)
     except ConfigError as error:
@@ -372,12 +390,18 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError as error:
         raise ConfigError(f"config file {path} does not exist") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{path}: byte {error.start + 1} is not UTF-8; save the recipe as UTF-8 text"
+        ) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(
-            f"{path}{line}: invalid YAML ({getattr(error, 'problem', error)})"
-        ) from error
+        # ReaderError (a control character) has no `problem`, and its str() spans two lines.
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"{path}{line}: invalid YAML ({problem})") from error
+    except (ValueError, RecursionError) as error:  # e.g. a date such as 2001-13-01
+        raise ConfigError(f"{path}: invalid YAML value ({error})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 import headway
+from headway.atomic import remove_stale, temporary_name
 from headway.decode.generate import Drafter
 from headway.errors import HeadwayError
 from headway.heads.drafter_eagle import EagleDrafter, build_eagle_drafter
@@ -128,7 +129,10 @@ def _build_medusa(loaded: LoadedHeads, model: Any, **options: Any) -> MedusaDraf
     heads.to(device=lm_head.device, dtype=lm_head.dtype)
     layer = final_hidden_layer(model)
     check_final_hidden(model, layer)
-    return MedusaDrafter(heads, hidden_layer=layer, **options)
+    try:
+        return MedusaDrafter(heads, hidden_layer=layer, **options)
+    except ValueError as error:  # a tree (choices) these heads or this vocabulary cannot fill
+        raise HeadsError(f"Medusa drafter: {error}; change the tree (choices, --tree)") from error
 
 
 def _eagle_shapes(head_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -207,11 +211,13 @@ def staged_directory(directory: str | Path) -> Iterator[Path]:
     """Yield an empty staging folder beside ``directory``; write files there. On success they move
     into ``directory``: the whole folder is renamed into place if ``directory`` does not exist,
     else each file is replaced (``os.replace``), ``config.json`` last. On an exception nothing
-    moves and the staging folder is removed."""
+    moves and the staging folder is removed; staging folders of killed saves
+    (``.NAME.saving-PID-*`` whose process is gone) are removed by the next save."""
     final = Path(directory)
     final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(final, "saving")  # left by saves that were killed (SIGKILL cannot clean up)
     # mkdir (not mkdtemp, which makes it 0700) so the folder gets the usual permissions.
-    staging = final.parent / f".{final.name}.saving-{uuid.uuid4().hex[:12]}"
+    staging = temporary_name(final, "saving")
     staging.mkdir()
     try:
         yield staging

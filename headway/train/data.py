@@ -96,7 +96,9 @@ def build_dataset(
     kept = tokenized.filter(lambda reason: not reason, input_columns="skip_reason")
     report.samples = len(kept)
     if not report.samples:
-        raise DataError(no_samples_message(report))
+        too_short = f", or raise data.max_length (now {max_length})"
+        hint = too_short if report.skipped[NO_TRAINED_TOKEN] else ""
+        raise DataError(no_samples_message(report) + hint)
     report.truncated = sum(kept["truncated"])
     report.tokens = sum(len(ids) for ids in kept["input_ids"])
     report.trained_tokens = sum(sum(mask) for mask in kept["loss_mask"])

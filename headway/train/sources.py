@@ -86,7 +86,10 @@ def load_conversations(
 def no_samples_message(report: DataReport) -> str:
     """The one-line error for a source that yields nothing usable."""
     if not report.rows_read:
-        return f"{report.source}: no rows; the file is empty"
+        return (
+            f"{report.source}: no rows (the file is empty); write one JSON object per line, or "
+            "point data.sources at another file"
+        )
     return (
         f"{report.source}: no usable samples ({report.rows_read} rows read; skipped "
         f"{report.skipped_summary()}); fix the rows or use another source"
@@ -128,7 +131,23 @@ def _parse_text(text: object, location: str) -> str:
         )
     if not text.strip():
         raise BadRowError(location, "empty text", "'text' is empty; drop the row")
+    _check_encodable(text, location, "'text'")
     return text
+
+
+def _check_encodable(text: str, location: str, what: str) -> None:
+    """Reject strings holding a lone surrogate: JSON allows the escape (``"\\ud800"``), but it
+    is not a character, so no tokenizer or Arrow column can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        code = ord(text[error.start])
+        raise BadRowError(
+            location,
+            "invalid Unicode",
+            f"{what} holds an unpaired surrogate escape \\u{code:04x} (character "
+            f"{error.start + 1}), which is not text; replace the escape or drop the row",
+        ) from None
 
 
 def _parse_messages(
@@ -189,6 +208,7 @@ def _parse_message(
             f"message {number} '{content_key}' is a {_json_type(content)}, not a string; join "
             "its text parts into one string (tool calls and images are not supported)",
         )
+    _check_encodable(content, location, f"message {number} '{content_key}'")
     return Message(role=roles[role], content=content)
 
 
@@ -249,16 +269,26 @@ def _iter_jsonl(path: Path) -> Iterator[RawRow]:
                 continue
             try:
                 yield location, json.loads(line)
-            except json.JSONDecodeError as error:
+            except (ValueError, RecursionError) as error:  # JSONDecodeError is a ValueError
                 yield (
                     location,
                     BadRowError(
                         location,
                         "invalid JSON",
-                        f"invalid JSON ({error.msg} at column {error.colno}); each line of a "
-                        ".jsonl file must be one JSON object",
+                        f"invalid JSON ({_json_problem(error)}); each line of a .jsonl file must "
+                        "be one JSON object",
                     ),
                 )
+
+
+def _json_problem(error: ValueError | RecursionError) -> str:
+    """What stopped ``json.loads``: a syntax error (with its column), a value nested too deeply
+    for the parser, or an integer too long to convert (Python's digit limit)."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg} at column {error.colno}"
+    if isinstance(error, RecursionError):
+        return "values nested too deeply"
+    return str(error).split(":")[0]
 
 
 def _iter_json_array(path: Path) -> Iterator[RawRow]:
@@ -274,9 +304,10 @@ def _iter_json_array(path: Path) -> Iterator[RawRow]:
         ) from None
     try:
         rows = json.loads(text)
-    except json.JSONDecodeError as error:
+    except (ValueError, RecursionError) as error:
+        at_line = f":{error.lineno}" if isinstance(error, json.JSONDecodeError) else ""
         raise DataError(
-            f"{path}:{error.lineno}: invalid JSON ({error.msg} at column {error.colno}); "
+            f"{path}{at_line}: invalid JSON ({_json_problem(error)}); "
             "fix the file or write one row per line as .jsonl"
         ) from None
     if not isinstance(rows, list):
