@@ -159,6 +159,17 @@ class MedusaSection:
     heads_loss_weight: float = field(
         default=0.2, metadata=_help("medusa2: weight of the heads' loss beside the backbone KL")
     )
+    lora_dropout: float = field(
+        default=0.05, metadata=_help("medusa2: dropout on the LoRA branch's input")
+    )
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        metadata=_help("medusa2: names (suffixes) of the target's linear layers that get LoRA"),
+    )
+    backbone_weight: float = field(
+        default=1.0,
+        metadata=_help("medusa2: weight of KL(frozen target || LoRA-tuned target) in the loss"),
+    )
 
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_layers < 0:
@@ -167,6 +178,13 @@ class MedusaSection:
             raise ConfigError(f"medusa.loss_decay={self.loss_decay} must be in (0, 1]")
         if self.lora_r < 1 or self.head_lr_multiplier <= 0 or self.heads_loss_weight <= 0:
             raise ConfigError("medusa.lora_r, head_lr_multiplier, heads_loss_weight must be > 0")
+        if self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1 or self.backbone_weight < 0:
+            raise ConfigError(
+                "medusa.lora_alpha must be > 0, medusa.lora_dropout in [0, 1) and "
+                "medusa.backbone_weight >= 0"
+            )
+        if not self.lora_target_modules:
+            raise ConfigError("medusa.lora_target_modules is empty; name e.g. q_proj,v_proj")
 
 
 @dataclass
@@ -237,6 +255,12 @@ class Eagle3Section:
             )
 
 
+MEDUSA2_NEEDS_ONLINE = (
+    "data.features=offline cannot train medusa2: its heads read the LoRA-tuned target's hidden "
+    "states, recomputed with gradients in every step; set data.features=online"
+)
+
+
 @dataclass
 class RunConfig:
     """A training run: target, data, loop, and the drafter's own section."""
@@ -247,6 +271,10 @@ class RunConfig:
     medusa: MedusaSection = field(default_factory=MedusaSection)
     eagle: EagleSection = field(default_factory=EagleSection)
     eagle3: Eagle3Section = field(default_factory=Eagle3Section)
+
+    def __post_init__(self) -> None:
+        if self.train.method == "medusa2" and self.data.features != "online":
+            raise ConfigError(MEDUSA2_NEEDS_ONLINE)
 
 
 class _SectionParser(HfArgumentParser):

@@ -104,10 +104,15 @@ class MethodSpec:
         tensor_shapes: ``head_config -> {key: shape}``, every tensor the weights file must hold
             (raises ``ValueError`` for a bad config).
         build: ``(loaded, target_model, **options) -> Drafter`` on the target's device and dtype.
+        adapt_target: ``(run_dir, target_model) -> None`` for methods that change the target
+            itself (Medusa-2 merges its LoRA adapter into it, in place); :func:`load_drafter`
+            runs it after the fingerprint check (against the unchanged target) and after
+            ``build`` succeeded, so a refused drafter leaves the target as it was.
     """
 
     tensor_shapes: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]]
     build: Callable[..., Drafter]
+    adapt_target: Callable[[Path, Any], None] | None = None
 
 
 def _medusa_shapes(head_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -116,7 +121,7 @@ def _medusa_shapes(head_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def _build_medusa(loaded: LoadedHeads, model: Any, **options: Any) -> MedusaDrafter:
     """Medusa heads on the target's device and dtype, reading its last hidden state. Medusa-2
-    heads load the same way; they fit best the LoRA-tuned target they were trained with."""
+    heads load the same way, onto the target their adapter is merged into (``adapt_target``)."""
     config = MedusaConfig.from_dict(loaded.head_config)
     lm_head = model.get_output_embeddings().weight
     if tuple(lm_head.shape) != (config.vocab_size, config.hidden_size):
@@ -185,12 +190,18 @@ def _build_eagle3(loaded: LoadedHeads, model: Any, **options: Any) -> Eagle3Draf
     return build_eagle3(config, loaded.state_dict, model, **options)
 
 
+def _merge_medusa2_adapter(run_dir: Path, model: Any) -> None:
+    from headway.heads.medusa2 import merge_adapter  # it imports this module
+
+    merge_adapter(run_dir, model)
+
+
 _MEDUSA = MethodSpec(tensor_shapes=_medusa_shapes, build=_build_medusa)
 _EAGLE = MethodSpec(tensor_shapes=_eagle_shapes, build=_build_eagle)
 _EAGLE3 = MethodSpec(tensor_shapes=_eagle3_shapes, build=_build_eagle3)
 DRAFTER_METHODS: dict[str, MethodSpec] = {
     "medusa1": _MEDUSA,
-    "medusa2": _MEDUSA,
+    "medusa2": MethodSpec(_medusa_shapes, _build_medusa, adapt_target=_merge_medusa2_adapter),
     "eagle1": _EAGLE,
     "eagle3": _EAGLE3,
 }
@@ -438,7 +449,9 @@ def load_drafter(
             folder (:func:`is_eagle1_folder`, read by
             :func:`headway.heads.export_eagle.load_eagle1_drafter`) or an ``eagle3-hf`` folder
             (:func:`is_eagle3_folder`, :func:`headway.heads.export_eagle3.load_eagle3_drafter`).
-        target_model: the frozen Hugging Face causal LM to decode with.
+        target_model: the frozen Hugging Face causal LM to decode with. A ``medusa2`` run
+            merges its LoRA adapter into it, in place (:mod:`headway.heads.medusa2`): decode
+            and compare with this same, now merged, model.
         force: accept a target whose fingerprint differs (logged as a warning); sizes must still
             match.
         drafter_options: passed to the method's drafter, e.g. ``choices=...`` for Medusa.
@@ -458,4 +471,7 @@ def load_drafter(
     loaded = load_heads(directory)
     check_fingerprint(loaded.fingerprint, fingerprint(target_model), force=force)
     spec = DRAFTER_METHODS[loaded.method]
-    return spec.build(loaded, target_model, **drafter_options)
+    drafter = spec.build(loaded, target_model, **drafter_options)
+    if spec.adapt_target is not None:
+        spec.adapt_target(Path(directory), target_model)
+    return drafter

@@ -20,6 +20,7 @@ from headway.target import Target
 from headway.train.losses import LossOutput, medusa_loss
 from headway.train.method_eagle import Eagle1
 from headway.train.method_eagle3 import Eagle3
+from headway.train.method_medusa2 import Medusa2
 
 
 class Method(Protocol):
@@ -35,6 +36,9 @@ class Method(Protocol):
     def export(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
         """(head config, head state dict) for :func:`headway.heads.io.save_heads`."""
         ...
+
+    # Optional: ``save_extra(run_dir: Path) -> None`` writes files beyond the heads (Medusa-2's
+    # LoRA adapter) into the run directory, after ``save_heads``; write them staged/atomically.
 
 
 def last_layer(target: Target) -> int:
@@ -80,7 +84,12 @@ class Medusa1(nn.Module):
 
 
 MethodBuilder = Callable[[RunConfig, Target], nn.Module]
-METHODS: dict[str, MethodBuilder] = {"medusa1": Medusa1, "eagle1": Eagle1, "eagle3": Eagle3}
+METHODS: dict[str, MethodBuilder] = {
+    "medusa1": Medusa1,
+    "medusa2": Medusa2,
+    "eagle1": Eagle1,
+    "eagle3": Eagle3,
+}
 
 
 def build_method(config: RunConfig, target: Target) -> nn.Module:
