@@ -16,8 +16,9 @@ from headway.decode.generate import generate
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree, ancestor_mask
 from headway.heads.drafter_eagle import (
-    DEFAULT_TOTAL_TOKENS,
+    AUTO_CANDIDATES,
     EagleDrafter,
+    auto_total_tokens,
     build_eagle_drafter,
     select_nodes,
 )
@@ -280,12 +281,24 @@ def test_propose_before_observe_is_empty_and_begin_resets() -> None:
     assert fed(drafter, model, sequence).propose(sequence).tokens.tolist() == first.tokens.tolist()
 
 
+def test_tree_auto_times_the_target_and_weighs_the_assumed_gain() -> None:
+    model, _ = target_and_truth("llama")
+    flat = {size: 0.010 for size in AUTO_CANDIDATES}  # verify costs the same at every size
+    assert auto_total_tokens(model, seconds=flat.__getitem__) == AUTO_CANDIDATES[-1]
+    linear = {size: 0.001 * size for size in AUTO_CANDIDATES}  # cost grows faster than gain
+    assert auto_total_tokens(model, seconds=linear.__getitem__) == AUTO_CANDIDATES[0]
+    knee = {size: 0.010 if size <= 12 else 0.030 for size in AUTO_CANDIDATES}
+    assert auto_total_tokens(model, seconds=knee.__getitem__) == 12
+    measured = auto_total_tokens(model, prefix_tokens=8)  # real timing of the tiny target
+    assert measured in AUTO_CANDIDATES
+
+
 def test_build_options_and_the_auto_hook() -> None:
     model, _ = target_and_truth("llama")
     config = EagleConfig.from_target(model)
     state = EagleModel(config).state_dict()
     auto = build_eagle_drafter(config, state, model, hidden_layer=LAST, choices="auto")
-    assert auto.total_tokens == DEFAULT_TOTAL_TOKENS
+    assert auto.total_tokens in AUTO_CANDIDATES
     sized = build_eagle_drafter(config, state, model, hidden_layer=LAST, top_k=2, depth=3)
     assert (sized.top_k, sized.depth) == (2, 3)
     with pytest.raises(ValueError, match="dynamic trees"):

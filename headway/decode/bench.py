@@ -59,9 +59,16 @@ def timed(function: Callable[[], list[int]], device: torch.device) -> tuple[list
 
 @torch.inference_mode()
 def forward_seconds(
-    model: PreTrainedModel, prefix: Tensor, new_tokens: int, *, repeats: int = 5
+    model: PreTrainedModel,
+    prefix: Tensor,
+    new_tokens: int,
+    *,
+    repeats: int = 5,
+    tree: bool = False,
 ) -> float:
-    """Median time of one forward over `new_tokens` tokens (a chain) on a cache of `prefix`.
+    """Median time of one forward over `new_tokens` tokens on a cache of `prefix`: a chain, or
+    with ``tree`` a one-level tree (every drafted node a child of the root, so the 4-D tree mask
+    is used as in real tree verification).
 
     This is the cost of verifying a tree of ``new_tokens`` nodes after a prompt like `prefix`.
     """
@@ -69,7 +76,10 @@ def forward_seconds(
     prefill(model, cache, prefix.unsqueeze(0))
     prefix_len = cache.get_seq_length()
     tokens = prefix[-1:].repeat(new_tokens).unsqueeze(0)
-    parents = torch.arange(-1, new_tokens - 2, device=prefix.device)
+    if tree:  # every drafted node a child of the root
+        parents = torch.full((new_tokens - 1,), -1, dtype=torch.long, device=prefix.device)
+    else:
+        parents = torch.arange(-1, new_tokens - 2, device=prefix.device)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()

@@ -34,17 +34,21 @@ path). The reference's ``depth=d`` runs d draft forwards after level 1, i.e. our
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from headway.decode.bench import forward_seconds
 from headway.decode.kv import crop_cache
 from headway.decode.tree import DraftTree, empty_tree
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
 
 __all__ = [
+    "AUTO_CANDIDATES",
+    "AUTO_GAIN",
     "DEFAULT_DEPTH",
     "DEFAULT_TOP_K",
     "DEFAULT_TOTAL_TOKENS",
@@ -66,17 +70,47 @@ one ``[V, H]`` LM-head pass) and the weak drafters tiny data gives (DESIGN.md). 
 reference uses top_k 10, total_tokens 60 and 6-8 levels on GPUs; re-tune for strong drafters."""
 
 
-def auto_total_tokens(target_model: Any) -> int:
-    """The hook for ``--tree auto``: choose the tree budget for this machine and target.
+AUTO_CANDIDATES = (4, 8, 12, 16, 24, 32)
+AUTO_GAIN = (1.0, 1.12, 1.18, 1.22, 1.27, 1.30)
+"""``--tree auto``: tree budgets tried, and the tau each is *assumed* to reach relative to the
+smallest (a concave curve: the best extra nodes of an EAGLE-2 tree are the likeliest ones). The
+reference does the same with its own table (``[40, 48, 50, 56, 60]`` -> ``[1, 1.05, 1.07, 1.1,
+1.13]``, sized for GPUs where a 60-token forward costs about what one token does)."""
 
-    The reference (``total_token=-1``) times target forwards over a few block sizes and keeps the
-    fastest per token. Not measured yet here: returns :data:`DEFAULT_TOTAL_TOKENS` and says so.
+
+def auto_total_tokens(
+    target_model: Any,
+    *,
+    prefix_tokens: int = 128,
+    seconds: Callable[[int], float] | None = None,
+) -> int:
+    """``--tree auto``: choose the tree budget N by timing the target's verify forward on this
+    hardware (EAGLE-2 reference, ``total_token=-1``): the N of :data:`AUTO_CANDIDATES` with the
+    lowest measured ``t_verify(N) / gain(N)``, ``gain`` from :data:`AUTO_GAIN`.
+
+    Args:
+        target_model: the target the trees will be verified on.
+        prefix_tokens: length of the random committed prefix the forwards are timed after.
+        seconds: ``N -> seconds`` of one verify forward over N tree tokens; default: measured
+            with :func:`headway.decode.bench.forward_seconds` on a one-level tree.
     """
+    if seconds is None:
+        weight = target_model.get_output_embeddings().weight
+        generator = torch.Generator().manual_seed(0)
+        vocab = int(weight.shape[0])
+        prefix = torch.randint(0, vocab, (prefix_tokens,), generator=generator).to(weight.device)
+
+        def seconds(size: int) -> float:
+            return forward_seconds(target_model, prefix, size, repeats=3, tree=True)
+
+    costs = [seconds(size) / gain for size, gain in zip(AUTO_CANDIDATES, AUTO_GAIN, strict=True)]
+    best = AUTO_CANDIDATES[min(range(len(costs)), key=costs.__getitem__)]
     logger.info(
-        "total_tokens=auto: using %d (timing-based sizing is not implemented yet)",
-        DEFAULT_TOTAL_TOKENS,
+        "total_tokens=auto: %d (verify ms per assumed gain: %s)",
+        best,
+        ", ".join(f"{n}: {c * 1000:.1f}" for n, c in zip(AUTO_CANDIDATES, costs, strict=True)),
     )
-    return DEFAULT_TOTAL_TOKENS
+    return best
 
 
 def select_nodes(scores: Tensor, count: int) -> Tensor:
