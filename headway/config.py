@@ -354,7 +354,11 @@ def parse_section(section_type: type[T], values: Mapping[str, Any], *, where: st
             nulls.append(key)
             continue
         if isinstance(value, str) and _is_list(fields[key]):
-            value = [item for item in value.split(",") if item]
+            # 'a,b' or YAML-style '[a, b]' ('[]' = empty)
+            text = value.strip()
+            if text.startswith("[") and text.endswith("]"):
+                text = text[1:-1]
+            value = [item.strip() for item in text.split(",") if item.strip()]
         try:
             tokens = _as_argument(value)
         except ConfigError as error:

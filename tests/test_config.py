@@ -35,6 +35,10 @@ def test_yaml_and_overrides_are_typed_and_overrides_win(tmp_path: Path) -> None:
 def test_list_override_splits_on_commas() -> None:
     config = load_config(RunConfig, None, ["data.sources=a.jsonl,b.parquet"])
     assert config.data.sources == ["a.jsonl", "b.parquet"]
+    bracketed = load_config(RunConfig, None, ["data.sources=[a.jsonl, b.parquet]"])
+    assert bracketed.data.sources == ["a.jsonl", "b.parquet"]
+    none = load_config(RunConfig, None, ["train.log_with=[]"])
+    assert none.train.log_with == []
 
 
 def test_empty_list_in_file_round_trips(tmp_path: Path) -> None:
