@@ -91,6 +91,15 @@ def test_training_saves_heads_checkpoints_eval_and_summary(workspace: Path) -> N
     assert summary["num_processes"] == 1 and summary["peak_memory_mb_per_process"][0] > 0
 
 
+def test_eval_log_drops_the_rows_a_resumed_run_redoes(tmp_path: Path) -> None:
+    log = tmp_path / "eval.jsonl"
+    for step in (2, 4, 6):
+        loop._record_eval(log, {"step": step, "eval/loss": 1.0})
+    loop._record_eval(log, {"step": 4, "eval/loss": 0.5})  # resumed from the step-3 checkpoint
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(row["step"], row["eval/loss"]) for row in rows] == [(2, 1.0), (4, 0.5)]
+
+
 @pytest.mark.parametrize(
     "method",
     [

@@ -371,7 +371,7 @@ def _run_steps(
             logs = evaluate(method, eval_loader, features, accelerator)
             accelerator.log(logs, step=progress.step)
             if accelerator.is_main_process:
-                _append_jsonl(run_dir / "eval.jsonl", {"step": progress.step, **logs})
+                _record_eval(run_dir / "eval.jsonl", {"step": progress.step, **logs})
         if progress.step % settings.save_every == 0 or progress.step == settings.max_steps:
             _save_checkpoint(accelerator, run_dir, progress.step)
             after_checkpoint(progress)
@@ -385,9 +385,15 @@ def after_checkpoint(progress: Progress) -> None:
     """Called after every checkpoint; a seam for tests that stop a run there."""
 
 
-def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as file:
-        file.write(json.dumps(row) + "\n")
+def _record_eval(path: Path, row: dict[str, Any]) -> None:
+    """Add ``row`` to the eval log, dropping rows of this step or later (a resumed run redoes
+    the steps after its checkpoint), and replace the file atomically."""
+    kept = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip() and json.loads(line)["step"] < row["step"]:
+                kept.append(line)
+    write_text_atomic(path, "".join(line + "\n" for line in [*kept, json.dumps(row)]))
 
 
 def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
