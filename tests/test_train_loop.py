@@ -171,6 +171,10 @@ def test_feature_cache_resumes_and_refuses_other_data(workspace: Path, tmp_path:
     shards[1].unlink()  # as if killed while writing the second shard
     second = cache_features(target.model, dataset, tmp_path / "c", layers=(2,), shard_samples=10)
     assert second["bytes"] == first["bytes"]
+    fresh = tmp_path / "fresh"
+    cache_features(target.model, dataset, fresh, layers=(2,), shard_samples=10)
+    for shard in shards:  # the resumed cache is byte-identical to an uninterrupted one
+        assert shard.read_bytes() == (fresh / shard.name).read_bytes()
     from headway.errors import DataError
 
     with pytest.raises(DataError, match="other data"):

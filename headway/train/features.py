@@ -142,7 +142,10 @@ def cache_features(
                 for layer, states in hidden.items():
                     value = states[row_index, :length].to("cpu", dtype).contiguous()
                     tensors[f"{key}.{hidden_key(layer)}"] = value
-        _write_shard(path, tensors, {"first": str(start), "count": str(len(rows))})
+        # One metadata key: safetensors writes several in a per-process random order, and a
+        # resumed cache should be byte-identical to an uninterrupted one.
+        rows_meta = json.dumps({"first": start, "count": len(rows)})
+        _write_shard(path, tensors, {"rows": rows_meta})
     size = sum(path.stat().st_size for path in out_dir.glob("shard-*.safetensors"))
     manifest = {
         "settings": settings,
