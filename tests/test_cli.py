@@ -105,6 +105,12 @@ def test_train_export_generate_end_to_end(
     assert sum(with_heads["accept_lengths"]) == len(with_heads["token_ids"])
     for key in ("text", "tau", "tokens_per_s"):
         assert key in with_heads
+    lookup = [*common, "--drafter", "prompt-lookup", "--draft-option", "min_ngram=1"]
+    assert main([*lookup, "--draft-option", "max_nodes=2"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    assert main([*common, "--heads", str(run), "--draft-option", "dpeth=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "dpeth" in err
 
 
 def test_export_of_a_folder_without_heads_fails_cleanly(tmp_path: Path) -> None:

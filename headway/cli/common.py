@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
+from headway.errors import HeadwayError
 from headway.target import Target, load_target
 
 
@@ -38,4 +41,35 @@ def target_from_flags(args: argparse.Namespace) -> Target:
         dtype=args.dtype,
         device=args.device,
         trust_remote_code=args.trust_remote_code,
+    )
+
+
+def option_value(text: str) -> Any:
+    """``3`` -> 3, ``0.5`` -> 0.5, ``[[0],[1]]`` -> list, ``true`` -> True, else the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_draft_options(pairs: list[str]) -> dict[str, Any]:
+    """``["depth=3", "total_tokens=8"]`` -> ``{"depth": 3, "total_tokens": 8}``."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise HeadwayError(f"--draft-option {pair!r} is not KEY=VALUE (e.g. depth=3)")
+        options[key.strip()] = option_value(value.strip())
+    return options
+
+
+def add_draft_option_flag(parser: argparse.ArgumentParser) -> None:
+    """``--draft-option KEY=VALUE`` (repeatable), read with :func:`parse_draft_options`."""
+    parser.add_argument(
+        "--draft-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="drafter constructor option, repeatable: EAGLE top_k / depth / total_tokens "
+        "(e.g. depth=5), prompt lookup num_draft_tokens / max_nodes / min_ngram / max_ngram",
     )

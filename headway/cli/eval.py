@@ -8,7 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from headway.cli.common import add_target_flags
+from headway.cli.common import (
+    add_draft_option_flag,
+    add_target_flags,
+    option_value,
+    parse_draft_options,
+)
 from headway.errors import HeadwayError
 
 DESCRIPTION = """\
@@ -25,25 +30,6 @@ Examples:
   headway eval --heads runs/medusa1-smollm2 --tree default --out eval-medusa
   headway eval --heads runs/medusa1-smollm2 --heads-only --num-samples 64
 """
-
-
-def _option_value(text: str) -> Any:
-    """``3`` -> 3, ``0.5`` -> 0.5, ``[[0],[1]]`` -> list, ``true`` -> True, else the string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def parse_draft_options(pairs: list[str]) -> dict[str, Any]:
-    """``["depth=3", "total_tokens=8"]`` -> ``{"depth": 3, "total_tokens": 8}``."""
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise HeadwayError(f"--draft-option {pair!r} is not KEY=VALUE (e.g. depth=3)")
-        options[key.strip()] = _option_value(value.strip())
-    return options
 
 
 def _reword(parser: argparse.ArgumentParser, **helps: str) -> None:
@@ -87,14 +73,7 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         help="Medusa heads: a named tree (default, mc_sim_7b_63) or a JSON list of rank paths "
         "such as [[0],[0,0],[1]]; EAGLE: default or auto",
     )
-    parser.add_argument(
-        "--draft-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="drafter constructor option, repeatable: EAGLE top_k / depth / total_tokens, prompt "
-        "lookup num_draft_tokens / max_nodes / max_ngram",
-    )
+    add_draft_option_flag(parser)
     parser.add_argument(
         "--baseline",
         default="hf",
@@ -174,7 +153,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     options = parse_draft_options(args.draft_option)
     if args.heads and args.tree != "default":
-        options["choices"] = _option_value(args.tree) if args.tree.startswith("[") else args.tree
+        options["choices"] = option_value(args.tree) if args.tree.startswith("[") else args.tree
     spec = DrafterSpec(name=args.drafter, heads=args.heads, options=options, force=args.force)
     settings = EvalSettings(
         max_new_tokens=args.max_new_tokens,

@@ -12,7 +12,8 @@ import argparse
 import json
 import sys
 
-from headway.cli.common import target_from_flags
+from headway.cli.common import add_draft_option_flag, parse_draft_options, target_from_flags
+from headway.errors import HeadwayError
 
 
 def add_generate_flags(parser: argparse.ArgumentParser) -> None:
@@ -56,20 +57,27 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force", action="store_true", help="use heads trained for a different target anyway"
     )
+    add_draft_option_flag(parser)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from headway.api import generate, load_drafter
 
     target = target_from_flags(args)
-    for prompt in args.prompts:
+    options = parse_draft_options(args.draft_option)
+    drafter = None
+    try:  # loaded once: every generation starts with the drafter's begin()
         if args.heads:
             tree = json.loads(args.tree) if args.tree.lstrip().startswith("[") else args.tree
-            drafter = load_drafter(args.heads, target, force=args.force, choices=tree)
+            drafter = load_drafter(args.heads, target, force=args.force, choices=tree, **options)
         elif args.drafter == "prompt-lookup":
-            drafter = load_drafter("prompt-lookup", target, num_draft_tokens=args.draft_length)
-        else:
-            drafter = None
+            options.setdefault("num_draft_tokens", args.draft_length)
+            drafter = load_drafter("prompt-lookup", target, **options)
+    except TypeError as error:  # an option the drafter does not take
+        raise HeadwayError(
+            f"--draft-option: {error}; see --help for each drafter's options"
+        ) from None
+    for prompt in args.prompts:
         stream = None if args.json else (lambda text: print(text, end="", flush=True))
         result = generate(
             target,
