@@ -125,9 +125,12 @@ def atomic_file(path: Path) -> Iterator[Path]:
             save_file(tensors, str(temporary))
     """
     handle, temporary = _temporary_file(path)
+    mode = os.fstat(handle).st_mode & 0o777  # what a plain open() gives (0o666 less the umask)
     os.close(handle)
     try:
         yield Path(temporary)
+        # The writer may have re-created the file owner-only (safetensors does): restore it.
+        Path(temporary).chmod(mode)
         Path(temporary).replace(path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

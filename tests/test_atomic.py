@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from headway.atomic import atomic_dir, atomic_file, write_text_atomic
 
@@ -14,6 +16,16 @@ def test_written_file_has_plain_open_permissions(tmp_path: Path) -> None:
     reference = tmp_path / "b.json"
     reference.write_text("{}")
     assert (tmp_path / "a.json").stat().st_mode == reference.stat().st_mode
+
+
+def test_atomic_file_keeps_plain_permissions_when_the_writer_does_not(tmp_path: Path) -> None:
+    """safetensors' save_file re-creates its file owner-only; the final file must not be."""
+    tensors = {"w": torch.zeros(2)}
+    with atomic_file(tmp_path / "model.safetensors") as temporary:
+        save_file(tensors, str(temporary))
+    reference = tmp_path / "plain.bin"
+    reference.write_bytes(b"")
+    assert (tmp_path / "model.safetensors").stat().st_mode == reference.stat().st_mode
 
 
 def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path) -> None:
