@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -208,8 +209,22 @@ def test_two_processes_train_one_model(workspace: Path, tmp_path: Path) -> None:
         "--config",
         str(recipe),
     ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # Own session: on a timeout the launcher AND its two workers are killed, none is orphaned.
+    launcher = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = launcher.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.communicate()
+        raise
+    assert launcher.returncode == 0, stderr[-3000:]
     summary = json.loads((workspace / "ddp" / "training_summary.json").read_text())
     assert summary["num_processes"] == 2
     first, second = summary["param_checksum_per_process"]

@@ -301,6 +301,7 @@ def train(config: RunConfig, *, resume: bool = False) -> Path:
         save_extra = getattr(trained, "save_extra", None)  # optional Method hook (methods.py)
         if save_extra is not None:
             save_extra(run_dir)
+    accelerator.wait_for_everyone()  # every rank leaves together, after the heads are saved
     accelerator.end_training()
     return run_dir
 
