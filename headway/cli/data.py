@@ -98,7 +98,7 @@ def run_cache_features(args: argparse.Namespace) -> int:
     layers = (
         [int(layer) for layer in args.layers.split(",")]
         if args.layers
-        else _method_layers(args.method, num_layers)
+        else method_layers(args.method, num_layers)
     )
     manifest = cache_features(
         target.model,
@@ -116,7 +116,7 @@ def run_cache_features(args: argparse.Namespace) -> int:
     return 0
 
 
-def _method_layers(method: str, num_layers: int) -> list[int]:
+def method_layers(method: str, num_layers: int) -> list[int]:
     """The ``output_hidden_states`` indices a method trains on: the last (the LM head's input)
     for Medusa and EAGLE-1; the three taps plus the last for EAGLE-3."""
     if method == "eagle3":

@@ -138,7 +138,7 @@ def build_quickstart_drafter(
 
 
 def _drafter_name(heads: MedusaHeads, gate: GateCalibration, prompt_lookup: bool) -> str:
-    medusa = f"medusa-{heads.config.num_heads}"
+    medusa = f"Medusa-1, {heads.config.num_heads} heads"
     if gate.threshold is None:
         medusa += " (gated off: below break-even)"
     else:
