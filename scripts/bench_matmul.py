@@ -1,0 +1,58 @@
+"""Why verifying several tokens costs more than one on a CPU: the target's linear layers timed at
+M = 1, 2, 4, 8, 16 rows (SmolLM2-135M shapes by default), in the dtype given.
+
+At M = 1 a linear layer is a matrix-vector product, bound by reading the weights; from M = 2 on it
+is a small matrix-matrix product, which CPUs run far below their peak. Prints the median
+milliseconds of ``F.linear`` and of ``x @ W^T`` with a pre-transposed contiguous weight.
+
+    .venv/bin/python scripts/bench_matmul.py --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 49152)]  # (in, out): MLP, attention, head
+
+
+def median_ms(function: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``function`` in milliseconds, after three warm-up calls."""
+    for _ in range(3):
+        function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--repeats", type=int, default=30, help="timed calls per cell")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, {args.dtype}")
+    print("| in x out | M | F.linear ms | x @ W^T ms |")
+    print("|---|---|---|---|")
+    for fan_in, fan_out in SHAPES:
+        weight = torch.randn(fan_out, fan_in, dtype=dtype)
+        transposed = weight.t().contiguous()
+        for rows in (1, 2, 4, 8, 16):
+            x = torch.randn(1, rows, fan_in, dtype=dtype)
+            linear = median_ms(lambda: F.linear(x, weight), args.repeats)  # noqa: B023
+            matmul = median_ms(lambda: x @ transposed, args.repeats)  # noqa: B023
+            print(f"| {fan_in} x {fan_out} | {rows} | {linear:.3f} | {matmul:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
