@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from headway.api import eos_token_ids, prompt_ids
 from headway.decode.bench import RunStats, forward_seconds, timed
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.generate import Drafter, generate
@@ -50,18 +51,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def prompt_ids(target: Target, text: str, chat: bool) -> torch.Tensor:
-    if chat:
-        encoded = target.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}],
-            add_generation_prompt=True,
-            return_dict=True,
-            return_tensors="pt",
-        )
-        return encoded["input_ids"][0].to(target.model.device)
-    return target.tokenizer(text, return_tensors="pt")["input_ids"][0].to(target.model.device)
-
-
 def hf_runner(target: Target, ids: torch.Tensor, new: int, lookup: int | None) -> Callable[[], Any]:
     model = target.model
     extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
@@ -80,18 +69,16 @@ def hf_runner(target: Target, ids: torch.Tensor, new: int, lookup: int | None) -
     return run
 
 
-def eos_ids(target: Target) -> list[int]:
-    eos = target.model.generation_config.eos_token_id
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])] if eos is not None else []
-
-
 def headway_runner(
-    target: Target, ids: torch.Tensor, new: int, drafter: Drafter | None, stats: RunStats
+    target: Target,
+    ids: torch.Tensor,
+    new: int,
+    drafter: Drafter | None,
+    stats: RunStats,
+    eos: list[int],
 ) -> Callable[[], list[int]]:
     def run() -> list[int]:
-        result = generate(
-            target.model, ids, drafter=drafter, max_new_tokens=new, eos_token_ids=eos_ids(target)
-        )
+        result = generate(target.model, ids, drafter=drafter, max_new_tokens=new, eos_token_ids=eos)
         stats.accept_lengths += result.accept_lengths[1:]
         return list(result.tokens)
 
@@ -102,13 +89,12 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     target = load_target(args.target, dtype=dtype, device="auto")
     device = target.model.device
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
-    encoded = [prompt_ids(target, p.text, p.chat) for p in prompts]
+    encoded = [prompt_ids(target, p.text, chat=p.chat).to(device) for p in prompts]
+    eos = eos_token_ids(target)
     depths = [int(d) for d in args.depths.split(",")]
     # Warm-up: one short generation of each kind.
     hf_runner(target, encoded[0], 8, None)()
-    generate(
-        target.model, encoded[0], drafter=None, max_new_tokens=8, eos_token_ids=eos_ids(target)
-    )
+    generate(target.model, encoded[0], drafter=None, max_new_tokens=8, eos_token_ids=eos)
     runs: dict[str, RunStats] = {}
     names = ["hf greedy", "hf prompt lookup", "headway plain", "headway prompt lookup"]
     names += ["headway prompt lookup n=1..3"]
@@ -139,7 +125,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
             stats = runs[name]
             before = len(stats.accept_lengths)
             output, seconds = timed(
-                headway_runner(target, ids, args.max_new_tokens, drafter, stats), device
+                headway_runner(target, ids, args.max_new_tokens, drafter, stats, eos), device
             )
             steps = stats.accept_lengths[before:]
             del stats.accept_lengths[before:]
