@@ -73,7 +73,10 @@ def run_generate(args: argparse.Namespace) -> int:
         elif args.drafter == "prompt-lookup":
             options.setdefault("num_draft_tokens", args.draft_length)
             drafter = load_drafter("prompt-lookup", target, **options)
-    except TypeError as error:  # an option the drafter does not take
+    except TypeError as error:
+        if not args.draft_option:  # not the user's option: a real bug, keep its traceback
+            raise
+        # the user passed an option this drafter does not take
         raise HeadwayError(
             f"--draft-option: {error}; see --help for each drafter's options"
         ) from None
