@@ -5,9 +5,11 @@ Configurations (batch 1, greedy, interleaved prompt by prompt after a warm-up of
 - ``hf greedy``: ``model.generate(do_sample=False)``, the baseline of every speedup;
 - ``hf prompt lookup``: ``model.generate(prompt_lookup_num_tokens=N)``;
 - ``prompt lookup``: headway's prompt-lookup drafter;
-- for each run directory given: Medusa-1 / Medusa-2 heads with their default tree; EAGLE-1 as a
-  chain (``top_k=1``) and as an EAGLE-2 dynamic tree; EAGLE-3 (if that method is installed) as a
-  dynamic tree. The method is read from the run's ``config.json``.
+- for each run directory given: Medusa-1 heads with their default tree; EAGLE-1 and EAGLE-3 as a
+  chain (``top_k=1``), as an EAGLE-2 dynamic tree of fixed size, and as the same tree sized per
+  step by the target's measured verify cost (``sizing="cost"``). The method is read from the
+  run's ``config.json``. Medusa-2 runs are refused: their adapter is merged into the target,
+  which would change every other row; ``headway eval --heads RUN`` measures them.
 
 Prints a Markdown table (tau, tokens/s, speedup vs HF greedy as a ratio measured in this run, and
 whether each output equals HF greedy) under a line naming the machine, dtype and prompt set.
@@ -134,14 +136,22 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     for run_dir in args.runs:
         method = run_method(run_dir)
         name = Path(run_dir).name
+        if method == "medusa2":
+            raise SystemExit(
+                f"{run_dir} is a Medusa-2 run: loading it merges its LoRA adapter into the shared "
+                "target, which would change every other row. Compare it on its own with "
+                f"`headway eval --heads {run_dir}` (its baseline is the merged target)."
+            )
         if method.startswith("medusa"):
             drafter = load_drafter(run_dir, target)
             rows.append(Row(f"{method} {name}", headway_runner(drafter)))
         elif method.startswith("eagle"):
             chain = load_drafter(run_dir, target, top_k=1, depth=args.eagle_depth)
             tree = load_drafter(run_dir, target, depth=args.eagle_depth)
+            sized = load_drafter(run_dir, target, depth=args.eagle_depth, sizing="cost")
             rows.append(Row(f"{method} chain {name}", headway_runner(chain)))
             rows.append(Row(f"{method} dynamic tree {name}", headway_runner(tree)))
+            rows.append(Row(f"{method} dynamic tree, cost-sized {name}", headway_runner(sized)))
         else:
             rows.append(Row(f"{method} {name}", headway_runner(load_drafter(run_dir, target))))
     return rows

@@ -19,8 +19,10 @@ from headway.heads.drafter_eagle import (
     AUTO_CANDIDATES,
     EagleDrafter,
     auto_total_tokens,
+    best_prefix,
     build_eagle_drafter,
     select_nodes,
+    verify_cost_table,
 )
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
 from headway.train.losses import eagle_loss
@@ -354,3 +356,73 @@ def test_sampling_follows_the_target_distribution() -> None:
     statistic, bound = chi_square(counts, exact)
     assert statistic < bound, (statistic, bound)
     assert accepted > SAMPLES / 3  # the drafts decided the second token often enough to matter
+
+
+# ------------------------------------------------------------------------------ per-step sizing
+
+
+def test_best_prefix_keeps_the_nodes_that_pay_for_their_forward() -> None:
+    probabilities = torch.tensor([0.9, 0.5, 0.2, 0.05])
+    flat = [0.010] * 5  # verifying more costs nothing: take every node
+    assert best_prefix(probabilities, flat) == 4
+    steep = [0.010, 0.030, 0.050, 0.070, 0.090]  # each node costs two plain steps: take none
+    assert best_prefix(probabilities, steep) == 0
+    # 1 -> 1.9 tokens for 1.2x the time pays; the 0.5 node (2.4 for 1.9x) does not
+    knee = [0.010, 0.012, 0.019, 0.020, 0.021]
+    assert best_prefix(probabilities, knee) == 1
+    assert best_prefix(torch.zeros(0), [0.010]) == 0
+
+
+def test_verify_cost_table_times_a_grid_and_interpolates() -> None:
+    timed: list[int] = []
+
+    def seconds(size: int) -> float:
+        timed.append(size)
+        return 0.001 * size * size
+
+    table = verify_cost_table(None, 10, seconds=seconds)
+    assert timed == [1, 2, 3, 4, 6, 8, 10]
+    assert len(table) == 10
+    assert table[3] == pytest.approx(0.016) and table[4] == pytest.approx((0.016 + 0.036) / 2)
+    assert table[8] == pytest.approx((0.064 + 0.100) / 2) and table[9] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_cost_sized_trees_stay_lossless_and_follow_the_costs(family: str) -> None:
+    model, truth = target_and_truth(family)
+    budget = TREE["total_tokens"]
+    sequence = torch.cat([PROMPT, torch.tensor(truth[:5])])
+    fixed = fed(
+        EagleDrafter(trained(family), TargetHead.of(model), hidden_layer=LAST, **TREE),
+        model,
+        sequence,
+    ).propose(sequence)
+
+    def sized(costs: list[float]) -> EagleDrafter:
+        return EagleDrafter(
+            trained(family), TargetHead.of(model), hidden_layer=LAST, verify_costs=costs, **TREE
+        )
+
+    free = fed(sized([0.01] * budget), model, sequence).propose(sequence)
+    assert free.tokens.tolist() == fixed.tokens.tolist()
+    assert free.parents.tolist() == fixed.parents.tolist()
+    assert fed(sized([0.01] + [1.0] * (budget - 1)), model, sequence).propose(sequence).size == 0
+    real = sized(verify_cost_table(model, budget))
+    tree = fed(real, model, sequence).propose(sequence)
+    if tree.size:
+        assert_valid_tree(tree, budget, TREE["depth"])
+    result = generate(model, PROMPT, drafter=real, max_new_tokens=NEW_TOKENS, eos_token_ids=())
+    assert result.tokens == truth
+    with pytest.raises(ValueError, match="verify_costs has 2 entries"):
+        sized([0.01, 0.02])
+
+
+def test_sizing_option_of_the_builders() -> None:
+    model, _ = target_and_truth("llama")
+    config = EagleConfig.from_target(model)
+    state = EagleModel(config).state_dict()
+    assert build_eagle_drafter(config, state, model, hidden_layer=LAST).verify_costs is None
+    cost = build_eagle_drafter(config, state, model, hidden_layer=LAST, sizing="cost")
+    assert cost.verify_costs is not None and len(cost.verify_costs) == cost.total_tokens
+    with pytest.raises(ValueError, match="sizing='some'"):
+        build_eagle_drafter(config, state, model, hidden_layer=LAST, sizing="some")

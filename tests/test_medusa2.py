@@ -16,10 +16,13 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 import headway
+from headway.cli import main
 from headway.config import RunConfig, load_config
 from headway.decode.generate import generate
 from headway.errors import ConfigError, TargetError
+from headway.eval.heads_only import heads_only
 from headway.eval.run import DrafterSpec, load_eval_drafter
+from headway.heads.export_medusa2 import export_medusa2_target
 from headway.heads.io import HeadsError, load_heads, save_heads
 from headway.heads.medusa2 import ADAPTER_DIR, MERGED_ATTRIBUTE
 from headway.target import Target, fingerprint, load_target
@@ -347,3 +350,57 @@ def test_resume_restores_the_adapter_too(
         assert expected.keys() == actual.keys()
         for key in expected:
             torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=0)
+
+
+def test_heads_only_scores_the_heads_on_the_adapted_target(
+    loop_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--heads-only loads the run's adapter too. Without it the LoRA weights stay at zero: the
+    student equals the frozen teacher (KL exactly 0) and the heads read features they were not
+    trained on."""
+    adapted = heads_only(loop_run, num_samples=None, batch_size=64, progress=False).metrics
+    monkeypatch.setattr(Medusa2, "load_adapter", lambda self, run_dir: None)
+    bare = heads_only(loop_run, num_samples=None, batch_size=64, progress=False).metrics
+    assert bare["backbone/kl"] == 0.0 and adapted["backbone/kl"] > 1e-6
+    assert adapted["head1/ce"] != bare["head1/ce"]
+    assert adapted["head1/tokens"] == bare["head1/tokens"] > 0
+
+
+def test_merged_target_export_serves_the_heads(
+    loop_run: Path,
+    workspace: Path,  # noqa: F811 (the imported fixture)
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--format medusa2-target`` writes the adapted target as a stock HF folder: it speaks like
+    the target headway merges at load time, differs from the base, and the run's heads decode on
+    it losslessly (loading them onto it merges nothing twice). The heads' own export names it."""
+    out = tmp_path / "merged"
+    assert main(["export", str(loop_run), "--format", "medusa2-target", "--out", str(out)]) == 0
+    heads_out = tmp_path / "heads"
+    assert main(["export", str(loop_run), "--format", "medusa-vllm", "--out", str(heads_out)]) == 0
+    assert "--format medusa2-target" in capsys.readouterr().out
+
+    exported = load_target(out, device="cpu")
+    assert not lora_parameters(exported.model) and not hasattr(exported.model, "peft_config")
+    merged_here = load_target(workspace / "target", device="cpu")
+    base = copy.deepcopy(merged_here.model)
+    headway.load_drafter(loop_run, merged_here)
+    batch = batch_of(seed=4)
+    torch.testing.assert_close(logits(exported.model, batch), logits(merged_here.model, batch))
+    assert not torch.allclose(logits(exported.model, batch), logits(base, batch))
+
+    before = q_proj(exported.model).clone()
+    drafter = headway.load_drafter(loop_run, exported)
+    assert torch.equal(q_proj(exported.model), before)
+    assert drafted_greedy(exported.model, drafter, PROMPT) == hf_greedy(exported.model, PROMPT)
+
+
+def test_merged_target_export_refuses_other_methods(
+    workspace: Path,  # noqa: F811 (the imported fixture)
+    tmp_path: Path,
+) -> None:
+    run = loop.train(config_for(workspace, "medusa1-for-export", "train.max_steps=1"))
+    with pytest.raises(HeadsError, match="medusa2-target merges a Medusa-2"):
+        export_medusa2_target(run, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -12,13 +12,21 @@ FORMATS = {
     "medusa-vllm": "vLLM MedusaModel (config.json + model.safetensors, medusa_fc_bias)",
     "eagle1": "EAGLE-1/2 reference layout (fc + one decoder layer)",
     "eagle3-hf": "vLLM / SGLang EAGLE-3 (LlamaForCausalLMEagle3, d2t/t2d)",
+    "medusa2-target": "the target with a Medusa-2 run's LoRA merged in (HF folder to serve)",
 }
+
+MEDUSA2_NOTE = (
+    "note: {run} is a Medusa-2 run; its heads fit the target with its LoRA adapter merged in. "
+    "Serve that model, written by: headway export {run} --format medusa2-target --out DIR"
+)
 
 
 def run_export(args: argparse.Namespace) -> int:
     from headway.heads.export import export_medusa, export_medusa_vllm
     from headway.heads.export_eagle import export_eagle1
     from headway.heads.export_eagle3 import export_eagle3
+    from headway.heads.export_medusa2 import export_medusa2_target
+    from headway.heads.io import load_heads
 
     exporters = {
         "medusa": export_medusa,
@@ -26,11 +34,17 @@ def run_export(args: argparse.Namespace) -> int:
         "eagle1": export_eagle1,
         "eagle3-hf": export_eagle3,
     }
-    exporter = exporters.get(args.format)
-    if exporter is None:
+    run_dir, out_dir = Path(args.run_dir), Path(args.out)
+    if args.format == "medusa2-target":
+        out = export_medusa2_target(run_dir, out_dir, target=args.target)
+    elif args.format in exporters:
+        out = exporters[args.format](run_dir, out_dir)
+    else:
         raise HeadwayError(f"--format {args.format}: unknown format; choose from {list(FORMATS)}")
-    out = exporter(Path(args.run_dir), Path(args.out))
     print(f"exported {args.run_dir} as {args.format} to {out}")
+    heads_format = args.format in ("medusa", "medusa-vllm")
+    if heads_format and load_heads(run_dir).method == "medusa2":
+        print(MEDUSA2_NOTE.format(run=args.run_dir))
     return 0
 
 
@@ -45,4 +59,9 @@ def add_export(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("run_dir", help="a headway run directory (config.json + model.safetensors)")
     parser.add_argument("--format", required=True, choices=list(FORMATS), help="output layout")
     parser.add_argument("--out", required=True, help="output folder (written atomically)")
+    parser.add_argument(
+        "--target",
+        help="medusa2-target: the base target to merge into (default: the one the run was "
+        "trained on, by the name in its config.json)",
+    )
     parser.set_defaults(handler=run_export)

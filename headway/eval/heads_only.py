@@ -114,6 +114,9 @@ def load_trained_method(run_dir: Path, config: RunConfig, target: Target, *, for
     check_fingerprint(loaded.fingerprint, fingerprint(target.model), force=force)
     method = build_method(config, target)
     _trainable_child(method, loaded.state_dict).load_state_dict(loaded.state_dict)
+    load_adapter = getattr(method, "load_adapter", None)  # Medusa-2: the heads read the adapted
+    if load_adapter is not None:  # target, so its LoRA weights come back too
+        load_adapter(run_dir)
     return method.to(target.model.device).eval()
 
 

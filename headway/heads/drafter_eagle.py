@@ -55,9 +55,12 @@ __all__ = [
     "EagleDrafter",
     "FeatureDraftModel",
     "auto_total_tokens",
+    "best_prefix",
     "build_eagle_drafter",
     "resolve_total_tokens",
+    "resolve_verify_costs",
     "select_nodes",
+    "verify_cost_table",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,21 @@ reference does the same with its own table (``[40, 48, 50, 56, 60]`` -> ``[1, 1.
 1.13]``, sized for GPUs where a 60-token forward costs about what one token does)."""
 
 
+def verify_timer(target_model: Any, prefix_tokens: int) -> Callable[[int], float]:
+    """``N -> seconds`` of one verify forward of ``target_model`` over N block tokens (a
+    one-level tree, :func:`~headway.decode.bench.forward_seconds`, median of 3) after a random
+    committed prefix of ``prefix_tokens`` tokens."""
+    weight = target_model.get_output_embeddings().weight
+    generator = torch.Generator().manual_seed(0)
+    vocab = int(weight.shape[0])
+    prefix = torch.randint(0, vocab, (prefix_tokens,), generator=generator).to(weight.device)
+
+    def seconds(size: int) -> float:
+        return forward_seconds(target_model, prefix, size, repeats=3, tree=True)
+
+    return seconds
+
+
 def auto_total_tokens(
     target_model: Any,
     *,
@@ -95,13 +113,7 @@ def auto_total_tokens(
             with :func:`headway.decode.bench.forward_seconds` on a one-level tree.
     """
     if seconds is None:
-        weight = target_model.get_output_embeddings().weight
-        generator = torch.Generator().manual_seed(0)
-        vocab = int(weight.shape[0])
-        prefix = torch.randint(0, vocab, (prefix_tokens,), generator=generator).to(weight.device)
-
-        def seconds(size: int) -> float:
-            return forward_seconds(target_model, prefix, size, repeats=3, tree=True)
+        seconds = verify_timer(target_model, prefix_tokens)
 
     costs = [seconds(size) / gain for size, gain in zip(AUTO_CANDIDATES, AUTO_GAIN, strict=True)]
     best = AUTO_CANDIDATES[min(range(len(costs)), key=costs.__getitem__)]
@@ -116,6 +128,52 @@ def auto_total_tokens(
 def select_nodes(scores: Tensor, count: int) -> Tensor:
     """Indices of the ``count`` best ``scores`` ``[n]``; ties go to the lower index (stable)."""
     return torch.sort(scores, descending=True, stable=True).indices[:count]
+
+
+def verify_cost_table(
+    target_model: Any,
+    max_tokens: int,
+    *,
+    prefix_tokens: int = 128,
+    seconds: Callable[[int], float] | None = None,
+) -> list[float]:
+    """Seconds of one verify forward over m block tokens (the root and m - 1 tree nodes), for
+    m = 1 .. ``max_tokens`` (entry m - 1): timed at m = 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to
+    ``max_tokens`` (with :func:`~headway.decode.bench.forward_seconds` on a one-level tree, or
+    ``seconds`` if given) and linearly interpolated in between."""
+    if seconds is None:
+        seconds = verify_timer(target_model, prefix_tokens)
+
+    grid = [m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if m < max_tokens]
+    grid.append(max_tokens)
+    timed = {m: seconds(m) for m in grid}
+    table = []
+    for m in range(1, max_tokens + 1):
+        upper = next(g for g in grid if g >= m)
+        lower = max((g for g in grid if g <= m), default=upper)
+        share = 0.0 if upper == lower else (m - lower) / (upper - lower)
+        table.append(timed[lower] + share * (timed[upper] - timed[lower]))
+    logger.info(
+        "verify cost per block size (ms): %s",
+        ", ".join(f"{m}: {timed[m] * 1000:.1f}" for m in grid),
+    )
+    return table
+
+
+def best_prefix(probabilities: Tensor, costs: list[float]) -> int:
+    """How many of the best nodes to verify: the n (0 .. len) maximising expected tokens per
+    second, ``(1 + sum(probabilities[:n])) / costs[n]``.
+
+    Args:
+        probabilities: ``[k]``, each kept node's estimated acceptance probability (EAGLE-2's
+            ``exp`` of its cumulative draft log-probability), best first.
+        costs: ``costs[m - 1]`` = seconds of a verify forward over m block tokens
+            (:func:`verify_cost_table`), at least ``k + 1`` entries.
+    """
+    count = probabilities.numel()
+    expected = 1.0 + torch.cat([probabilities.new_zeros(1), probabilities.float().cumsum(0)])
+    seconds = torch.tensor(costs[: count + 1], dtype=torch.float32, device=expected.device)
+    return int(torch.argmax(expected / seconds))
 
 
 class FeatureDraftModel(Protocol):
@@ -159,6 +217,10 @@ class EagleDrafter:
         top_k: children per expanded node and frontier width (1 = chain drafting).
         depth: deepest tree level (tokens on the longest drafted path).
         total_tokens: N, the tree budget counting the root: at most N - 1 drafted nodes.
+        verify_costs: if given (:func:`verify_cost_table` of the target, at least
+            ``total_tokens`` entries), each step verifies only as many of the best nodes as pay
+            for their forward (:func:`best_prefix` on the nodes' draft probabilities; none when
+            the drafter is unsure), instead of always ``total_tokens - 1``.
     """
 
     def __init__(
@@ -170,6 +232,7 @@ class EagleDrafter:
         top_k: int = DEFAULT_TOP_K,
         depth: int = DEFAULT_DEPTH,
         total_tokens: int = DEFAULT_TOTAL_TOKENS,
+        verify_costs: list[float] | None = None,
     ) -> None:
         if top_k < 1 or depth < 1 or total_tokens < 2:
             raise ValueError(
@@ -182,6 +245,12 @@ class EagleDrafter:
         self.hidden_layers: tuple[int, ...] = layers
         self.top_k = min(top_k, self._vocabulary_size())
         self.depth, self.total_tokens = depth, total_tokens
+        if verify_costs is not None and len(verify_costs) < total_tokens:
+            raise ValueError(
+                f"verify_costs has {len(verify_costs)} entries; a tree of total_tokens="
+                f"{total_tokens} needs one per block size 1..{total_tokens}"
+            )
+        self.verify_costs = verify_costs
         weight = model.fc.weight
         self._device, self._dtype = weight.device, weight.dtype
         self.begin(torch.empty(0, dtype=torch.long))
@@ -297,7 +366,10 @@ class EagleDrafter:
         if self._root_feature is None:
             return empty_tree()
         tokens, parents, scores = self._expand(self._root_feature)
-        keep = select_nodes(scores, self.total_tokens - 1).sort().values
+        best = select_nodes(scores, self.total_tokens - 1)
+        if self.verify_costs is not None:  # a prefix of the ranking is ancestor-closed too
+            best = best[: best_prefix(scores[best].exp(), self.verify_costs)]
+        keep = best.sort().values
         new_index = torch.full_like(parents, -1)
         new_index[keep] = torch.arange(keep.numel(), device=keep.device)
         kept_parents = parents[keep]
@@ -313,24 +385,38 @@ def build_eagle_drafter(
     hidden_layer: int,
     choices: Any = "default",
     total_tokens: int | str = DEFAULT_TOTAL_TOKENS,
+    sizing: str = "fixed",
     **options: Any,
 ) -> EagleDrafter:
     """An :class:`EagleDrafter` for ``target_model`` from trained weights (any dtype/device).
 
     ``choices`` exists because ``headway generate --tree`` passes it to every drafter (see
-    :func:`resolve_total_tokens`).
+    :func:`resolve_total_tokens`); ``sizing`` see :func:`resolve_verify_costs`.
     """
     weight = target_model.get_output_embeddings().weight
     model = EagleModel(config)
     model.load_state_dict(state_dict)
     model.to(device=weight.device, dtype=weight.dtype)
+    budget = resolve_total_tokens(choices, total_tokens, target_model)
     return EagleDrafter(
         model,
         TargetHead.of(target_model),
         hidden_layer=hidden_layer,
-        total_tokens=resolve_total_tokens(choices, total_tokens, target_model),
+        total_tokens=budget,
+        verify_costs=resolve_verify_costs(sizing, budget, target_model),
         **options,
     )
+
+
+def resolve_verify_costs(sizing: str, total_tokens: int, target_model: Any) -> list[float] | None:
+    """``sizing="fixed"`` (the reference): every step verifies ``total_tokens - 1`` nodes.
+    ``sizing="cost"``: time the target's verify forward once (:func:`verify_cost_table`) and let
+    each step verify only the nodes that pay for themselves (:func:`best_prefix`)."""
+    if sizing == "fixed":
+        return None
+    if sizing == "cost":
+        return verify_cost_table(target_model, total_tokens)
+    raise ValueError(f"sizing={sizing!r}: choose 'fixed' or 'cost'")
 
 
 def resolve_total_tokens(choices: Any, total_tokens: int | str, target_model: Any) -> int:

@@ -30,6 +30,7 @@ from headway.heads.drafter_eagle import (
     DEFAULT_TOTAL_TOKENS,
     EagleDrafter,
     resolve_total_tokens,
+    resolve_verify_costs,
 )
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
@@ -48,6 +49,7 @@ class Eagle3Drafter(EagleDrafter):
         top_k: children per expanded node and frontier width (1 = chain drafting).
         depth: deepest tree level (tokens on the longest drafted path).
         total_tokens: the tree budget counting the root: at most ``total_tokens - 1`` nodes.
+        verify_costs: per-step tree sizing, as for :class:`EagleDrafter`.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class Eagle3Drafter(EagleDrafter):
         top_k: int = DEFAULT_TOP_K,
         depth: int = DEFAULT_DEPTH,
         total_tokens: int = DEFAULT_TOTAL_TOKENS,
+        verify_costs: list[float] | None = None,
     ) -> None:
         self.draft3 = model
         super().__init__(
@@ -67,6 +70,7 @@ class Eagle3Drafter(EagleDrafter):
             top_k=top_k,
             depth=depth,
             total_tokens=total_tokens,
+            verify_costs=verify_costs,
         )
 
     def _vocabulary_size(self) -> int:
@@ -110,10 +114,12 @@ def build_eagle3_drafter(
     *,
     choices: Any = "default",
     total_tokens: int | str = DEFAULT_TOTAL_TOKENS,
+    sizing: str = "fixed",
     **options: Any,
 ) -> Eagle3Drafter:
     """An :class:`Eagle3Drafter` for ``target_model`` from trained weights (any dtype/device);
-    ``choices`` as for EAGLE-1 (:func:`~headway.heads.drafter_eagle.resolve_total_tokens`).
+    ``choices`` as for EAGLE-1 (:func:`~headway.heads.drafter_eagle.resolve_total_tokens`),
+    ``sizing`` too (:func:`~headway.heads.drafter_eagle.resolve_verify_costs`).
 
     Raises:
         ValueError: the target lacks the drafter's sizes, vocabulary or feature layers, or
@@ -125,9 +131,11 @@ def build_eagle3_drafter(
     model = Eagle3Model(config)
     model.load_state_dict(state_dict)
     model.to(device=weight.device, dtype=weight.dtype)  # floating tensors only: d2t/t2d keep
+    budget = resolve_total_tokens(choices, total_tokens, target_model)
     return Eagle3Drafter(
         model,
         TargetHead.of(target_model),
-        total_tokens=resolve_total_tokens(choices, total_tokens, target_model),
+        total_tokens=budget,
+        verify_costs=resolve_verify_costs(sizing, budget, target_model),
         **options,
     )
