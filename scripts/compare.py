@@ -5,6 +5,7 @@ Configurations (batch 1, greedy, interleaved prompt by prompt after a warm-up of
 - ``hf greedy``: ``model.generate(do_sample=False)``, the baseline of every speedup;
 - ``hf prompt lookup``: ``model.generate(prompt_lookup_num_tokens=N)``;
 - ``prompt lookup``: headway's prompt-lookup drafter;
+- with ``--retrieval-data``: the retrieval drafter (prompt lookup, then that corpus);
 - for each run directory given: Medusa-1 heads with their default tree; EAGLE-1 and EAGLE-3 as a
   chain (``top_k=1``), as an EAGLE-2 dynamic tree of fixed size, and as the same tree sized per
   step by the target's measured verify cost (``sizing="cost"``). The method is read from the
@@ -36,6 +37,7 @@ from headway.decode.bench import timed
 from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.generate import Drafter
 from headway.eval.acceptance import acceptance_stats
+from headway.eval.retrieval_drafter import build_retrieval_drafter
 from headway.eval.speed import EvalSettings, drafter_runner, plain_runner
 from headway.evalsets import load_prompts
 from headway.target import Target, load_target
@@ -70,6 +72,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--lookup-tokens", type=int, default=8, help="prompt lookup draft length")
     parser.add_argument("--eagle-depth", type=int, default=4, help="EAGLE chain / tree depth")
+    parser.add_argument(
+        "--retrieval-data",
+        help="also run the retrieval drafter (prompt lookup, then this corpus of the target's "
+        "answers, e.g. data/regenerated/smollm2-v2/data)",
+    )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     return parser.parse_args()
 
@@ -133,6 +140,9 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
             headway_runner(PromptLookupDrafter(num_draft_tokens=args.lookup_tokens)),
         ),
     ]
+    if args.retrieval_data:
+        retrieval = build_retrieval_drafter(target, data=args.retrieval_data)
+        rows.append(Row("retrieval (prompt lookup, then corpus)", headway_runner(retrieval)))
     for run_dir in args.runs:
         method = run_method(run_dir)
         name = Path(run_dir).name

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from headway.decode.costs import best_prefix, verify_cost_table
 from headway.decode.generate import generate
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree, ancestor_mask
@@ -19,10 +20,8 @@ from headway.heads.drafter_eagle import (
     AUTO_CANDIDATES,
     EagleDrafter,
     auto_total_tokens,
-    best_prefix,
     build_eagle_drafter,
     select_nodes,
-    verify_cost_table,
 )
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
 from headway.train.losses import eagle_loss

@@ -54,7 +54,9 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--heads", help="trained heads: a run directory or an eagle1 export")
     source.add_argument(
-        "--drafter", choices=["prompt-lookup"], help="a drafter that needs no training"
+        "--drafter",
+        choices=["prompt-lookup", "retrieval"],
+        help="a drafter that needs no training (retrieval needs --draft-option data=PATH)",
     )
     parser.add_argument(
         "--prompts", default="mt-bench", help="mt-bench (default), humaneval, or a .jsonl file"

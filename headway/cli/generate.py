@@ -22,9 +22,10 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--drafter",
         default="prompt-lookup",
-        choices=["none", "prompt-lookup"],
-        help="a drafter that needs no training: prompt-lookup (n-gram copy from the context) or "
-        "none (plain decoding through the same loop)",
+        choices=["none", "prompt-lookup", "retrieval"],
+        help="a drafter that needs no training: prompt-lookup (n-gram copy from the context), "
+        "retrieval (prompt lookup, then n-grams of a corpus of the target's own answers: "
+        "--draft-option data=PATH) or none (plain decoding through the same loop)",
     )
     source.add_argument("--heads", help="trained heads folder (headway run dir or an export)")
     parser.add_argument(
@@ -73,6 +74,10 @@ def run_generate(args: argparse.Namespace) -> int:
         elif args.drafter == "prompt-lookup":
             options.setdefault("num_draft_tokens", args.draft_length)
             drafter = load_drafter("prompt-lookup", target, **options)
+        elif args.drafter == "retrieval":
+            from headway.eval.retrieval_drafter import build_retrieval_drafter
+
+            drafter = build_retrieval_drafter(target, **options)
     except TypeError as error:
         if not args.draft_option:  # not the user's option: a real bug, keep its traceback
             raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from headway.decode.drafters import AdversarialDrafter, OracleDrafter, PromptLookupDrafter
 from headway.decode.generate import Drafter, GenerationResult, generate
+from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
 from headway.decode.sampling import SamplingParams, probs_from_logits
 from headway.decode.tree import DraftTree, StaticTree, chain, static_tree
 from headway.decode.verify import Acceptance, TypicalParams
@@ -18,8 +19,10 @@ __all__ = [
     "DraftTree",
     "Drafter",
     "GenerationResult",
+    "NgramDatastore",
     "OracleDrafter",
     "PromptLookupDrafter",
+    "RetrievalDrafter",
     "SamplingParams",
     "StaticTree",
     "TypicalParams",

@@ -13,9 +13,9 @@ from torch import Tensor
 
 from headway.decode.drafters import trie_tree
 from headway.decode.generate import Drafter
-from headway.decode.tree import DraftTree, root_to_leaf_paths
+from headway.decode.tree import DraftTree, empty_tree, root_to_leaf_paths
 
-__all__ = ["MergedDrafter", "tree_paths"]
+__all__ = ["FirstDrafter", "MergedDrafter", "tree_paths"]
 
 
 def tree_paths(tree: DraftTree) -> list[list[int]]:
@@ -72,3 +72,38 @@ class MergedDrafter:
             if any(path[: len(accepted)] == accepted for path in paths):
                 self.accepted_by_source[index] += len(accepted)
                 return
+
+
+class FirstDrafter:
+    """Several drafters in priority order: each step sends the first non-empty tree (e.g. prompt
+    lookup's exact context match, else a retrieval corpus's guess). Every drafter proposes only
+    until one has something, and every drafter observes every step.
+
+    Args:
+        drafters: the drafters, best evidence first.
+    """
+
+    def __init__(self, drafters: Sequence[Drafter]) -> None:
+        if not drafters:
+            raise ValueError("FirstDrafter needs at least one drafter")
+        self.drafters = list(drafters)
+        self.hidden_layers: tuple[int, ...] = tuple(
+            sorted({layer for drafter in drafters for layer in drafter.hidden_layers})
+        )
+
+    def begin(self, prompt_ids: Tensor) -> None:
+        for drafter in self.drafters:
+            drafter.begin(prompt_ids)
+
+    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
+        for drafter in self.drafters:
+            own = tuple(hidden[self.hidden_layers.index(layer)] for layer in drafter.hidden_layers)
+            drafter.observe(new_tokens, own)
+
+    def propose(self, sequence: Tensor) -> DraftTree:
+        tree = empty_tree()
+        for drafter in self.drafters:
+            tree = drafter.propose(sequence)
+            if tree.size:
+                break
+        return tree

@@ -29,6 +29,7 @@ from headway.eval.report import (
     write_report,
     write_summary,
 )
+from headway.eval.retrieval_drafter import build_retrieval_drafter
 from headway.eval.speed import EvalSettings, SpeedRun, run_speed_eval
 from headway.evalsets import EvalPrompt
 from headway.target import Target
@@ -36,6 +37,7 @@ from headway.target import Target
 __all__ = ["DrafterSpec", "describe_heads", "evaluate", "load_eval_drafter", "timing"]
 
 PROMPT_LOOKUP = "prompt-lookup"
+RETRIEVAL = "retrieval"
 
 
 class DrafterSpec:
@@ -53,8 +55,10 @@ class DrafterSpec:
     ) -> None:
         if (name is None) == (heads is None):
             raise HeadwayError("give exactly one of --heads DIR and --drafter NAME")
-        if name is not None and name != PROMPT_LOOKUP:
-            raise HeadwayError(f"unknown --drafter {name!r}; use {PROMPT_LOOKUP} or --heads DIR")
+        if name is not None and name not in (PROMPT_LOOKUP, RETRIEVAL):
+            raise HeadwayError(
+                f"unknown --drafter {name!r}; use {PROMPT_LOOKUP}, {RETRIEVAL} or --heads DIR"
+            )
         self.name, self.heads = name, heads
         self.options = dict(options or {})
         self.force = force
@@ -79,6 +83,12 @@ def load_eval_drafter(spec: DrafterSpec, target: Target) -> tuple[Drafter, dict[
             "max_nodes": lookup.max_nodes,
         }
         return lookup, info
+    if spec.name == RETRIEVAL:
+        try:
+            retrieval = build_retrieval_drafter(target, **spec.options)
+        except (TypeError, ValueError) as error:
+            raise HeadwayError(f"--draft-option for retrieval: {error}") from error
+        return retrieval, {"name": RETRIEVAL, **spec.options}
     assert spec.heads is not None  # DrafterSpec holds exactly one of the two
     try:
         drafter = load_drafter(spec.heads, target, force=spec.force, **spec.options)

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from headway.decode.bench import forward_seconds
+from headway.decode.costs import best_prefix, verify_cost_table, verify_timer
 from headway.decode.kv import crop_cache
 from headway.decode.tree import DraftTree, empty_tree
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
@@ -55,12 +55,10 @@ __all__ = [
     "EagleDrafter",
     "FeatureDraftModel",
     "auto_total_tokens",
-    "best_prefix",
     "build_eagle_drafter",
     "resolve_total_tokens",
     "resolve_verify_costs",
     "select_nodes",
-    "verify_cost_table",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,21 +77,6 @@ AUTO_GAIN = (1.0, 1.12, 1.18, 1.22, 1.27, 1.30)
 smallest (a concave curve: the best extra nodes of an EAGLE-2 tree are the likeliest ones). The
 reference does the same with its own table (``[40, 48, 50, 56, 60]`` -> ``[1, 1.05, 1.07, 1.1,
 1.13]``, sized for GPUs where a 60-token forward costs about what one token does)."""
-
-
-def verify_timer(target_model: Any, prefix_tokens: int) -> Callable[[int], float]:
-    """``N -> seconds`` of one verify forward of ``target_model`` over N block tokens (a
-    one-level tree, :func:`~headway.decode.bench.forward_seconds`, median of 3) after a random
-    committed prefix of ``prefix_tokens`` tokens."""
-    weight = target_model.get_output_embeddings().weight
-    generator = torch.Generator().manual_seed(0)
-    vocab = int(weight.shape[0])
-    prefix = torch.randint(0, vocab, (prefix_tokens,), generator=generator).to(weight.device)
-
-    def seconds(size: int) -> float:
-        return forward_seconds(target_model, prefix, size, repeats=3, tree=True)
-
-    return seconds
 
 
 def auto_total_tokens(
@@ -128,52 +111,6 @@ def auto_total_tokens(
 def select_nodes(scores: Tensor, count: int) -> Tensor:
     """Indices of the ``count`` best ``scores`` ``[n]``; ties go to the lower index (stable)."""
     return torch.sort(scores, descending=True, stable=True).indices[:count]
-
-
-def verify_cost_table(
-    target_model: Any,
-    max_tokens: int,
-    *,
-    prefix_tokens: int = 128,
-    seconds: Callable[[int], float] | None = None,
-) -> list[float]:
-    """Seconds of one verify forward over m block tokens (the root and m - 1 tree nodes), for
-    m = 1 .. ``max_tokens`` (entry m - 1): timed at m = 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to
-    ``max_tokens`` (with :func:`~headway.decode.bench.forward_seconds` on a one-level tree, or
-    ``seconds`` if given) and linearly interpolated in between."""
-    if seconds is None:
-        seconds = verify_timer(target_model, prefix_tokens)
-
-    grid = [m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if m < max_tokens]
-    grid.append(max_tokens)
-    timed = {m: seconds(m) for m in grid}
-    table = []
-    for m in range(1, max_tokens + 1):
-        upper = next(g for g in grid if g >= m)
-        lower = max((g for g in grid if g <= m), default=upper)
-        share = 0.0 if upper == lower else (m - lower) / (upper - lower)
-        table.append(timed[lower] + share * (timed[upper] - timed[lower]))
-    logger.info(
-        "verify cost per block size (ms): %s",
-        ", ".join(f"{m}: {timed[m] * 1000:.1f}" for m in grid),
-    )
-    return table
-
-
-def best_prefix(probabilities: Tensor, costs: list[float]) -> int:
-    """How many of the best nodes to verify: the n (0 .. len) maximising expected tokens per
-    second, ``(1 + sum(probabilities[:n])) / costs[n]``.
-
-    Args:
-        probabilities: ``[k]``, each kept node's estimated acceptance probability (EAGLE-2's
-            ``exp`` of its cumulative draft log-probability), best first.
-        costs: ``costs[m - 1]`` = seconds of a verify forward over m block tokens
-            (:func:`verify_cost_table`), at least ``k + 1`` entries.
-    """
-    count = probabilities.numel()
-    expected = 1.0 + torch.cat([probabilities.new_zeros(1), probabilities.float().cumsum(0)])
-    seconds = torch.tensor(costs[: count + 1], dtype=torch.float32, device=expected.device)
-    return int(torch.argmax(expected / seconds))
 
 
 class FeatureDraftModel(Protocol):

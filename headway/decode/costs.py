@@ -1,0 +1,84 @@
+"""What a verify forward costs on this hardware, and how many drafted nodes pay for it.
+
+A verify forward over m block tokens (the root and m - 1 drafted nodes) costs t(m). On a GPU t is
+nearly flat for small m; on a CPU it is not (SmolLM2-135M in fp32 on 2 cores: 43 ms for 1 token,
+63-90 ms for 2-16, see ``scripts/bench_decode.py``). A drafter that knows t and an acceptance
+estimate per node can send, at every step, only the nodes that pay for their share of the
+forward (:func:`best_prefix`), and none when it is unsure.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from headway.decode.bench import forward_seconds
+
+__all__ = ["best_prefix", "verify_cost_table", "verify_timer"]
+
+logger = logging.getLogger(__name__)
+
+
+def verify_timer(target_model: Any, prefix_tokens: int) -> Callable[[int], float]:
+    """``N -> seconds`` of one verify forward of ``target_model`` over N block tokens (a
+    one-level tree, :func:`~headway.decode.bench.forward_seconds`, median of 3) after a random
+    committed prefix of ``prefix_tokens`` tokens."""
+    weight = target_model.get_output_embeddings().weight
+    generator = torch.Generator().manual_seed(0)
+    vocab = int(weight.shape[0])
+    prefix = torch.randint(0, vocab, (prefix_tokens,), generator=generator).to(weight.device)
+
+    def seconds(size: int) -> float:
+        return forward_seconds(target_model, prefix, size, repeats=3, tree=True)
+
+    return seconds
+
+
+def verify_cost_table(
+    target_model: Any,
+    max_tokens: int,
+    *,
+    prefix_tokens: int = 128,
+    seconds: Callable[[int], float] | None = None,
+) -> list[float]:
+    """Seconds of one verify forward over m block tokens (the root and m - 1 tree nodes), for
+    m = 1 .. ``max_tokens`` (entry m - 1): timed at m = 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to
+    ``max_tokens`` (with :func:`~headway.decode.bench.forward_seconds` on a one-level tree, or
+    ``seconds`` if given) and linearly interpolated in between."""
+    if seconds is None:
+        seconds = verify_timer(target_model, prefix_tokens)
+
+    grid = [m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if m < max_tokens]
+    grid.append(max_tokens)
+    timed = {m: seconds(m) for m in grid}
+    table = []
+    for m in range(1, max_tokens + 1):
+        upper = next(g for g in grid if g >= m)
+        lower = max((g for g in grid if g <= m), default=upper)
+        share = 0.0 if upper == lower else (m - lower) / (upper - lower)
+        table.append(timed[lower] + share * (timed[upper] - timed[lower]))
+    logger.info(
+        "verify cost per block size (ms): %s",
+        ", ".join(f"{m}: {timed[m] * 1000:.1f}" for m in grid),
+    )
+    return table
+
+
+def best_prefix(probabilities: Tensor, costs: list[float]) -> int:
+    """How many of the best nodes to verify: the n (0 .. len) maximising expected tokens per
+    second, ``(1 + sum(probabilities[:n])) / costs[n]``.
+
+    Args:
+        probabilities: ``[k]``, each kept node's estimated acceptance probability (EAGLE-2's
+            ``exp`` of its cumulative draft log-probability), best first.
+        costs: ``costs[m - 1]`` = seconds of a verify forward over m block tokens
+            (:func:`verify_cost_table`), at least ``k + 1`` entries.
+    """
+    count = probabilities.numel()
+    expected = 1.0 + torch.cat([probabilities.new_zeros(1), probabilities.float().cumsum(0)])
+    seconds = torch.tensor(costs[: count + 1], dtype=torch.float32, device=expected.device)
+    return int(torch.argmax(expected / seconds))
