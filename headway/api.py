@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from headway.decode.costs import verify_cost_table
 from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.generate import Drafter
 from headway.decode.generate import generate as decode
@@ -60,8 +61,22 @@ def load_drafter(
     A Medusa-2 run merges its LoRA adapter into ``target.model`` in place (logged): the output is
     then the merged model's, so compare it with plain decoding of this same ``target``."""
     if str(source) == "prompt-lookup":
-        return PromptLookupDrafter(**options)
+        return prompt_lookup_drafter(target, **options)
     return load_heads_drafter(source, target.model, force=force, **options)
+
+
+def prompt_lookup_drafter(
+    target: Target, *, sizing: str = "adaptive", **options: Any
+) -> PromptLookupDrafter:
+    """A :class:`PromptLookupDrafter`; ``sizing="cost"`` times ``target``'s verify forward once
+    and sizes every tree by it (``verify_costs``), ``"adaptive"`` (default) grows and shrinks
+    the draft length with acceptance. `options` go to the drafter."""
+    if sizing == "cost":
+        max_nodes = int(options.get("max_nodes", 8))
+        options["verify_costs"] = verify_cost_table(target.model, max_nodes + 1)
+    elif sizing != "adaptive":
+        raise ValueError(f"sizing={sizing!r}: choose 'adaptive' or 'cost'")
+    return PromptLookupDrafter(**options)
 
 
 def prompt_ids(

@@ -4,7 +4,8 @@ Configurations (batch 1, greedy, interleaved prompt by prompt after a warm-up of
 
 - ``hf greedy``: ``model.generate(do_sample=False)``, the baseline of every speedup;
 - ``hf prompt lookup``: ``model.generate(prompt_lookup_num_tokens=N)``;
-- ``prompt lookup``: headway's prompt-lookup drafter;
+- ``prompt lookup``: headway's prompt-lookup drafter, with its adaptive draft length and sized
+  per step by the measured verify cost (``sizing="cost"``);
 - with ``--retrieval-data``: the retrieval drafter (prompt lookup, then that corpus);
 - for each run directory given: Medusa-1 heads with their default tree; EAGLE-1 and EAGLE-3 as a
   chain (``top_k=1``), as an EAGLE-2 dynamic tree of fixed size, and as the same tree sized per
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from headway.api import load_drafter, prompt_ids
+from headway.api import load_drafter, prompt_ids, prompt_lookup_drafter
 from headway.decode.bench import timed
 from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.generate import Drafter
@@ -140,6 +141,8 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
             headway_runner(PromptLookupDrafter(num_draft_tokens=args.lookup_tokens)),
         ),
     ]
+    sized = prompt_lookup_drafter(target, sizing="cost", num_draft_tokens=args.lookup_tokens)
+    rows.append(Row("prompt lookup, cost-sized", headway_runner(sized)))
     if args.retrieval_data:
         retrieval = build_retrieval_drafter(target, data=args.retrieval_data)
         rows.append(Row("retrieval (prompt lookup, then corpus)", headway_runner(retrieval)))

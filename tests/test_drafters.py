@@ -129,3 +129,23 @@ def test_prompt_lookup_adapts_its_draft_length_to_acceptance() -> None:
     fixed.propose(sequence)
     fixed.observe(torch.tensor([0]), no_hidden)
     assert fixed.propose(sequence).size == 6
+
+
+def test_cost_sized_prompt_lookup_sends_what_pays_and_learns_from_rejections() -> None:
+    sequence = torch.tensor([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    flat = PromptLookupDrafter(num_draft_tokens=4, max_nodes=4, verify_costs=[0.01] * 5)
+    flat.begin(sequence[:1])
+    assert as_lists(flat.propose(sequence)) == ([4, 5, 6, 7], [-1, 0, 1, 2])
+    steep = PromptLookupDrafter(num_draft_tokens=4, max_nodes=4, verify_costs=[0.01] + [1.0] * 4)
+    steep.begin(sequence[:1])
+    assert steep.propose(sequence).size == 0
+    costs = [0.010, 0.013, 0.014, 0.015, 0.016]
+    learning = PromptLookupDrafter(num_draft_tokens=4, max_nodes=4, verify_costs=costs)
+    learning.begin(sequence[:1])
+    sizes = []
+    for _ in range(10):
+        sizes.append(learning.propose(sequence).size)
+        learning.observe(torch.tensor([9]), ())  # nothing accepted, only the bonus token
+    assert sizes[0] == 4 and sizes[-1] == 0 and learning.calibration.scale < 0.3
+    with pytest.raises(ValueError, match="verify_costs has 2 entries"):
+        PromptLookupDrafter(max_nodes=4, verify_costs=[0.01, 0.02])

@@ -405,7 +405,10 @@ def test_cost_sized_trees_stay_lossless_and_follow_the_costs(family: str) -> Non
     free = fed(sized([0.01] * budget), model, sequence).propose(sequence)
     assert free.tokens.tolist() == fixed.tokens.tolist()
     assert free.parents.tolist() == fixed.parents.tolist()
-    assert fed(sized([0.01] + [1.0] * (budget - 1)), model, sequence).propose(sequence).size == 0
+    unsure = fed(sized([0.01] + [1.0] * (budget - 1)), model, sequence)
+    assert unsure.propose(sequence).size == 0
+    # no node could pay, so the tree stopped after level 1: no frontier forward in the draft cache
+    assert unsure._cache.get_seq_length() == sequence.numel() - 1
     real = sized(verify_cost_table(model, budget))
     tree = fed(real, model, sequence).propose(sequence)
     if tree.size:

@@ -45,6 +45,9 @@ DRAFTERS: dict[str, Callable[[list[int]], Drafter | None]] = {
     "oracle-tree": lambda truth: OracleDrafter(truth, DEPTH, width=3),
     "adversarial": lambda truth: AdversarialDrafter(TINY_VOCAB, 3, 2, truth),
     "prompt-lookup": lambda truth: PromptLookupDrafter(num_draft_tokens=5, max_nodes=12),
+    "prompt-lookup-cost-sized": lambda truth: PromptLookupDrafter(
+        num_draft_tokens=5, max_nodes=12, verify_costs=[0.010 + 0.001 * m for m in range(13)]
+    ),
 }
 
 

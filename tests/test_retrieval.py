@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from headway.cli import main
-from headway.decode.drafters import PromptLookupDrafter
+from headway.decode.drafters import PromptLookupDrafter, ranked_trie
 from headway.decode.generate import generate
 from headway.decode.merged import FirstDrafter
-from headway.decode.retrieval import NgramDatastore, RetrievalDrafter, ranked_trie
+from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
 from headway.decode.tree import ancestor_mask
 from headway.errors import HeadwayError
 from headway.eval.retrieval_drafter import build_retrieval_drafter

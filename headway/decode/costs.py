@@ -18,7 +18,13 @@ from torch import Tensor
 
 from headway.decode.bench import forward_seconds
 
-__all__ = ["best_prefix", "verify_cost_table", "verify_timer"]
+__all__ = [
+    "AcceptanceCalibration",
+    "best_prefix",
+    "verify_cost_table",
+    "verify_timer",
+    "worth_threshold",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,3 +88,40 @@ def best_prefix(probabilities: Tensor, costs: list[float]) -> int:
     expected = 1.0 + torch.cat([probabilities.new_zeros(1), probabilities.float().cumsum(0)])
     seconds = torch.tensor(costs[: count + 1], dtype=torch.float32, device=expected.device)
     return int(torch.argmax(expected / seconds))
+
+
+def worth_threshold(costs: list[float]) -> float:
+    """The smallest acceptance probability a node can have and still pay for its share of a
+    verify forward: ``min over m >= 2 of (costs[m-1] / costs[0] - 1) / (m - 1)``. A drafter can
+    stop expanding once no candidate reaches it."""
+    if len(costs) < 2:
+        return float("inf")
+    return min((costs[m - 1] / costs[0] - 1) / (m - 1) for m in range(2, len(costs) + 1))
+
+
+class AcceptanceCalibration:
+    """An online scale for a drafter's acceptance estimates: tokens actually accepted over the sum
+    of the estimates of the nodes sent (for greedy verification, the expected accepted length of
+    a tree is the sum of its nodes' acceptance probabilities). Draft probabilities and corpus
+    shares are optimistic on weak drafters; scaled, :func:`best_prefix` sizes trees on what
+    verification really accepts. Starts at 1 with a prior worth ``prior_tokens`` tokens.
+    """
+
+    def __init__(self, prior_tokens: float = 4.0) -> None:
+        self.predicted = prior_tokens
+        self.accepted = prior_tokens
+
+    @property
+    def scale(self) -> float:
+        """Accepted over predicted so far, kept within [0.05, 4]."""
+        return min(4.0, max(0.05, self.accepted / self.predicted))
+
+    def apply(self, estimates: Tensor) -> Tensor:
+        """``estimates`` ``[n]`` scaled, capped at 1."""
+        return (estimates * self.scale).clamp(max=1.0)
+
+    def update(self, predicted: float, accepted: int) -> None:
+        """One verified step: the raw estimates sent summed to ``predicted``, and ``accepted``
+        drafted tokens were accepted."""
+        self.predicted += predicted
+        self.accepted += accepted

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from headway.decode.costs import AcceptanceCalibration, best_prefix
 from headway.decode.tree import DraftTree, chain, empty_tree
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "OracleDrafter",
     "PromptLookupDrafter",
     "prompt_lookup_reference",
+    "ranked_trie",
     "trie_tree",
 ]
 
@@ -47,6 +49,45 @@ def trie_tree(continuations: Iterable[Sequence[int]], max_nodes: int) -> DraftTr
     )
 
 
+def ranked_trie(
+    continuations: Sequence[tuple[tuple[int, ...], int]], max_nodes: int
+) -> tuple[DraftTree, Tensor]:
+    """A prefix tree of weighted continuations, nodes ranked by share, best first.
+
+    Returns:
+        the tree of the ``max_nodes`` best nodes (in rank order: parents first, since a node's
+        share never exceeds its parent's and ties keep creation order) and each node's share
+        ``[n]`` (fp32): the weight of the continuations through it over the total weight.
+    """
+    total = sum(count for _, count in continuations)
+    tokens: list[int] = []
+    parents: list[int] = []
+    weights: list[int] = []
+    edges: dict[tuple[int, int], int] = {}
+    for continuation, count in continuations:
+        parent = -1
+        for token in continuation:
+            node = edges.get((parent, token))
+            if node is None:
+                node = len(tokens)
+                edges[(parent, token)] = node
+                tokens.append(token)
+                parents.append(parent)
+                weights.append(0)
+            weights[node] += count
+            parent = node
+    if not tokens:
+        return empty_tree(), torch.zeros(0)
+    order = sorted(range(len(tokens)), key=lambda node: -weights[node])[:max_nodes]  # stable
+    rank = {node: index for index, node in enumerate(order)}
+    tree = DraftTree(
+        torch.tensor([tokens[node] for node in order], dtype=torch.long),
+        torch.tensor([rank[parents[node]] if parents[node] >= 0 else -1 for node in order]),
+    )
+    shares = torch.tensor([weights[node] / total for node in order], dtype=torch.float32)
+    return tree, shares
+
+
 class PromptLookupDrafter:
     """Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
 
@@ -65,6 +106,13 @@ class PromptLookupDrafter:
     ``num_draft_tokens``). A verify forward over k tokens costs more than over one on a CPU, so
     drafts that keep failing should shrink.
 
+    With ``verify_costs`` (the target's :func:`~headway.decode.costs.verify_cost_table`, at
+    least ``max_nodes + 1`` entries) the tree is sized by cost instead: every match proposes
+    ``num_draft_tokens`` tokens, nodes are ranked by the share of matches through them, those
+    shares are scaled by how much of what was sent so far was accepted
+    (:class:`~headway.decode.costs.AcceptanceCalibration`), and only the best nodes that pay for
+    their verify forward are sent (:func:`~headway.decode.costs.best_prefix`), none if none do.
+
     The n-gram index (n-gram → end positions) is updated incrementally with the tokens committed
     since the last call, so a proposal costs O(new tokens · n-gram sizes + tree size), not a scan
     of the sequence. :func:`prompt_lookup_reference` is the plain scan it must agree with (before
@@ -81,6 +129,7 @@ class PromptLookupDrafter:
         num_draft_tokens: int = 8,
         max_nodes: int = 8,
         adaptive: bool = True,
+        verify_costs: list[float] | None = None,
     ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
@@ -90,7 +139,15 @@ class PromptLookupDrafter:
             )
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_draft_tokens, self.max_nodes = num_draft_tokens, max_nodes
-        self.adaptive = adaptive
+        if verify_costs is not None and len(verify_costs) < max_nodes + 1:
+            raise ValueError(
+                f"verify_costs has {len(verify_costs)} entries; max_nodes={max_nodes} needs one "
+                f"per block size 1..{max_nodes + 1}"
+            )
+        self.adaptive = adaptive and verify_costs is None
+        self.verify_costs = verify_costs
+        self.calibration = AcceptanceCalibration()
+        self._sent: float | None = None  # summed shares of the last cost-sized tree sent
         self._length = num_draft_tokens  # current continuation length
         self._proposed_depth = 0  # depth of the last proposed tree (0: nothing proposed)
         self._tokens: list[int] = []
@@ -103,7 +160,11 @@ class PromptLookupDrafter:
         self._length, self._proposed_depth = self.num_draft_tokens, 0
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
-        """Adapt the draft length to how much of the last draft was accepted."""
+        """Adapt the draft length (or, cost-sized, the calibration) to how much of the last draft
+        was accepted."""
+        if self._sent is not None:
+            self.calibration.update(self._sent, new_tokens.numel() - 1)
+            self._sent = None
         if not self.adaptive or self._proposed_depth == 0:
             return
         accepted = new_tokens.numel() - 1  # the last committed token is the bonus
@@ -131,12 +192,26 @@ class PromptLookupDrafter:
         for size in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
             ends = self._index.get(tuple(tokens[-size:]))
             if ends:
-                recent_first = reversed(ends[-self.max_nodes :])
+                recent_first = list(reversed(ends[-self.max_nodes :]))
+                if self.verify_costs is not None:
+                    return self._sized(recent_first)
                 continuations = (tokens[end + 1 : end + 1 + self._length] for end in recent_first)
                 tree = trie_tree(continuations, self.max_nodes)
                 self._proposed_depth = int(tree.depths.max()) if tree.size else 0
                 return tree
         return empty_tree()
+
+    def _sized(self, ends: list[int]) -> DraftTree:
+        """The cost-sized tree of the continuations after ``ends`` (most recent first)."""
+        length = self.num_draft_tokens
+        found = [(tuple(self._tokens[end + 1 : end + 1 + length]), 1) for end in ends]
+        tree, shares = ranked_trie(found, self.max_nodes)
+        assert self.verify_costs is not None
+        keep = best_prefix(self.calibration.apply(shares), self.verify_costs)
+        if keep == 0:
+            return empty_tree()
+        self._sent = float(shares[:keep].sum())
+        return DraftTree(tree.tokens[:keep], tree.parents[:keep])
 
 
 def prompt_lookup_reference(

@@ -21,13 +21,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-import torch
 from torch import Tensor
 
-from headway.decode.costs import best_prefix
+from headway.decode.costs import AcceptanceCalibration, best_prefix
+from headway.decode.drafters import ranked_trie
 from headway.decode.tree import DraftTree, empty_tree
 
-__all__ = ["NgramDatastore", "RetrievalDrafter", "ranked_trie"]
+__all__ = ["NgramDatastore", "RetrievalDrafter"]
 
 
 class NgramDatastore:
@@ -92,45 +92,6 @@ class NgramDatastore:
         return []
 
 
-def ranked_trie(
-    continuations: Sequence[tuple[tuple[int, ...], int]], max_nodes: int
-) -> tuple[DraftTree, Tensor]:
-    """A prefix tree of weighted continuations, nodes ranked by share, best first.
-
-    Returns:
-        the tree of the ``max_nodes`` best nodes (in rank order: parents first, since a node's
-        share never exceeds its parent's and ties keep creation order) and each node's share
-        ``[n]`` (fp32): the weight of the continuations through it over the total weight.
-    """
-    total = sum(count for _, count in continuations)
-    tokens: list[int] = []
-    parents: list[int] = []
-    weights: list[int] = []
-    edges: dict[tuple[int, int], int] = {}
-    for continuation, count in continuations:
-        parent = -1
-        for token in continuation:
-            node = edges.get((parent, token))
-            if node is None:
-                node = len(tokens)
-                edges[(parent, token)] = node
-                tokens.append(token)
-                parents.append(parent)
-                weights.append(0)
-            weights[node] += count
-            parent = node
-    if not tokens:
-        return empty_tree(), torch.zeros(0)
-    order = sorted(range(len(tokens)), key=lambda node: -weights[node])[:max_nodes]  # stable
-    rank = {node: index for index, node in enumerate(order)}
-    tree = DraftTree(
-        torch.tensor([tokens[node] for node in order], dtype=torch.long),
-        torch.tensor([rank[parents[node]] if parents[node] >= 0 else -1 for node in order]),
-    )
-    shares = torch.tensor([weights[node] / total for node in order], dtype=torch.float32)
-    return tree, shares
-
-
 class RetrievalDrafter:
     """Drafts from an :class:`NgramDatastore` (module docstring); no model, no training.
 
@@ -141,7 +102,9 @@ class RetrievalDrafter:
         min_hits: ignore n-grams seen fewer times than this in the corpus.
         verify_costs: the target's verify cost table
             (:func:`~headway.decode.costs.verify_cost_table`, at least ``max_nodes + 1``
-            entries): send the best nodes that pay for themselves. Without it: every node whose
+            entries): send the best nodes that pay for themselves, their shares scaled by how
+            much of what was sent so far was accepted
+            (:class:`~headway.decode.costs.AcceptanceCalibration`). Without it: every node whose
             share is at least ``min_share``.
         min_share: the share threshold used without ``verify_costs``.
     """
@@ -171,12 +134,18 @@ class RetrievalDrafter:
         self.datastore = datastore
         self.num_draft_tokens, self.max_nodes, self.min_hits = num_draft_tokens, max_nodes, min_hits
         self.verify_costs, self.min_share = verify_costs, min_share
+        self.calibration = AcceptanceCalibration()
+        self._sent: float | None = None  # summed shares of the last tree sent
 
     def begin(self, prompt_ids: Tensor) -> None:
-        """Nothing to reset: the corpus does not change."""
+        """Nothing to reset: the corpus and the calibration carry over between prompts."""
+        self._sent = None
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
-        """Nothing to learn from the accepted tokens."""
+        """Calibrate: how many of the last tree's tokens were accepted (the last is the bonus)."""
+        if self._sent is not None:
+            self.calibration.update(self._sent, new_tokens.numel() - 1)
+            self._sent = None
 
     def propose(self, sequence: Tensor) -> DraftTree:
         """The best-ranked nodes of the corpus continuations of ``sequence``'s last n-gram."""
@@ -184,9 +153,11 @@ class RetrievalDrafter:
         found = self.datastore.continuations(context, self.num_draft_tokens, min_hits=self.min_hits)
         tree, shares = ranked_trie(found, self.max_nodes)
         if self.verify_costs is not None:
-            keep = best_prefix(shares, self.verify_costs)
+            keep = best_prefix(self.calibration.apply(shares), self.verify_costs)
         else:
             keep = int((shares >= self.min_share).sum())
+        self._sent = None
         if keep == 0:
             return empty_tree()
+        self._sent = float(shares[:keep].sum())
         return DraftTree(tree.tokens[:keep], tree.parents[:keep])

@@ -17,8 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from headway.api import load_drafter
-from headway.decode.drafters import PromptLookupDrafter
+from headway.api import load_drafter, prompt_lookup_drafter
 from headway.decode.generate import Drafter
 from headway.errors import HeadwayError
 from headway.eval.plots import write_plots
@@ -72,7 +71,7 @@ def load_eval_drafter(spec: DrafterSpec, target: Target) -> tuple[Drafter, dict[
     """Build the drafter of ``spec`` for ``target`` and describe it for the report."""
     if spec.name == PROMPT_LOOKUP:
         try:
-            lookup = PromptLookupDrafter(**spec.options)
+            lookup = prompt_lookup_drafter(target, **spec.options)
         except (TypeError, ValueError) as error:
             raise HeadwayError(f"--draft-option for prompt lookup: {error}") from error
         info = {

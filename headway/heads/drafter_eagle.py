@@ -34,6 +34,7 @@ path). The reference's ``depth=d`` runs d draft forwards after level 1, i.e. our
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -41,7 +42,13 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from headway.decode.costs import best_prefix, verify_cost_table, verify_timer
+from headway.decode.costs import (
+    AcceptanceCalibration,
+    best_prefix,
+    verify_cost_table,
+    verify_timer,
+    worth_threshold,
+)
 from headway.decode.kv import crop_cache
 from headway.decode.tree import DraftTree, empty_tree
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
@@ -156,8 +163,12 @@ class EagleDrafter:
         total_tokens: N, the tree budget counting the root: at most N - 1 drafted nodes.
         verify_costs: if given (:func:`verify_cost_table` of the target, at least
             ``total_tokens`` entries), each step verifies only as many of the best nodes as pay
-            for their forward (:func:`best_prefix` on the nodes' draft probabilities; none when
-            the drafter is unsure), instead of always ``total_tokens - 1``.
+            for their forward (:func:`best_prefix` on the nodes' draft probabilities, scaled by
+            how much of what was sent so far was accepted,
+            :class:`~headway.decode.costs.AcceptanceCalibration`; none when the drafter is
+            unsure), instead of always ``total_tokens - 1``; and the tree stops growing once no
+            frontier node could pay for itself (:func:`~headway.decode.costs.worth_threshold`),
+            which saves draft forwards on unsure steps.
     """
 
     def __init__(
@@ -188,6 +199,8 @@ class EagleDrafter:
                 f"{total_tokens} needs one per block size 1..{total_tokens}"
             )
         self.verify_costs = verify_costs
+        self.calibration = AcceptanceCalibration()
+        self._sent: float | None = None  # summed draft probabilities of the last tree sent
         weight = model.fc.weight
         self._device, self._dtype = weight.device, weight.dtype
         self.begin(torch.empty(0, dtype=torch.long))
@@ -217,6 +230,9 @@ class EagleDrafter:
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         """Roll the draft cache back to the committed pairs, then feed the new pairs
         (``hidden[0][i]`` ``[H]``, ``new_tokens[i]``) with their true target features."""
+        if self._sent is not None:  # the last tree's accepted tokens (the last one is the bonus)
+            self.calibration.update(self._sent, new_tokens.numel() - 1)
+            self._sent = None
         crop_cache(self._cache, self._committed)
         count = new_tokens.numel()
         features = self._pair_features(hidden)[None]  # [1, k, H]
@@ -263,6 +279,16 @@ class EagleDrafter:
         )
         return predicted[0]
 
+    def _score_floor(self) -> float:
+        """The cumulative log-probability below which a node cannot pay for its verification
+        (``-inf`` without verify costs: the fixed-size tree always grows to ``depth``)."""
+        if self.verify_costs is None:
+            return -math.inf
+        threshold = worth_threshold(self.verify_costs[: self.total_tokens])
+        if threshold <= 0:  # a bigger forward costs no more than one token: always grow
+            return -math.inf
+        return math.log(min(1.0, threshold / self.calibration.scale))
+
     def _expand(self, root_feature: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Grow the EAGLE-2 candidate tree; returns tokens, parents and cumulative scores of
         every expanded node ``[n]``, parents listed before their children. Starts by dropping the
@@ -277,7 +303,10 @@ class EagleDrafter:
         frontier_tokens, frontier_scores = root_tokens[0], root_scores[0]
         features = root_feature.expand(k, -1)
         ancestors = torch.zeros(k, 0, dtype=torch.bool, device=self._device)
+        floor = self._score_floor()
         for level in range(1, self.depth):
+            if float(frontier_scores.max()) < floor:  # no descendant could pay for itself
+                break
             predicted = self._forward_frontier(
                 features, frontier_tokens, ancestors, self._committed + level - 1
             )
@@ -304,8 +333,13 @@ class EagleDrafter:
             return empty_tree()
         tokens, parents, scores = self._expand(self._root_feature)
         best = select_nodes(scores, self.total_tokens - 1)
+        self._sent = None
         if self.verify_costs is not None:  # a prefix of the ranking is ancestor-closed too
-            best = best[: best_prefix(scores[best].exp(), self.verify_costs)]
+            probabilities = scores[best].exp()
+            best = best[: best_prefix(self.calibration.apply(probabilities), self.verify_costs)]
+            if best.numel() == 0:
+                return empty_tree()
+            self._sent = float(probabilities[: best.numel()].sum())
         keep = best.sort().values
         new_index = torch.full_like(parents, -1)
         new_index[keep] = torch.arange(keep.numel(), device=keep.device)

@@ -1,0 +1,60 @@
+"""Verify-cost helpers: which nodes pay for their forward, and the online acceptance scale."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from headway.decode.costs import AcceptanceCalibration, worth_threshold
+from headway.decode.generate import generate
+from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
+from tests.test_generate import hf_greedy
+from tests.tiny import tiny_model
+
+
+def test_worth_threshold_is_the_cheapest_marginal_node() -> None:
+    # one extra node costs 100% more, two 55% each, three 40% each
+    assert worth_threshold([0.01, 0.02, 0.021, 0.022]) == pytest.approx(0.4)
+    assert worth_threshold([0.01, 0.01]) == 0.0
+    assert worth_threshold([0.01]) == float("inf")
+
+
+def test_calibration_scales_estimates_by_what_was_accepted() -> None:
+    calibration = AcceptanceCalibration(prior_tokens=4.0)
+    assert calibration.scale == 1.0
+    calibration.update(predicted=10.0, accepted=2)
+    assert calibration.scale == pytest.approx(6 / 14)
+    scaled = calibration.apply(torch.tensor([0.9, 0.5]))
+    assert scaled.tolist() == pytest.approx([0.9 * 6 / 14, 0.5 * 6 / 14])
+    calibration.update(predicted=0.0, accepted=60)
+    assert calibration.scale == 4.0 and calibration.apply(torch.tensor([0.5])).item() == 1.0
+
+
+def test_a_corpus_that_is_always_rejected_stops_being_sent() -> None:
+    """Every corpus continuation agrees (shares 1.0), verification accepts none of it: the scale
+    falls with every rejected tree until no node pays for its forward."""
+    store = NgramDatastore([[1, 2, 3, 4, 5, 6]] * 3)
+    costs = [0.010, 0.013, 0.014, 0.015, 0.016, 0.017, 0.018, 0.019, 0.020]
+    drafter = RetrievalDrafter(store, min_hits=1, verify_costs=costs)
+    drafter.begin(torch.tensor([7]))
+    sequence = torch.tensor([7, 1, 2])
+    sizes = []
+    for _ in range(12):
+        sizes.append(drafter.propose(sequence).size)
+        drafter.observe(torch.tensor([9]), ())  # only the bonus token: nothing accepted
+    assert sizes[0] == 4 and sizes[-1] == 0
+    assert all(later <= earlier for earlier, later in itertools.pairwise(sizes))
+    assert drafter.calibration.scale < 0.2
+
+
+def test_a_corpus_that_is_right_keeps_being_sent_and_decoding_is_exact() -> None:
+    model = tiny_model("llama")
+    prompt = torch.tensor([5, 17, 42, 8, 91, 23])
+    truth = hf_greedy(model, prompt, 32, eos=None)
+    costs = [0.010, 0.013, 0.014, 0.015, 0.016, 0.017, 0.018, 0.019, 0.020]
+    drafter = RetrievalDrafter(NgramDatastore([truth] * 3), min_hits=1, verify_costs=costs)
+    result = generate(model, prompt, drafter=drafter, max_new_tokens=32, eos_token_ids=())
+    assert result.tokens == truth
+    assert drafter.calibration.scale > 0.5 and result.tau > 1.5, result.accept_lengths
