@@ -149,3 +149,15 @@ def test_cost_sized_prompt_lookup_sends_what_pays_and_learns_from_rejections() -
     assert sizes[0] == 4 and sizes[-1] == 0 and learning.calibration.scale < 0.3
     with pytest.raises(ValueError, match="verify_costs has 2 entries"):
         PromptLookupDrafter(max_nodes=4, verify_costs=[0.01, 0.02])
+
+
+def test_a_tree_never_verified_does_not_reach_the_next_prompts_calibration() -> None:
+    """Generation can stop right after a proposal (max_new_tokens); the next prompt's first
+    observe is the prefill (prompt + first token), which must not count as accepted drafts."""
+    sequence = torch.tensor([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
+    drafter = PromptLookupDrafter(num_draft_tokens=4, max_nodes=4, verify_costs=[0.01] * 5)
+    drafter.begin(sequence[:1])
+    assert drafter.propose(sequence).size == 4
+    drafter.begin(sequence)
+    drafter.observe(torch.cat([sequence[1:], torch.tensor([8])]), ())  # the prefill: 10 tokens
+    assert drafter.calibration.scale == 1.0

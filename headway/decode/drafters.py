@@ -155,9 +155,10 @@ class PromptLookupDrafter:
         self._indexed_until = 0  # n-grams ending before this position are in the index
 
     def begin(self, prompt_ids: Tensor) -> None:
-        """Forget the previous sequence."""
+        """Forget the previous sequence (the calibration carries over: it is about the model)."""
         self._tokens, self._index, self._indexed_until = [], {}, 0
         self._length, self._proposed_depth = self.num_draft_tokens, 0
+        self._sent = None  # a tree the last generation stopped after is never observed
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         """Adapt the draft length (or, cost-sized, the calibration) to how much of the last draft

@@ -221,10 +221,12 @@ class EagleDrafter:
         return best.values, best.indices
 
     def begin(self, prompt_ids: Tensor) -> None:
-        """Forget the previous sequence: empty draft cache, no root feature."""
+        """Forget the previous sequence: empty draft cache, no root feature (the acceptance
+        calibration carries over)."""
         self._cache = self.model.new_cache()
         self._committed = 0  # pairs (f_t, x_{t+1}) in the cache
         self._root_feature: Tensor | None = None  # [H], f̂ at the root's position
+        self._sent = None  # a tree the last generation stopped after is never observed
 
     @torch.inference_mode()
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
