@@ -138,7 +138,7 @@ class RetrievalDrafter:
         self._sent: float | None = None  # summed shares of the last tree sent
 
     def begin(self, prompt_ids: Tensor) -> None:
-        """Nothing to reset: the corpus and the calibration carry over between prompts."""
+        """Forget an unverified tree; the corpus and the calibration carry over between prompts."""
         self._sent = None
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
