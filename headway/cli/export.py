@@ -35,15 +35,19 @@ def run_export(args: argparse.Namespace) -> int:
         "eagle3-hf": export_eagle3,
     }
     run_dir, out_dir = Path(args.run_dir), Path(args.out)
+    medusa2_heads = False
     if args.format == "medusa2-target":
         out = export_medusa2_target(run_dir, out_dir, target=args.target)
+    elif args.format in ("medusa", "medusa-vllm"):  # read once: exported, then its method noted
+        loaded = load_heads(run_dir)
+        out = exporters[args.format](loaded, out_dir)
+        medusa2_heads = loaded.method == "medusa2"
     elif args.format in exporters:
         out = exporters[args.format](run_dir, out_dir)
     else:
         raise HeadwayError(f"--format {args.format}: unknown format; choose from {list(FORMATS)}")
     print(f"exported {args.run_dir} as {args.format} to {out}")
-    heads_format = args.format in ("medusa", "medusa-vllm")
-    if heads_format and load_heads(run_dir).method == "medusa2":
+    if medusa2_heads:
         print(MEDUSA2_NOTE.format(run=args.run_dir))
     return 0
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from headway.api import eos_token_ids
 from headway.decode.costs import verify_cost_table
 from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.merged import FirstDrafter
@@ -31,11 +32,7 @@ def answer_token_ids(target: Target, sources: Sequence[str | Path]) -> list[list
     """The assistant turns of every conversation in ``sources``, as token ids, each followed by
     the target's first EOS id (its end of turn)."""
     tokenizer = target.tokenizer
-    eos = target.model.generation_config.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    closing = [] if eos is None else [int(eos)]
+    closing = eos_token_ids(target)[:1]
     answers: list[list[int]] = []
     for source in sources:
         samples, _ = load_conversations(source, skip_bad_rows=True)

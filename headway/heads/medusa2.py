@@ -58,6 +58,7 @@ __all__ = [
     "heads_weights_id",
     "merge_adapter",
     "read_adapter",
+    "set_adapter_weights",
     "write_adapter",
 ]
 
@@ -147,6 +148,21 @@ def read_adapter(run_dir: Path, weights_id: str) -> tuple[LoraConfig, dict[str, 
     return config, tensors
 
 
+def set_adapter_weights(
+    peft_model: PeftModel, tensors: Mapping[str, Tensor], run_dir: Path
+) -> None:
+    """Load ``tensors`` (read from ``run_dir``'s adapter) into ``peft_model``'s LoRA layers.
+
+    Raises:
+        HeadsError: missing, unexpected or mis-shaped tensors (another ``lora_r`` or other
+            target modules than the model was wrapped with).
+    """
+    fresh = get_peft_model_state_dict(peft_model)
+    expected = {name: tuple(tensor.shape) for name, tensor in fresh.items()}
+    check_tensors(tensors, expected, Path(run_dir) / ADAPTER_DIR / ADAPTER_WEIGHTS)
+    set_peft_model_state_dict(peft_model, dict(tensors))
+
+
 def merge_adapter(run_dir: str | Path, model: Any) -> None:
     """Merge the LoRA adapter of Medusa-2 run ``run_dir`` into ``model`` in place (module
     docstring); a no-op if this run's adapter is merged already.
@@ -172,10 +188,7 @@ def merge_adapter(run_dir: str | Path, model: Any) -> None:
     except (ValueError, TypeError) as error:
         raise HeadsError(f"{run_dir / ADAPTER_DIR} does not fit this target: {error}") from error
     try:
-        fresh = get_peft_model_state_dict(peft_model)
-        expected = {name: tuple(tensor.shape) for name, tensor in fresh.items()}
-        check_tensors(tensors, expected, run_dir / ADAPTER_DIR / ADAPTER_WEIGHTS)
-        set_peft_model_state_dict(peft_model, tensors)
+        set_adapter_weights(peft_model, tensors, run_dir)
     except BaseException:
         peft_model.unload()  # the stock modules back, weights untouched
         raise

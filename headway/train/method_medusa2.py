@@ -44,21 +44,18 @@ from typing import Any
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
-from peft.utils import set_peft_model_state_dict
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
 from headway.config import MEDUSA2_NEEDS_ONLINE, RunConfig
 from headway.errors import ConfigError
 from headway.heads.drafter_medusa import final_hidden_layer
-from headway.heads.io import check_tensors
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.heads.medusa2 import (
-    ADAPTER_DIR,
-    ADAPTER_WEIGHTS,
     add_lora,
     heads_weights_id,
     read_adapter,
+    set_adapter_weights,
     write_adapter,
 )
 from headway.target import Target
@@ -239,8 +236,4 @@ class Medusa2(nn.Module):
                 ``lora_r`` or other target modules than the run's config).
         """
         _, tensors = read_adapter(run_dir, heads_weights_id(run_dir))
-        peft_model = self.backbone.peft_model
-        fresh = get_peft_model_state_dict(peft_model)
-        expected = {name: tuple(value.shape) for name, value in fresh.items()}
-        check_tensors(tensors, expected, Path(run_dir) / ADAPTER_DIR / ADAPTER_WEIGHTS)
-        set_peft_model_state_dict(peft_model, tensors)
+        set_adapter_weights(self.backbone.peft_model, tensors, run_dir)
