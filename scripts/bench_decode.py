@@ -4,7 +4,9 @@ For each dtype it runs, prompt by prompt (batch 1, greedy):
 
 - HF ``generate`` greedy (the baseline every speedup is measured against);
 - HF ``generate(prompt_lookup_num_tokens=N)``;
-- headway with prompt lookup;
+- headway with prompt lookup, also with the stock GEMM for verify forwards (``gemm="stock"``;
+  the default routes fp32 blocks of 2-8 tokens on CPU through ``(W·xᵀ)ᵀ``, see
+  :mod:`headway.decode.gemm`), so the kernel's share of the speedup is visible;
 - headway with the oracle chain at depths 1..8 (a drafter that knows the greedy continuation,
   so tau = depth + 1 and the measured speedup shows what the loop itself costs).
 
@@ -30,6 +32,7 @@ import torch
 from headway.api import eos_token_ids, prompt_ids
 from headway.decode.bench import RunStats, forward_seconds, timed
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
+from headway.decode.gemm import GemmChoice
 from headway.decode.generate import Drafter, generate
 from headway.evalsets import load_prompts
 from headway.target import Target, load_target
@@ -76,9 +79,12 @@ def headway_runner(
     drafter: Drafter | None,
     stats: RunStats,
     eos: list[int],
+    gemm: GemmChoice,
 ) -> Callable[[], list[int]]:
     def run() -> list[int]:
-        result = generate(target.model, ids, drafter=drafter, max_new_tokens=new, eos_token_ids=eos)
+        result = generate(
+            target.model, ids, drafter=drafter, max_new_tokens=new, eos_token_ids=eos, gemm=gemm
+        )
         stats.accept_lengths += result.accept_lengths[1:]
         return list(result.tokens)
 
@@ -97,14 +103,17 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     generate(target.model, encoded[0], drafter=None, max_new_tokens=8, eos_token_ids=eos)
     runs: dict[str, RunStats] = {}
     names = ["hf greedy", "hf prompt lookup", "headway plain", "headway prompt lookup"]
-    names += ["headway prompt lookup n=1..3"]
+    names += ["headway prompt lookup, stock gemm", "headway prompt lookup n=1..3"]
     names += [f"headway oracle d={d}" for d in depths]
     for name in names:
         runs[name] = RunStats(name)
-    forward_ms: dict[int, list[float]] = {size: [] for size in {1, *(d + 1 for d in depths)}}
+    sizes = sorted({1, *(d + 1 for d in depths)})
+    forward_ms: dict[int, list[float]] = {size: [] for size in sizes}
+    stock_ms: dict[int, list[float]] = {size: [] for size in sizes}
     for ids in encoded:  # interleave configurations prompt by prompt, so drift hits all alike
-        for size, times in forward_ms.items():  # verify cost at this prompt's prefix
-            times.append(forward_seconds(target.model, ids, size, repeats=3))
+        for size in sizes:  # verify cost at this prompt's prefix
+            forward_ms[size].append(forward_seconds(target.model, ids, size, repeats=3))
+            stock_ms[size].append(forward_seconds(target.model, ids, size, repeats=3, gemm="stock"))
         reference, seconds = timed(hf_runner(target, ids, args.max_new_tokens, None), device)
         runs["hf greedy"].add(reference, seconds, [])
         output, seconds = timed(
@@ -114,6 +123,9 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         drafters: dict[str, Drafter | None] = {
             "headway plain": None,
             "headway prompt lookup": PromptLookupDrafter(num_draft_tokens=args.lookup_tokens),
+            "headway prompt lookup, stock gemm": PromptLookupDrafter(
+                num_draft_tokens=args.lookup_tokens
+            ),
             "headway prompt lookup n=1..3": PromptLookupDrafter(
                 min_ngram=1, max_ngram=3, num_draft_tokens=args.lookup_tokens
             ),
@@ -124,9 +136,9 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         for name, drafter in drafters.items():
             stats = runs[name]
             before = len(stats.accept_lengths)
-            output, seconds = timed(
-                headway_runner(target, ids, args.max_new_tokens, drafter, stats, eos), device
-            )
+            gemm: GemmChoice = "stock" if name.endswith("stock gemm") else "auto"
+            runner = headway_runner(target, ids, args.max_new_tokens, drafter, stats, eos, gemm)
+            output, seconds = timed(runner, device)
             steps = stats.accept_lengths[before:]
             del stats.accept_lengths[before:]
             stats.add(output, seconds, steps)
@@ -153,12 +165,17 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         "dtype": dtype,
         "t_forward_1_ms": round(t1 * 1000, 1),
         "t_forward_verify_ms": {d: round(v * 1000, 1) for d, v in verify_cost.items()},
+        "t_forward_verify_stock_gemm_ms": {
+            d: round(statistics.fmean(stock_ms[d + 1]) * 1000, 1) for d in depths
+        },
         "rows": rows,
     }
 
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\n## dtype {result['dtype']}  (t_forward(1) = {result['t_forward_1_ms']} ms)")
+    print(f"verify forward ms by depth: {result['t_forward_verify_ms']}")
+    print(f"  with the stock gemm: {result['t_forward_verify_stock_gemm_ms']}")
     print("| run | tau | tokens/s | speedup vs HF greedy | identical to HF greedy | efficiency |")
     print("|---|---|---|---|---|---|")
     for row in result["rows"]:

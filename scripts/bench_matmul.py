@@ -1,9 +1,12 @@
 """Why verifying several tokens costs more than one on a CPU: the target's linear layers timed at
-M = 1, 2, 4, 8, 16 rows (SmolLM2-135M shapes by default), in the dtype given.
+M = 1, 2, 4, 8 rows (SmolLM2-135M shapes by default), in the dtype given.
 
 At M = 1 a linear layer is a matrix-vector product, bound by reading the weights; from M = 2 on it
 is a small matrix-matrix product, which CPUs run far below their peak. Prints the median
-milliseconds of ``F.linear`` and of ``x @ W^T`` with a pre-transposed contiguous weight.
+milliseconds of ``F.linear``, of ``x @ W^T`` with a pre-transposed contiguous weight, and of the
+routed product headway's verify forwards use, ``(W · xᵀ)ᵀ`` (:mod:`headway.decode.gemm`; 1 row
+padded to 2, as drafters do). One weight is timed over and over, so it may sit in cache: whole
+forwards (``scripts/bench_decode.py``) are the figures to quote.
 
     .venv/bin/python scripts/bench_matmul.py --dtype float32
 """
@@ -18,6 +21,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from headway.decode.gemm import small_block_linear
 
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 49152)]  # (in, out): MLP, attention, head
 
@@ -42,16 +48,22 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads, {args.dtype}")
-    print("| in x out | M | F.linear ms | x @ W^T ms |")
-    print("|---|---|---|---|")
+    print("| in x out | M | F.linear ms | x @ W^T ms | (W x^T)^T ms |")
+    print("|---|---|---|---|---|")
     for fan_in, fan_out in SHAPES:
         weight = torch.randn(fan_out, fan_in, dtype=dtype)
         transposed = weight.t().contiguous()
-        for rows in (1, 2, 4, 8, 16):
+        layer = nn.Linear(fan_in, fan_out, bias=False, dtype=dtype)
+        layer.weight.data = weight
+        routed = small_block_linear(layer, pad_single=True)
+        for rows in (1, 2, 4, 8):
             x = torch.randn(1, rows, fan_in, dtype=dtype)
             linear = median_ms(lambda: F.linear(x, weight), args.repeats)  # noqa: B023
             matmul = median_ms(lambda: x @ transposed, args.repeats)  # noqa: B023
-            print(f"| {fan_in} x {fan_out} | {rows} | {linear:.3f} | {matmul:.3f} |")
+            swapped = median_ms(lambda: routed(x), args.repeats)  # noqa: B023
+            print(
+                f"| {fan_in} x {fan_out} | {rows} | {linear:.3f} | {matmul:.3f} | {swapped:.3f} |"
+            )
 
 
 if __name__ == "__main__":

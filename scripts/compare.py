@@ -141,8 +141,8 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
             headway_runner(PromptLookupDrafter(num_draft_tokens=args.lookup_tokens)),
         ),
     ]
-    sized = prompt_lookup_drafter(target, sizing="cost", num_draft_tokens=args.lookup_tokens)
-    rows.append(Row("prompt lookup, cost-sized", headway_runner(sized)))
+    lookup = prompt_lookup_drafter(target, sizing="cost", num_draft_tokens=args.lookup_tokens)
+    rows.append(Row("prompt lookup, cost-sized", headway_runner(lookup)))
     if args.retrieval_data:
         retrieval = build_retrieval_drafter(target, data=args.retrieval_data)
         rows.append(Row("retrieval (prompt lookup, then corpus)", headway_runner(retrieval)))
@@ -156,8 +156,8 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
                 f"`headway eval --heads {run_dir}` (its baseline is the merged target)."
             )
         if method.startswith("medusa"):
-            drafter = load_drafter(run_dir, target)
-            rows.append(Row(f"{method} {name}", headway_runner(drafter)))
+            medusa = load_drafter(run_dir, target)
+            rows.append(Row(f"{method} {name}", headway_runner(medusa)))
         elif method.startswith("eagle"):
             chain = load_drafter(run_dir, target, top_k=1, depth=args.eagle_depth)
             tree = load_drafter(run_dir, target, depth=args.eagle_depth)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from headway.decode.gemm import GemmChoice
 from headway.decode.kv import crop_cache, new_cache, prefill, tree_forward
 
 
@@ -65,12 +66,14 @@ def forward_seconds(
     *,
     repeats: int = 5,
     tree: bool = False,
+    gemm: GemmChoice = "auto",
 ) -> float:
     """Median time of one forward over `new_tokens` tokens on a cache of `prefix`: a chain, or
     with ``tree`` a one-level tree (every drafted node a child of the root, so the 4-D tree mask
     is used as in real tree verification).
 
-    This is the cost of verifying a tree of ``new_tokens`` nodes after a prompt like `prefix`.
+    This is the cost of verifying a tree of ``new_tokens`` nodes after a prompt like `prefix`,
+    with the linear layers routed as ``gemm`` says (:mod:`headway.decode.gemm`).
     """
     cache = new_cache(model)
     prefill(model, cache, prefix.unsqueeze(0))
@@ -83,7 +86,7 @@ def forward_seconds(
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        tree_forward(model, cache, tokens, parents, prefix_len)
+        tree_forward(model, cache, tokens, parents, prefix_len, gemm=gemm)
         if prefix.device.type == "cuda":
             torch.cuda.synchronize(prefix.device)
         times.append(time.perf_counter() - start)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
+from headway.decode.gemm import GemmChoice
 from headway.decode.kv import compact_cache, new_cache, prefill, tree_forward
 from headway.decode.sampling import SamplingParams, probs_from_logits, sample
 from headway.decode.tree import DraftTree, empty_tree, limit_depth
@@ -119,6 +120,7 @@ class _Session:
     stop_sequences: tuple[tuple[int, ...], ...]
     stop_check: Callable[[list[int]], bool] | None
     on_tokens: Callable[[list[int]], None] | None
+    gemm: GemmChoice
     sequence: Tensor  # LongTensor [prompt + max_new_tokens] buffer; the first `length` are valid
     length: int
     generated: list[int] = field(default_factory=list)
@@ -192,7 +194,13 @@ def draft_step(session: _Session) -> None:
     prefix_len = session.length - 1
     block = torch.cat([root, tree.tokens.cpu()])[None]
     logits, hidden = tree_forward(
-        session.model, session.cache, block, tree.parents, prefix_len, session.drafter.hidden_layers
+        session.model,
+        session.cache,
+        block,
+        tree.parents,
+        prefix_len,
+        session.drafter.hidden_layers,
+        gemm=session.gemm,
     )
     accepted = verify(tree, logits, session.sampling, session.generator, session.acceptance)
     compact_cache(session.cache, prefix_len, accepted.path)
@@ -234,6 +242,7 @@ def generate(
     generator: torch.Generator | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     acceptance: AcceptanceRule = "lossless",
+    gemm: GemmChoice = "auto",
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` after ``prompt_ids`` (``[P]`` or ``[1, P]``) with ``model``,
     speculatively if a ``drafter`` is given.
@@ -246,6 +255,7 @@ def generate(
     (drafts are trimmed to fit). Committed tokens are streamed to ``on_tokens`` after every forward.
     ``sampling`` defaults to greedy. ``acceptance="typical"`` is Medusa's LOSSY rule
     (:func:`headway.decode.verify.verify_typical`); with greedy sampling both rules are greedy.
+    ``gemm`` picks how verify forwards of 2+ tokens multiply (:mod:`headway.decode.gemm`).
     """
     prompt = _prompt(prompt_ids)
     _check_request(prompt, max_new_tokens, stop_sequences, _context_limit(model))
@@ -262,6 +272,7 @@ def generate(
         stop_sequences=tuple(tuple(int(t) for t in stop) for stop in stop_sequences),
         stop_check=stop_check,
         on_tokens=on_tokens,
+        gemm=gemm,
         sequence=torch.cat([prompt, prompt.new_zeros(max_new_tokens)]),
         length=prompt.numel(),
     )

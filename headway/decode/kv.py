@@ -19,6 +19,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from headway.decode.gemm import GemmChoice, routed_linears
 from headway.decode.tree import ancestor_mask, depths
 
 __all__ = [
@@ -113,6 +114,7 @@ def tree_forward(
     parents: Tensor,
     prefix_len: int,
     hidden_layers: tuple[int, ...] = (),
+    gemm: GemmChoice = "auto",
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """Verify a whole draft tree in ONE forward.
 
@@ -121,6 +123,9 @@ def tree_forward(
         parents: LongTensor ``[n]``, the tree's parent array (see :mod:`headway.decode.tree`).
         prefix_len: tokens already in ``cache``; must equal ``cache.get_seq_length()``.
         hidden_layers: indices into ``output_hidden_states``; () skips collecting them.
+        gemm: how the linear layers multiply a block of 2+ tokens
+            (:mod:`headway.decode.gemm`; ``"auto"`` routes fp32 on CPU). A 1-token block always
+            takes the stock path.
 
     Returns:
         logits ``[n + 1, V]`` (row b predicts the token after block entry b) and one
@@ -148,14 +153,15 @@ def tree_forward(
     else:
         mask = tree_attention_mask(parents, prefix_len, dtype=model.dtype, device=device)
         position_ids = (depths(parents) + prefix_len).to(device)[None]
-    outputs = model(
-        input_ids=root_and_tree_tokens.to(device),
-        attention_mask=mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=bool(hidden_layers),
-    )
+    with routed_linears(model, gemm if size > 1 else "stock"):
+        outputs = model(
+            input_ids=root_and_tree_tokens.to(device),
+            attention_mask=mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=bool(hidden_layers),
+        )
     return outputs.logits[0], _hidden(outputs, hidden_layers)
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any, Protocol
 
 import torch
@@ -49,6 +50,7 @@ from headway.decode.costs import (
     verify_timer,
     worth_threshold,
 )
+from headway.decode.gemm import routed_linears
 from headway.decode.kv import crop_cache
 from headway.decode.tree import DraftTree, empty_tree
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
@@ -228,10 +230,22 @@ class EagleDrafter:
         self._root_feature: Tensor | None = None  # [H], f̂ at the root's position
         self._sent = None  # a tree the last generation stopped after is never observed
 
+    def _routed(self) -> ExitStack:
+        """The draft model's and the LM head's linear layers on small-block products
+        (:func:`~headway.decode.gemm.routed_linears`; draft forwards have a few rows)."""
+        stack = ExitStack()
+        stack.enter_context(routed_linears(self.model, pad_single=True))
+        stack.enter_context(routed_linears(self.head.lm_head, pad_single=True))
+        return stack
+
     @torch.inference_mode()
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         """Roll the draft cache back to the committed pairs, then feed the new pairs
         (``hidden[0][i]`` ``[H]``, ``new_tokens[i]``) with their true target features."""
+        with self._routed():
+            self._observe(new_tokens, hidden)
+
+    def _observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         if self._sent is not None:  # the last tree's accepted tokens (the last one is the bonus)
             self.calibration.update(self._sent, new_tokens.numel() - 1)
             self._sent = None
@@ -333,7 +347,8 @@ class EagleDrafter:
         of ``sequence``, whose pair is already in the draft cache); empty before any observe."""
         if self._root_feature is None:
             return empty_tree()
-        tokens, parents, scores = self._expand(self._root_feature)
+        with self._routed():
+            tokens, parents, scores = self._expand(self._root_feature)
         best = select_nodes(scores, self.total_tokens - 1)
         self._sent = None
         if self.verify_costs is not None:  # a prefix of the ranking is ancestor-closed too

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from headway.decode.gemm import routed_linears
 from headway.decode.tree import DraftTree, empty_tree, static_tree
 from headway.errors import TargetError
 from headway.heads.medusa import MedusaHeads
@@ -184,7 +185,8 @@ class MedusaDrafter:
             raise RuntimeError("MedusaDrafter.candidates() called before observe()")
         weight = next(self.heads.parameters())
         hidden = self._last_hidden.to(device=weight.device, dtype=weight.dtype)
-        logits = self.heads(hidden, num_heads=self.tree.depth)  # [depth, V]
+        with routed_linears(self.heads, pad_single=True):  # one row per head: pad it (gemm.py)
+            logits = self.heads(hidden, num_heads=self.tree.depth)  # [depth, V]
         return logits.topk(self.tree.width, dim=-1).indices
 
     def propose(self, sequence: Tensor) -> DraftTree:
