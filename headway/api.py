@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from headway.decode.costs import verify_cost_table
-from headway.decode.drafters import PromptLookupDrafter
+from headway.decode.drafters import DEFAULT_MAX_NODES, PromptLookupDrafter
 from headway.decode.generate import Drafter
 from headway.decode.generate import generate as decode
 from headway.decode.sampling import SamplingParams
@@ -72,7 +72,7 @@ def prompt_lookup_drafter(
     and sizes every tree by it (``verify_costs``), ``"adaptive"`` (default) grows and shrinks
     the draft length with acceptance. `options` go to the drafter."""
     if sizing == "cost":
-        max_nodes = int(options.get("max_nodes", 8))
+        max_nodes = int(options.get("max_nodes", DEFAULT_MAX_NODES))
         options["verify_costs"] = verify_cost_table(target.model, max_nodes + 1)
     elif sizing != "adaptive":
         raise ValueError(f"sizing={sizing!r}: choose 'adaptive' or 'cost'")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 
-from headway.decode.costs import AcceptanceCalibration, worth_threshold
+from headway.decode.costs import AcceptanceCalibration, TreeSizer, worth_threshold
 from headway.decode.generate import generate
 from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
 from tests.test_generate import hf_greedy
@@ -30,6 +31,49 @@ def test_calibration_scales_estimates_by_what_was_accepted() -> None:
     assert scaled.tolist() == pytest.approx([0.9 * 6 / 14, 0.5 * 6 / 14])
     calibration.update(predicted=0.0, accepted=60)
     assert calibration.scale == 4.0 and calibration.apply(torch.tensor([0.5])).item() == 1.0
+
+
+def test_tree_sizer_keeps_what_pays_and_calibrates_on_what_it_sent() -> None:
+    estimates = torch.tensor([0.9, 0.5, 0.2, 0.05])
+    sizer = TreeSizer([0.010] * 5, max_nodes=4)  # verifying more costs nothing: send all
+    assert sizer.keep(estimates) == 4
+    sizer.observed(1)  # the four nodes predicted 1.65 tokens; one was accepted
+    assert sizer.calibration.scale == pytest.approx((4 + 1) / (4 + 1.65))
+    sizer.observed(3)  # nothing pending any more: no second update
+    assert sizer.calibration.scale == pytest.approx((4 + 1) / (4 + 1.65))
+
+    steep = TreeSizer([0.010, 0.030, 0.050, 0.070, 0.090], max_nodes=4)
+    assert steep.keep(estimates) == 0
+    steep.observed(2)  # nothing was sent, so nothing is learnt
+    assert steep.calibration.scale == 1.0
+
+    knee = TreeSizer([0.010, 0.012, 0.019, 0.020, 0.021], max_nodes=4)
+    assert knee.keep(estimates) == 1
+    knee.forget()  # generation stopped before the tree was verified
+    knee.observed(0)
+    assert knee.calibration.scale == 1.0
+    assert knee.keep(estimates) == 1
+    knee.observed(0)  # 0.9 predicted, nothing accepted
+    assert knee.calibration.scale == pytest.approx(4 / 4.9)
+
+    with pytest.raises(ValueError, match="5 nodes ranked"):
+        knee.keep(torch.ones(5))
+    with pytest.raises(ValueError, match=r"verify_costs has 2 entries; max_nodes=4 .* 1\.\.5"):
+        TreeSizer([0.01, 0.02], max_nodes=4)
+    with pytest.raises(ValueError, match="verify_costs has 2 entries; a tree of 3 nodes"):
+        TreeSizer([0.01, 0.02], max_nodes=3, budget="a tree of 3 nodes")
+
+
+def test_tree_sizer_score_floor_is_the_log_of_the_calibrated_threshold() -> None:
+    costs = [0.01, 0.02, 0.021, 0.022]  # worth_threshold 0.4 (three nodes at 40% each)
+    sizer = TreeSizer(costs, max_nodes=3)
+    assert sizer.score_floor() == pytest.approx(math.log(0.4))
+    sizer.calibration.update(predicted=4.0, accepted=0)  # scale 0.5: a node needs 0.8 raw
+    assert sizer.score_floor() == pytest.approx(math.log(0.8))
+    sizer.calibration.update(predicted=8.0, accepted=0)  # scale 0.25: only a certain node
+    assert sizer.score_floor() == 0.0
+    assert TreeSizer(costs, max_nodes=1).score_floor() == 0.0  # one node: threshold 1.0
+    assert TreeSizer([0.01, 0.01, 0.02], max_nodes=2).score_floor() == -math.inf
 
 
 def test_a_corpus_that_is_always_rejected_stops_being_sent() -> None:

@@ -16,6 +16,7 @@ from headway.decode.tree import (
     positions,
     root_to_leaf_paths,
     static_tree,
+    subtree,
     validate_parents,
 )
 
@@ -99,6 +100,25 @@ def test_medusa_choices_build_a_sorted_tree() -> None:
     tree = shape.instantiate(candidates)
     assert tree.tokens.tolist() == [10, 11, 20, 21, 20, 30]
     assert tree.parents.tolist() == [-1, -1, 0, 0, 1, 2]
+
+
+def test_path_products_multiply_down_each_path() -> None:
+    shape = static_tree([[1], [0], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    values = torch.tensor([[0.5, 0.25], [0.8, 0.1], [0.9, 0.3]])
+    # nodes (0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)
+    expected = [0.5, 0.25, 0.5 * 0.8, 0.5 * 0.1, 0.25 * 0.8, 0.5 * 0.8 * 0.9]
+    assert shape.path_products(values).tolist() == pytest.approx(expected)
+    assert values.tolist()[0] == [0.5, 0.25]  # the input is left alone
+
+
+def test_subtree_keeps_the_chosen_nodes_in_tree_order() -> None:
+    tokens = torch.arange(10, 16)
+    kept = subtree(tokens, PARENTS, torch.tensor([5, 0, 1, 3]))  # any order, e.g. best first
+    assert kept.tokens.tolist() == [10, 11, 13, 15]
+    assert kept.parents.tolist() == [-1, -1, 0, 1]
+    assert subtree(tokens, PARENTS, torch.tensor([], dtype=torch.long)).size == 0
+    with pytest.raises(ValueError, match="node 4 is kept but its parent 2 is not"):
+        subtree(tokens, PARENTS, torch.tensor([0, 4]))
 
 
 def test_instantiate_checks_candidate_shape() -> None:

@@ -73,5 +73,6 @@ def add_draft_option_flag(parser: argparse.ArgumentParser) -> None:
         help="drafter constructor option, repeatable: EAGLE top_k / depth / total_tokens "
         "(e.g. depth=5); prompt lookup num_draft_tokens / max_nodes / min_ngram / max_ngram; "
         "retrieval data=PATH / min_hits / num_draft_tokens / max_nodes; sizing=cost (EAGLE, "
-        "prompt lookup, retrieval) sizes each step's tree by the target's measured verify cost",
+        "Medusa, prompt lookup, retrieval) sizes each step's tree by the target's measured "
+        "verify cost",
     )

@@ -6,12 +6,14 @@ cores: 42-45 ms for 1 token; 29-31 ms for 2-4 and 40-55 ms for 5-8 with the smal
 products of :mod:`headway.decode.gemm`, 63-88 ms without; 65-100 ms for 9-32; see
 ``scripts/bench_decode.py``). A drafter that knows t and an acceptance estimate per node can
 send, at every step, only the nodes that pay for their share of the forward
-(:func:`best_prefix`), and none when it is unsure.
+(:func:`best_prefix`), and none when it is unsure; :class:`TreeSizer` is that decision with its
+online calibration, shared by every cost-sized drafter.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +24,10 @@ from headway.decode.bench import forward_seconds
 
 __all__ = [
     "AcceptanceCalibration",
+    "CostSized",
+    "TreeSizer",
     "best_prefix",
+    "resolve_verify_costs",
     "verify_cost_table",
     "verify_timer",
     "worth_threshold",
@@ -76,6 +81,19 @@ def verify_cost_table(
     return table
 
 
+def resolve_verify_costs(sizing: str, block_size: int, target_model: Any) -> list[float] | None:
+    """The ``sizing`` option of the trained drafters' builders. ``"fixed"`` (the references):
+    ``None``, every step verifies the whole tree. ``"cost"``: time the target's verify forward
+    once (:func:`verify_cost_table`, blocks of 1 .. ``block_size`` tokens, i.e. the root and the
+    largest tree) so each step verifies only the nodes that pay for themselves (:class:`TreeSizer`).
+    """
+    if sizing == "fixed":
+        return None
+    if sizing == "cost":
+        return verify_cost_table(target_model, block_size)
+    raise ValueError(f"sizing={sizing!r}: choose 'fixed' or 'cost'")
+
+
 def best_prefix(probabilities: Tensor, costs: list[float]) -> int:
     """How many of the best nodes to verify: the n (0 .. len) maximising expected tokens per
     second, ``(1 + sum(probabilities[:n])) / costs[n]``.
@@ -127,3 +145,81 @@ class AcceptanceCalibration:
         drafted tokens were accepted."""
         self.predicted += predicted
         self.accepted += accepted
+
+
+class TreeSizer:
+    """How many of a step's ranked nodes to send, by verify cost (:func:`best_prefix`) on
+    acceptance estimates scaled by what verification accepted so far
+    (:class:`AcceptanceCalibration`).
+
+    Each step a drafter ranks its candidate nodes best first, every prefix of the ranking a tree
+    (EAGLE-2 draft probabilities, corpus shares, products of Medusa head probabilities), sends the
+    first :meth:`keep` of them, and reports the verified step to :meth:`observed`; :meth:`forget`
+    at ``begin`` drops a tree that was never verified.
+
+    Args:
+        costs: the target's :func:`verify_cost_table`, at least ``max_nodes + 1`` entries.
+        max_nodes: the most nodes one step may rank.
+        budget: how the error for a short ``costs`` names the drafter's budget (default
+            ``max_nodes=<max_nodes>``).
+    """
+
+    def __init__(self, costs: list[float], max_nodes: int, *, budget: str | None = None) -> None:
+        if len(costs) < max_nodes + 1:
+            raise ValueError(
+                f"verify_costs has {len(costs)} entries; {budget or f'max_nodes={max_nodes}'} "
+                f"needs one per block size 1..{max_nodes + 1}"
+            )
+        self.costs, self.max_nodes = costs, max_nodes
+        self.calibration = AcceptanceCalibration()
+        self._pending: float | None = None  # raw estimates of the last tree sent, summed
+
+    def keep(self, estimates: Tensor) -> int:
+        """How many of the nodes to send, given their raw acceptance estimates ``[k]`` (best
+        first, ``k <= max_nodes``): 0 when none pays. Remembers what the kept ones predict."""
+        if estimates.numel() > self.max_nodes:
+            raise ValueError(
+                f"{estimates.numel()} nodes ranked, but the cost table covers {self.max_nodes}"
+            )
+        count = best_prefix(self.calibration.apply(estimates), self.costs)
+        self._pending = float(estimates[:count].sum()) if count else None
+        return count
+
+    def observed(self, accepted: int) -> None:
+        """The last step's verification accepted ``accepted`` drafted tokens (the bonus token
+        not counted); calibrates on it if that step sent a tree."""
+        if self._pending is not None:
+            self.calibration.update(self._pending, accepted)
+            self._pending = None
+
+    def forget(self) -> None:
+        """Drop the last tree sent: generation stopped before it was verified (the calibration
+        carries over, it is about the drafter and the target)."""
+        self._pending = None
+
+    def score_floor(self) -> float:
+        """The log acceptance estimate (e.g. EAGLE-2's cumulative draft log-probability) below
+        which a node cannot pay for its share of a verify forward, even alone: ``log`` of the
+        calibrated :func:`worth_threshold`; ``-inf`` when a bigger forward costs no more than
+        one token (every node pays), 0 (only a certain node) once the threshold reaches 1."""
+        threshold = worth_threshold(self.costs[: self.max_nodes + 1])
+        if threshold <= 0:
+            return -math.inf
+        return math.log(min(1.0, threshold / self.calibration.scale))
+
+
+class CostSized:
+    """For drafters holding an optional :class:`TreeSizer` as ``sizer``: its cost table and
+    calibration as ``verify_costs`` and ``calibration`` (``None`` without cost sizing)."""
+
+    sizer: TreeSizer | None
+
+    @property
+    def verify_costs(self) -> list[float] | None:
+        """The verify cost table steps are sized by (``None``: fixed-size trees)."""
+        return None if self.sizer is None else self.sizer.costs
+
+    @property
+    def calibration(self) -> AcceptanceCalibration | None:
+        """The online scale of the acceptance estimates (``None`` without cost sizing)."""
+        return None if self.sizer is None else self.sizer.calibration

@@ -5,22 +5,39 @@ All implement :class:`headway.decode.generate.Drafter` and work on token ids onl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from headway.decode.costs import AcceptanceCalibration, best_prefix
+from headway.decode.costs import CostSized, TreeSizer
 from headway.decode.tree import DraftTree, chain, empty_tree
 
 __all__ = [
+    "DEFAULT_MAX_NODES",
     "AdversarialDrafter",
     "OracleDrafter",
     "PromptLookupDrafter",
+    "ngrams_ending",
     "prompt_lookup_reference",
     "ranked_trie",
     "trie_tree",
 ]
+
+DEFAULT_MAX_NODES = 8
+"""Node budget of the n-gram drafters (prompt lookup, retrieval) per step."""
+
+
+def ngrams_ending(
+    tokens: Sequence[int], ends: Iterable[int], *, min_ngram: int, max_ngram: int
+) -> Iterator[tuple[tuple[int, ...], int]]:
+    """Every n-gram of ``tokens`` (``min_ngram`` <= n <= ``max_ngram``) that ends at one of the
+    positions ``ends``, with that end position: end by end, shortest first; n-grams that would
+    start before ``tokens`` are skipped. E.g. ``tokens=[7, 8, 9]``, ``ends=[1, 2]``, sizes 2..3:
+    ``((7, 8), 1), ((8, 9), 2), ((7, 8, 9), 2)``."""
+    for end in ends:
+        for size in range(min_ngram, min(max_ngram, end + 1) + 1):
+            yield tuple(tokens[end - size + 1 : end + 1]), end
 
 
 def trie_tree(continuations: Iterable[Sequence[int]], max_nodes: int) -> DraftTree:
@@ -88,7 +105,7 @@ def ranked_trie(
     return tree, shares
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(CostSized):
     """Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
 
     Finds the longest n-gram (``max_ngram`` down to ``min_ngram``) ending at the root that occurred
@@ -108,9 +125,9 @@ class PromptLookupDrafter:
     With ``verify_costs`` (the target's :func:`~headway.decode.costs.verify_cost_table`, at
     least ``max_nodes + 1`` entries) the tree is sized by cost instead: every match proposes
     ``num_draft_tokens`` tokens, nodes are ranked by the share of matches through them, those
-    shares are scaled by how much of what was sent so far was accepted
-    (:class:`~headway.decode.costs.AcceptanceCalibration`), and only the best nodes that pay for
-    their verify forward are sent (:func:`~headway.decode.costs.best_prefix`), none if none do.
+    shares are scaled by how much of what was sent so far was accepted, and only the best nodes
+    that pay for their verify forward are sent, none if none do (``sizer``, a
+    :class:`~headway.decode.costs.TreeSizer`).
 
     The n-gram index (n-gram → end positions) is updated incrementally with the tokens committed
     since the last call, so a proposal costs O(new tokens · n-gram sizes + tree size), not a scan
@@ -126,7 +143,7 @@ class PromptLookupDrafter:
         max_ngram: int = 4,
         min_ngram: int = 2,
         num_draft_tokens: int = 8,
-        max_nodes: int = 8,
+        max_nodes: int = DEFAULT_MAX_NODES,
         adaptive: bool = True,
         verify_costs: list[float] | None = None,
     ) -> None:
@@ -138,15 +155,8 @@ class PromptLookupDrafter:
             )
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_draft_tokens, self.max_nodes = num_draft_tokens, max_nodes
-        if verify_costs is not None and len(verify_costs) < max_nodes + 1:
-            raise ValueError(
-                f"verify_costs has {len(verify_costs)} entries; max_nodes={max_nodes} needs one "
-                f"per block size 1..{max_nodes + 1}"
-            )
-        self.adaptive = adaptive and verify_costs is None
-        self.verify_costs = verify_costs
-        self.calibration = AcceptanceCalibration()
-        self._sent: float | None = None  # summed shares of the last cost-sized tree sent
+        self.sizer = None if verify_costs is None else TreeSizer(verify_costs, max_nodes)
+        self.adaptive = adaptive and self.sizer is None
         self._length = num_draft_tokens  # current continuation length
         self._proposed_depth = 0  # depth of the last proposed tree (0: nothing proposed)
         self._tokens: list[int] = []
@@ -157,17 +167,17 @@ class PromptLookupDrafter:
         """Forget the previous sequence (the calibration carries over: it is about the model)."""
         self._tokens, self._index, self._indexed_until = [], {}, 0
         self._length, self._proposed_depth = self.num_draft_tokens, 0
-        self._sent = None  # a tree the last generation stopped after is never observed
+        if self.sizer is not None:  # a tree the last generation stopped after is never observed
+            self.sizer.forget()
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         """Adapt the draft length (or, cost-sized, the calibration) to how much of the last draft
         was accepted."""
-        if self._sent is not None:
-            self.calibration.update(self._sent, new_tokens.numel() - 1)
-            self._sent = None
+        accepted = new_tokens.numel() - 1  # the last committed token is the bonus
+        if self.sizer is not None:
+            self.sizer.observed(accepted)
         if not self.adaptive or self._proposed_depth == 0:
             return
-        accepted = new_tokens.numel() - 1  # the last committed token is the bonus
         if accepted >= self._proposed_depth:
             self._length = min(self.num_draft_tokens, self._length + 2)
         else:
@@ -180,9 +190,11 @@ class PromptLookupDrafter:
             self.begin(sequence)
         self._tokens.extend(sequence[len(self._tokens) :].tolist())
         tokens = self._tokens
-        for end in range(self._indexed_until, len(tokens) - 1):
-            for size in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
-                self._index.setdefault(tuple(tokens[end - size + 1 : end + 1]), []).append(end)
+        ends = range(self._indexed_until, len(tokens) - 1)
+        for ngram, end in ngrams_ending(
+            tokens, ends, min_ngram=self.min_ngram, max_ngram=self.max_ngram
+        ):
+            self._index.setdefault(ngram, []).append(end)
         self._indexed_until = max(self._indexed_until, len(tokens) - 1)
 
     def propose(self, sequence: Tensor) -> DraftTree:
@@ -193,24 +205,20 @@ class PromptLookupDrafter:
             ends = self._index.get(tuple(tokens[-size:]))
             if ends:
                 recent_first = list(reversed(ends[-self.max_nodes :]))
-                if self.verify_costs is not None:
-                    return self._sized(recent_first)
+                if self.sizer is not None:
+                    return self._sized(recent_first, self.sizer)
                 continuations = (tokens[end + 1 : end + 1 + self._length] for end in recent_first)
                 tree = trie_tree(continuations, self.max_nodes)
                 self._proposed_depth = int(tree.depths.max()) if tree.size else 0
                 return tree
         return empty_tree()
 
-    def _sized(self, ends: list[int]) -> DraftTree:
+    def _sized(self, ends: list[int], sizer: TreeSizer) -> DraftTree:
         """The cost-sized tree of the continuations after ``ends`` (most recent first)."""
         length = self.num_draft_tokens
         found = [(tuple(self._tokens[end + 1 : end + 1 + length]), 1) for end in ends]
         tree, shares = ranked_trie(found, self.max_nodes)
-        assert self.verify_costs is not None
-        keep = best_prefix(self.calibration.apply(shares), self.verify_costs)
-        if keep == 0:
-            return empty_tree()
-        self._sent = float(shares[:keep].sum())
+        keep = sizer.keep(shares)  # a prefix of the ranking is a tree (ranked_trie)
         return DraftTree(tree.tokens[:keep], tree.parents[:keep])
 
 

@@ -23,8 +23,8 @@ from collections.abc import Iterable, Sequence
 
 from torch import Tensor
 
-from headway.decode.costs import AcceptanceCalibration, best_prefix
-from headway.decode.drafters import ranked_trie
+from headway.decode.costs import CostSized, TreeSizer
+from headway.decode.drafters import DEFAULT_MAX_NODES, ngrams_ending, ranked_trie
 from headway.decode.tree import DraftTree, empty_tree
 
 __all__ = ["NgramDatastore", "RetrievalDrafter"]
@@ -64,12 +64,14 @@ class NgramDatastore:
         number = len(self.sequences)
         self.sequences.append(tokens)
         self.tokens += len(tokens)
-        for end in range(len(tokens) - 1):  # an n-gram ending at `end` is followed by end + 1
-            for size in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
-                hits = self._index.setdefault(tuple(tokens[end - size + 1 : end + 1]), [])
-                hits.append((number, end))
-                if len(hits) > 2 * self.max_hits:  # amortised trim to the most recent
-                    del hits[: -self.max_hits]
+        ends = range(len(tokens) - 1)  # an n-gram ending at `end` is followed by end + 1
+        for ngram, end in ngrams_ending(
+            tokens, ends, min_ngram=self.min_ngram, max_ngram=self.max_ngram
+        ):
+            hits = self._index.setdefault(ngram, [])
+            hits.append((number, end))
+            if len(hits) > 2 * self.max_hits:  # amortised trim to the most recent
+                del hits[: -self.max_hits]
 
     def __len__(self) -> int:
         return len(self._index)
@@ -92,7 +94,7 @@ class NgramDatastore:
         return []
 
 
-class RetrievalDrafter:
+class RetrievalDrafter(CostSized):
     """Drafts from an :class:`NgramDatastore` (module docstring); no model, no training.
 
     Args:
@@ -103,9 +105,9 @@ class RetrievalDrafter:
         verify_costs: the target's verify cost table
             (:func:`~headway.decode.costs.verify_cost_table`, at least ``max_nodes + 1``
             entries): send the best nodes that pay for themselves, their shares scaled by how
-            much of what was sent so far was accepted
-            (:class:`~headway.decode.costs.AcceptanceCalibration`). Without it: every node whose
-            share is at least ``min_share``.
+            much of what was sent so far was accepted (``sizer``, a
+            :class:`~headway.decode.costs.TreeSizer`). Without it: every node whose share is at
+            least ``min_share``.
         min_share: the share threshold used without ``verify_costs``.
     """
 
@@ -116,7 +118,7 @@ class RetrievalDrafter:
         datastore: NgramDatastore,
         *,
         num_draft_tokens: int = 6,
-        max_nodes: int = 8,
+        max_nodes: int = DEFAULT_MAX_NODES,
         min_hits: int = 2,
         verify_costs: list[float] | None = None,
         min_share: float = 0.3,
@@ -126,38 +128,30 @@ class RetrievalDrafter:
                 "num_draft_tokens, max_nodes and min_hits must be >= 1, got "
                 f"{num_draft_tokens}, {max_nodes}, {min_hits}"
             )
-        if verify_costs is not None and len(verify_costs) < max_nodes + 1:
-            raise ValueError(
-                f"verify_costs has {len(verify_costs)} entries; max_nodes={max_nodes} needs one "
-                f"per block size 1..{max_nodes + 1}"
-            )
+        self.sizer = None if verify_costs is None else TreeSizer(verify_costs, max_nodes)
         self.datastore = datastore
         self.num_draft_tokens, self.max_nodes, self.min_hits = num_draft_tokens, max_nodes, min_hits
-        self.verify_costs, self.min_share = verify_costs, min_share
-        self.calibration = AcceptanceCalibration()
-        self._sent: float | None = None  # summed shares of the last tree sent
+        self.min_share = min_share
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget an unverified tree; the corpus and the calibration carry over between prompts."""
-        self._sent = None
+        if self.sizer is not None:
+            self.sizer.forget()
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         """Calibrate: how many of the last tree's tokens were accepted (the last is the bonus)."""
-        if self._sent is not None:
-            self.calibration.update(self._sent, new_tokens.numel() - 1)
-            self._sent = None
+        if self.sizer is not None:
+            self.sizer.observed(new_tokens.numel() - 1)
 
     def propose(self, sequence: Tensor) -> DraftTree:
         """The best-ranked nodes of the corpus continuations of ``sequence``'s last n-gram."""
         context = sequence[-self.datastore.max_ngram :].tolist()
         found = self.datastore.continuations(context, self.num_draft_tokens, min_hits=self.min_hits)
         tree, shares = ranked_trie(found, self.max_nodes)
-        if self.verify_costs is not None:
-            keep = best_prefix(self.calibration.apply(shares), self.verify_costs)
+        if self.sizer is not None:
+            keep = self.sizer.keep(shares)
         else:
             keep = int((shares >= self.min_share).sum())
-        self._sent = None
         if keep == 0:
             return empty_tree()
-        self._sent = float(shares[:keep].sum())
         return DraftTree(tree.tokens[:keep], tree.parents[:keep])

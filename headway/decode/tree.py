@@ -42,6 +42,7 @@ __all__ = [
     "positions",
     "root_to_leaf_paths",
     "static_tree",
+    "subtree",
     "validate_parents",
 ]
 
@@ -209,6 +210,32 @@ def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     return DraftTree(tree.tokens[keep], parents, probs)
 
 
+def subtree(tokens: Tensor, parents: Tensor, keep: Tensor) -> DraftTree:
+    """The tree of the nodes ``keep`` of a larger one, in their original (topological) order,
+    parents re-indexed. E.g. ``parents=[-1, -1, 0, 1]``, ``keep=[3, 1]``: nodes 1 and 3,
+    ``parents=[-1, 0]``.
+
+    Args:
+        tokens: LongTensor ``[n]``, the larger tree's tokens.
+        parents: LongTensor ``[n]``, its parent array (topologically ordered).
+        keep: LongTensor ``[k]``, distinct node indices in any order (e.g. best first); must be
+            ancestor-closed: every kept node's parent is kept too.
+    """
+    keep = keep.sort().values
+    new_index = torch.full_like(parents, -1)
+    new_index[keep] = torch.arange(keep.numel(), device=keep.device)
+    kept_parents = parents[keep]
+    remapped = torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], -1)
+    orphans = (kept_parents >= 0) & (remapped < 0)
+    if bool(orphans.any()):
+        node = int(keep[orphans.nonzero()[0, 0]])
+        raise ValueError(
+            f"node {node} is kept but its parent {int(parents[node])} is not; the kept nodes "
+            "must include every ancestor of every kept node"
+        )
+    return DraftTree(tokens[keep], remapped)
+
+
 @dataclass(frozen=True)
 class StaticTree:
     """A fixed tree shape from a Medusa choices list (Cai et al. 2024, ``generate_medusa_buffers``).
@@ -254,6 +281,19 @@ class StaticTree:
             )
         tokens = candidates[self.depth_index.to(candidates.device), self.rank.to(candidates.device)]
         return DraftTree(tokens, self.parents.to(candidates.device))
+
+    def path_products(self, values: Tensor) -> Tensor:
+        """Per node ``[n]``, the product along its path of ``values`` ``[depth, k]`` (indexed like
+        :meth:`instantiate`'s candidates): node ``[r_1, ..., r_d]`` gets
+        ``values[0, r_1] * ... * values[d - 1, r_d]``. With per-depth probabilities of the
+        candidates, a node's estimated acceptance (Medusa heads assumed independent)."""
+        depth_index = self.depth_index.to(values.device)
+        parents = self.parents.to(values.device)
+        products = values[depth_index, self.rank.to(values.device)]
+        for level in range(1, self.depth):  # parents, one level up, are already complete
+            at = depth_index == level
+            products[at] = products[at] * products[parents[at]]
+        return products
 
 
 def static_tree(choices: Sequence[Sequence[int]]) -> StaticTree:

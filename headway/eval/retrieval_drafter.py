@@ -16,7 +16,7 @@ from typing import Any
 
 from headway.api import eos_token_ids
 from headway.decode.costs import verify_cost_table
-from headway.decode.drafters import PromptLookupDrafter
+from headway.decode.drafters import DEFAULT_MAX_NODES, PromptLookupDrafter
 from headway.decode.merged import FirstDrafter
 from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
 from headway.errors import HeadwayError
@@ -85,7 +85,7 @@ def build_retrieval_drafter(
         len(store),
         time.perf_counter() - start,
     )
-    max_nodes = int(options.get("max_nodes", 8))
+    max_nodes = int(options.get("max_nodes", DEFAULT_MAX_NODES))
     costs = verify_cost_table(target.model, max_nodes + 1) if sizing == "cost" else None
     retrieval = RetrievalDrafter(store, verify_costs=costs, **options)
     return FirstDrafter([PromptLookupDrafter(min_ngram=min_ngram, max_ngram=max_ngram), retrieval])

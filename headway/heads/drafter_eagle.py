@@ -43,16 +43,10 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from headway.decode.costs import (
-    AcceptanceCalibration,
-    best_prefix,
-    verify_cost_table,
-    verify_timer,
-    worth_threshold,
-)
+from headway.decode.costs import CostSized, TreeSizer, resolve_verify_costs, verify_timer
 from headway.decode.gemm import routed_linears
 from headway.decode.kv import crop_cache
-from headway.decode.tree import DraftTree, empty_tree
+from headway.decode.tree import DraftTree, empty_tree, subtree
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
 
 __all__ = [
@@ -146,7 +140,7 @@ class FeatureDraftModel(Protocol):
     ) -> Tensor: ...
 
 
-class EagleDrafter:
+class EagleDrafter(CostSized):
     """An EAGLE draft model as a :class:`~headway.decode.generate.Drafter` with EAGLE-2 trees.
 
     EAGLE-1 as it stands; EAGLE-3 (:class:`~headway.heads.drafter_eagle3.Eagle3Drafter`) reuses
@@ -163,14 +157,14 @@ class EagleDrafter:
         top_k: children per expanded node and frontier width (1 = chain drafting).
         depth: deepest tree level (tokens on the longest drafted path).
         total_tokens: N, the tree budget counting the root: at most N - 1 drafted nodes.
-        verify_costs: if given (:func:`verify_cost_table` of the target, at least
-            ``total_tokens`` entries), each step verifies only as many of the best nodes as pay
-            for their forward (:func:`best_prefix` on the nodes' draft probabilities, scaled by
-            how much of what was sent so far was accepted,
-            :class:`~headway.decode.costs.AcceptanceCalibration`; none when the drafter is
-            unsure), instead of always ``total_tokens - 1``; and the tree stops growing once no
-            frontier node could pay for itself (:func:`~headway.decode.costs.worth_threshold`),
-            which saves draft forwards on unsure steps.
+        verify_costs: if given (:func:`~headway.decode.costs.verify_cost_table` of the target,
+            at least ``total_tokens`` entries), each step verifies only as many of the best nodes
+            as pay for their forward (the nodes' draft probabilities, scaled by how much of what
+            was sent so far was accepted; none when the drafter is unsure), instead of always
+            ``total_tokens - 1``; and the tree stops growing once no frontier node could pay for
+            itself (:meth:`~headway.decode.costs.TreeSizer.score_floor`), which saves draft
+            forwards on unsure steps. Held as ``sizer``, a
+            :class:`~headway.decode.costs.TreeSizer`.
     """
 
     def __init__(
@@ -195,14 +189,10 @@ class EagleDrafter:
         self.hidden_layers: tuple[int, ...] = layers
         self.top_k = min(top_k, self._vocabulary_size())
         self.depth, self.total_tokens = depth, total_tokens
-        if verify_costs is not None and len(verify_costs) < total_tokens:
-            raise ValueError(
-                f"verify_costs has {len(verify_costs)} entries; a tree of total_tokens="
-                f"{total_tokens} needs one per block size 1..{total_tokens}"
-            )
-        self.verify_costs = verify_costs
-        self.calibration = AcceptanceCalibration()
-        self._sent: float | None = None  # summed draft probabilities of the last tree sent
+        self.sizer = None
+        if verify_costs is not None:
+            budget = f"a tree of total_tokens={total_tokens}"
+            self.sizer = TreeSizer(verify_costs, total_tokens - 1, budget=budget)
         weight = model.fc.weight
         self._device, self._dtype = weight.device, weight.dtype
         self.begin(torch.empty(0, dtype=torch.long))
@@ -228,7 +218,8 @@ class EagleDrafter:
         self._cache = self.model.new_cache()
         self._committed = 0  # pairs (f_t, x_{t+1}) in the cache
         self._root_feature: Tensor | None = None  # [H], f̂ at the root's position
-        self._sent = None  # a tree the last generation stopped after is never observed
+        if self.sizer is not None:  # a tree the last generation stopped after is never observed
+            self.sizer.forget()
 
     def _routed(self) -> ExitStack:
         """The draft model's and the LM head's linear layers on small-block products
@@ -246,9 +237,8 @@ class EagleDrafter:
             self._observe(new_tokens, hidden)
 
     def _observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
-        if self._sent is not None:  # the last tree's accepted tokens (the last one is the bonus)
-            self.calibration.update(self._sent, new_tokens.numel() - 1)
-            self._sent = None
+        if self.sizer is not None:  # the last tree's accepted tokens (the last one is the bonus)
+            self.sizer.observed(new_tokens.numel() - 1)
         crop_cache(self._cache, self._committed)
         count = new_tokens.numel()
         features = self._pair_features(hidden)[None]  # [1, k, H]
@@ -295,16 +285,6 @@ class EagleDrafter:
         )
         return predicted[0]
 
-    def _score_floor(self) -> float:
-        """The cumulative log-probability below which a node cannot pay for its verification
-        (``-inf`` without verify costs: the fixed-size tree always grows to ``depth``)."""
-        if self.verify_costs is None:
-            return -math.inf
-        threshold = worth_threshold(self.verify_costs[: self.total_tokens])
-        if threshold <= 0:  # a bigger forward costs no more than one token: always grow
-            return -math.inf
-        return math.log(min(1.0, threshold / self.calibration.scale))
-
     def _expand(self, root_feature: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Grow the EAGLE-2 candidate tree; returns tokens, parents and cumulative scores of
         every expanded node ``[n]``, parents listed before their children. Starts by dropping the
@@ -319,7 +299,8 @@ class EagleDrafter:
         frontier_tokens, frontier_scores = root_tokens[0], root_scores[0]
         features = root_feature.expand(k, -1)
         ancestors = torch.zeros(k, 0, dtype=torch.bool, device=self._device)
-        floor = self._score_floor()
+        # a fixed-size tree always grows to `depth`; a cost-sized one while a node could pay
+        floor = -math.inf if self.sizer is None else self.sizer.score_floor()
         for level in range(1, self.depth):
             if float(frontier_scores.max()) < floor:  # no descendant could pay for itself
                 break
@@ -350,19 +331,11 @@ class EagleDrafter:
         with self._routed():
             tokens, parents, scores = self._expand(self._root_feature)
         best = select_nodes(scores, self.total_tokens - 1)
-        self._sent = None
-        if self.verify_costs is not None:  # a prefix of the ranking is ancestor-closed too
-            probabilities = scores[best].exp()
-            best = best[: best_prefix(self.calibration.apply(probabilities), self.verify_costs)]
+        if self.sizer is not None:  # a prefix of the ranking is ancestor-closed too
+            best = best[: self.sizer.keep(scores[best].exp())]
             if best.numel() == 0:
                 return empty_tree()
-            self._sent = float(probabilities[: best.numel()].sum())
-        keep = best.sort().values
-        new_index = torch.full_like(parents, -1)
-        new_index[keep] = torch.arange(keep.numel(), device=keep.device)
-        kept_parents = parents[keep]
-        remapped = torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], -1)
-        return DraftTree(tokens[keep].cpu(), remapped.cpu())
+        return subtree(tokens.cpu(), parents.cpu(), best.cpu())
 
 
 def build_eagle_drafter(
@@ -394,17 +367,6 @@ def build_eagle_drafter(
         verify_costs=resolve_verify_costs(sizing, budget, target_model),
         **options,
     )
-
-
-def resolve_verify_costs(sizing: str, total_tokens: int, target_model: Any) -> list[float] | None:
-    """``sizing="fixed"`` (the reference): every step verifies ``total_tokens - 1`` nodes.
-    ``sizing="cost"``: time the target's verify forward once (:func:`verify_cost_table`) and let
-    each step verify only the nodes that pay for themselves (:func:`best_prefix`)."""
-    if sizing == "fixed":
-        return None
-    if sizing == "cost":
-        return verify_cost_table(target_model, total_tokens)
-    raise ValueError(f"sizing={sizing!r}: choose 'fixed' or 'cost'")
 
 
 def resolve_total_tokens(choices: Any, total_tokens: int | str, target_model: Any) -> int:

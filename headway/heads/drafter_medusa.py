@@ -17,6 +17,12 @@ depth-3 nodes are worth ~0.03 expected tokens per step, less than the third head
 :data:`DEFAULT_CHOICES` is the first 16 paths of the reference's ``mc_sim_7b_63`` that are at most
 2 deep (its order is by estimated acceptance gain); pass ``choices="mc_sim_7b_63"`` or any list
 for stronger heads. Re-tune once heads trained on the full recipe exist.
+
+With ``verify_costs`` (``sizing="cost"`` when loading), the choices list is the most a step may
+send: each node's acceptance is estimated as the product along its path of the heads'
+probabilities of the chosen ranks, and each step sends only the best nodes that pay for their
+share of the verify forward (:class:`~headway.decode.costs.TreeSizer`), none when the heads are
+unsure.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from headway.decode.costs import CostSized, TreeSizer
 from headway.decode.gemm import routed_linears
-from headway.decode.tree import DraftTree, empty_tree, static_tree
+from headway.decode.tree import DraftTree, StaticTree, empty_tree, static_tree, subtree
 from headway.errors import TargetError
-from headway.heads.medusa import MedusaHeads
+from headway.heads.medusa import MedusaConfig, MedusaHeads
 
 __all__ = [
     "DEFAULT_CHOICES",
@@ -40,6 +47,7 @@ __all__ = [
     "MedusaDrafter",
     "check_final_hidden",
     "final_hidden_layer",
+    "medusa_tree",
     "resolve_choices",
 ]
 
@@ -85,6 +93,22 @@ def resolve_choices(choices: str | Sequence[Sequence[int]], num_heads: int) -> C
     if not kept:
         raise ValueError(f"no Medusa choice is at most {num_heads} deep; nothing left to draft")
     return kept
+
+
+def medusa_tree(choices: str | Sequence[Sequence[int]], config: MedusaConfig) -> StaticTree:
+    """The static tree of ``choices`` (:func:`resolve_choices`) for heads of ``config``.
+
+    Raises:
+        ValueError: a choices list these heads cannot fill (unknown name, malformed paths, a
+            rank beyond the vocabulary).
+    """
+    tree = static_tree(resolve_choices(choices, config.num_heads))
+    if tree.width > config.vocab_size:
+        raise ValueError(
+            f"the tree uses rank {tree.width - 1} but the vocabulary has only "
+            f"{config.vocab_size} tokens"
+        )
+    return tree
 
 
 def final_hidden_layer(model: Any) -> int:
@@ -138,7 +162,7 @@ def check_final_hidden(model: Any, layer: int) -> None:
         )
 
 
-class MedusaDrafter:
+class MedusaDrafter(CostSized):
     """Medusa heads as a :class:`~headway.decode.generate.Drafter` (Cai et al. 2024).
 
     Args:
@@ -148,6 +172,10 @@ class MedusaDrafter:
             see :func:`final_hidden_layer`.
         choices: a Medusa choices list (e.g. the reference's ``mc_sim_7b_63``) or the name of one
             in :data:`MEDUSA_CHOICES`; paths deeper than the number of heads are dropped.
+        verify_costs: if given (the target's :func:`~headway.decode.costs.verify_cost_table`,
+            at least tree size + 1 entries), each step sends only the best nodes of the tree
+            that pay for their verify forward (module docstring; held as ``sizer``, a
+            :class:`~headway.decode.costs.TreeSizer`); without it, the whole tree.
     """
 
     def __init__(
@@ -156,26 +184,38 @@ class MedusaDrafter:
         *,
         hidden_layer: int,
         choices: str | Sequence[Sequence[int]] = "default",
+        verify_costs: list[float] | None = None,
     ) -> None:
         self.heads = heads.eval()
         self.hidden_layers: tuple[int, ...] = (hidden_layer,)
-        self.tree = static_tree(resolve_choices(choices, heads.config.num_heads))
-        if self.tree.width > heads.config.vocab_size:
-            raise ValueError(
-                f"the tree uses rank {self.tree.width - 1} but the vocabulary has only "
-                f"{heads.config.vocab_size} tokens"
-            )
+        self.tree = medusa_tree(choices, heads.config)
+        nodes = len(self.tree.choices)
+        self.sizer = None
+        if verify_costs is not None:
+            self.sizer = TreeSizer(verify_costs, nodes, budget=f"a tree of {nodes} nodes")
         self._last_hidden: Tensor | None = None  # [H], the state that predicted the root
 
     def begin(self, prompt_ids: Tensor) -> None:
-        """Forget the previous generation."""
+        """Forget the previous generation (the acceptance calibration carries over)."""
         self._last_hidden = None
+        if self.sizer is not None:  # a tree the last generation stopped after is never observed
+            self.sizer.forget()
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         """Keep ``hidden[0][-1]`` ``[H]``: its LM-head output was the last committed token (the
         next tree's root), so head k on it predicts the token k + 1 places after that state,
-        i.e. depth k of the next tree."""
+        i.e. depth k of the next tree. Cost-sized: calibrate on how many of the last tree's
+        tokens were accepted (the last committed one is the bonus)."""
         self._last_hidden = hidden[0][-1]
+        if self.sizer is not None:
+            self.sizer.observed(new_tokens.numel() - 1)
+
+    def _head_logits(self, hidden: Tensor) -> Tensor:
+        """Logits ``[depth, V]`` of the heads the tree uses, on the state ``hidden`` ``[H]``."""
+        weight = next(self.heads.parameters())
+        hidden = hidden.to(device=weight.device, dtype=weight.dtype)
+        with routed_linears(self.heads, pad_single=True):  # one row per head: pad it (gemm.py)
+            return self.heads(hidden, num_heads=self.tree.depth)
 
     @torch.inference_mode()
     def candidates(self) -> Tensor:
@@ -183,14 +223,25 @@ class MedusaDrafter:
         head d + 1, best first)."""
         if self._last_hidden is None:
             raise RuntimeError("MedusaDrafter.candidates() called before observe()")
-        weight = next(self.heads.parameters())
-        hidden = self._last_hidden.to(device=weight.device, dtype=weight.dtype)
-        with routed_linears(self.heads, pad_single=True):  # one row per head: pad it (gemm.py)
-            logits = self.heads(hidden, num_heads=self.tree.depth)  # [depth, V]
-        return logits.topk(self.tree.width, dim=-1).indices
+        return self._head_logits(self._last_hidden).topk(self.tree.width, dim=-1).indices
 
+    @torch.inference_mode()
     def propose(self, sequence: Tensor) -> DraftTree:
-        """The static tree filled with the heads' top-k tokens (empty before any observation)."""
+        """The static tree filled with the heads' top-k tokens (empty before any observation);
+        cost-sized, only its best nodes that pay for their verify forward."""
         if self._last_hidden is None:
             return empty_tree()
-        return self.tree.instantiate(self.candidates())
+        if self.sizer is None:
+            return self.tree.instantiate(self.candidates())
+        logits = self._head_logits(self._last_hidden)
+        candidates = logits.topk(self.tree.width, dim=-1).indices  # the same as candidates()
+        probabilities = torch.softmax(logits.float(), dim=-1).gather(-1, candidates)
+        estimates = self.tree.path_products(probabilities)  # [n], never above the parent's
+        # static_tree lists parents first, so a stable sort ranks a parent before a tied child
+        # and every prefix of the ranking is ancestor-closed
+        ranking = torch.sort(estimates, descending=True, stable=True).indices
+        keep = self.sizer.keep(estimates[ranking])
+        if keep == 0:
+            return empty_tree()
+        full = self.tree.instantiate(candidates)
+        return subtree(full.tokens, full.parents, ranking[:keep])

@@ -26,7 +26,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,11 +38,17 @@ from torch import Tensor
 
 import headway
 from headway.atomic import remove_stale, temporary_name
+from headway.decode.costs import resolve_verify_costs
 from headway.decode.generate import Drafter
 from headway.errors import HeadwayError
 from headway.heads.drafter_eagle import EagleDrafter, build_eagle_drafter
 from headway.heads.drafter_eagle3 import Eagle3Drafter, build_eagle3_drafter
-from headway.heads.drafter_medusa import MedusaDrafter, check_final_hidden, final_hidden_layer
+from headway.heads.drafter_medusa import (
+    MedusaDrafter,
+    check_final_hidden,
+    final_hidden_layer,
+    medusa_tree,
+)
 from headway.heads.eagle import EagleConfig, eagle_tensor_shapes
 from headway.heads.eagle3 import Eagle3Config, eagle3_tensor_shapes
 from headway.heads.medusa import MedusaConfig, MedusaHeads, medusa_tensor_shapes
@@ -119,9 +125,18 @@ def _medusa_shapes(head_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return medusa_tensor_shapes(MedusaConfig.from_dict(head_config))
 
 
-def _build_medusa(loaded: LoadedHeads, model: Any, **options: Any) -> MedusaDrafter:
+def _build_medusa(
+    loaded: LoadedHeads,
+    model: Any,
+    *,
+    choices: str | Sequence[Sequence[int]] = "default",
+    sizing: str = "fixed",
+    **options: Any,
+) -> MedusaDrafter:
     """Medusa heads on the target's device and dtype, reading its last hidden state. Medusa-2
-    heads load the same way, onto the target their adapter is merged into (``adapt_target``)."""
+    heads load the same way, onto the target their adapter is merged into (``adapt_target``).
+    ``sizing="cost"`` times the target's verify forward once and sends, each step, only the
+    nodes of the ``choices`` tree that pay for it (:func:`resolve_verify_costs`)."""
     config = MedusaConfig.from_dict(loaded.head_config)
     lm_head = model.get_output_embeddings().weight
     if tuple(lm_head.shape) != (config.vocab_size, config.hidden_size):
@@ -135,9 +150,16 @@ def _build_medusa(loaded: LoadedHeads, model: Any, **options: Any) -> MedusaDraf
     layer = final_hidden_layer(model)
     check_final_hidden(model, layer)
     try:
-        return MedusaDrafter(heads, hidden_layer=layer, **options)
+        tree = medusa_tree(choices, config)
     except ValueError as error:  # a tree (choices) these heads or this vocabulary cannot fill
         raise HeadsError(f"Medusa drafter: {error}; change the tree (choices, --tree)") from error
+    try:
+        costs = resolve_verify_costs(sizing, len(tree.choices) + 1, model)
+    except ValueError as error:
+        raise HeadsError(f"Medusa drafter: {error}") from error
+    return MedusaDrafter(
+        heads, hidden_layer=layer, choices=tree.choices, verify_costs=costs, **options
+    )
 
 
 def _eagle_shapes(head_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
