@@ -3,7 +3,9 @@
 For each dtype it runs, prompt by prompt (batch 1, greedy):
 
 - HF ``generate`` greedy (the baseline every speedup is measured against);
-- HF ``generate(prompt_lookup_num_tokens=N)``;
+- HF ``generate(prompt_lookup_num_tokens=N)``, also with its linear layers routed like headway's
+  verify forwards (:func:`headway.decode.gemm.routed_linears`), to show what the kernel alone
+  gives HF's own implementation;
 - headway with prompt lookup, also with the stock GEMM for verify forwards (``gemm="stock"``;
   the default routes fp32 blocks of 2-8 tokens on CPU through ``(W·xᵀ)ᵀ``, see
   :mod:`headway.decode.gemm`), so the kernel's share of the speedup is visible;
@@ -32,7 +34,7 @@ import torch
 from headway.api import eos_token_ids, prompt_ids
 from headway.decode.bench import RunStats, forward_seconds, timed
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
-from headway.decode.gemm import GemmChoice
+from headway.decode.gemm import GemmChoice, routed_linears
 from headway.decode.generate import Drafter, generate
 from headway.evalsets import load_prompts
 from headway.target import Target, load_target
@@ -54,12 +56,14 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def hf_runner(target: Target, ids: torch.Tensor, new: int, lookup: int | None) -> Callable[[], Any]:
+def hf_runner(
+    target: Target, ids: torch.Tensor, new: int, lookup: int | None, gemm: GemmChoice = "stock"
+) -> Callable[[], Any]:
     model = target.model
     extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
 
     def run() -> list[int]:
-        with torch.inference_mode():
+        with torch.inference_mode(), routed_linears(model, gemm):
             out = model.generate(  # type: ignore[operator]
                 ids.unsqueeze(0),
                 attention_mask=torch.ones_like(ids).unsqueeze(0),
@@ -102,7 +106,8 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     hf_runner(target, encoded[0], 8, None)()
     generate(target.model, encoded[0], drafter=None, max_new_tokens=8, eos_token_ids=eos)
     runs: dict[str, RunStats] = {}
-    names = ["hf greedy", "hf prompt lookup", "headway plain", "headway prompt lookup"]
+    names = ["hf greedy", "hf prompt lookup", "hf prompt lookup, routed gemm"]
+    names += ["headway plain", "headway prompt lookup"]
     names += ["headway prompt lookup, stock gemm", "headway prompt lookup n=1..3"]
     names += [f"headway oracle d={d}" for d in depths]
     for name in names:
@@ -120,6 +125,10 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
             hf_runner(target, ids, args.max_new_tokens, args.lookup_tokens), device
         )
         runs["hf prompt lookup"].add(output, seconds, [])
+        output, seconds = timed(
+            hf_runner(target, ids, args.max_new_tokens, args.lookup_tokens, gemm="auto"), device
+        )
+        runs["hf prompt lookup, routed gemm"].add(output, seconds, [])
         drafters: dict[str, Drafter | None] = {
             "headway plain": None,
             "headway prompt lookup": PromptLookupDrafter(num_draft_tokens=args.lookup_tokens),

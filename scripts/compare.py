@@ -157,7 +157,9 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
             )
         if method.startswith("medusa"):
             medusa = load_drafter(run_dir, target)
+            sized_medusa = load_drafter(run_dir, target, sizing="cost")
             rows.append(Row(f"{method} {name}", headway_runner(medusa)))
+            rows.append(Row(f"{method} cost-sized {name}", headway_runner(sized_medusa)))
         elif method.startswith("eagle"):
             chain = load_drafter(run_dir, target, top_k=1, depth=args.eagle_depth)
             tree = load_drafter(run_dir, target, depth=args.eagle_depth)
