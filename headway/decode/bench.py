@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -18,6 +19,8 @@ from transformers import PreTrainedModel
 
 from headway.decode.gemm import GemmChoice
 from headway.decode.kv import crop_cache, new_cache, prefill, tree_forward
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -47,8 +50,9 @@ class RunStats:
         self.outputs.append(list(output))
 
 
-def timed(function: Callable[[], list[int]], device: torch.device) -> tuple[list[int], float]:
-    """Call `function` (returning generated ids) and its wall time, synchronising CUDA."""
+def timed(function: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """Call `function` (e.g. returning generated ids): its result and its wall time,
+    synchronising CUDA."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
