@@ -156,13 +156,13 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
                 f"`headway eval --heads {run_dir}` (its baseline is the merged target)."
             )
         if method.startswith("medusa"):
-            medusa = load_drafter(run_dir, target)
+            medusa = load_drafter(run_dir, target, sizing="fixed")
             sized_medusa = load_drafter(run_dir, target, sizing="cost")
             rows.append(Row(f"{method} {name}", headway_runner(medusa)))
             rows.append(Row(f"{method} cost-sized {name}", headway_runner(sized_medusa)))
         elif method.startswith("eagle"):
-            chain = load_drafter(run_dir, target, top_k=1, depth=args.eagle_depth)
-            tree = load_drafter(run_dir, target, depth=args.eagle_depth)
+            chain = load_drafter(run_dir, target, top_k=1, depth=args.eagle_depth, sizing="fixed")
+            tree = load_drafter(run_dir, target, depth=args.eagle_depth, sizing="fixed")
             sized = load_drafter(run_dir, target, depth=args.eagle_depth, sizing="cost")
             rows.append(Row(f"{method} chain {name}", headway_runner(chain)))
             rows.append(Row(f"{method} dynamic tree {name}", headway_runner(tree)))
