@@ -64,6 +64,30 @@ def test_tree_sizer_keeps_what_pays_and_calibrates_on_what_it_sent() -> None:
         TreeSizer([0.01, 0.02], max_nodes=3, budget="a tree of 3 nodes")
 
 
+def test_a_fallen_scale_is_probed_and_recovers() -> None:
+    """Rejections push the scale down until nothing is sent; then only every 5th held-back step
+    sends the best node, and accepted probes raise the scale until trees are sent again."""
+    costs = [0.010, 0.013, 0.014, 0.015, 0.016]  # a node pays above ~0.3 acceptance
+    estimates = torch.tensor([0.9, 0.8, 0.7, 0.6])
+    sizer = TreeSizer(costs, max_nodes=4, probe_every=5)
+    sent = []
+    for _ in range(30):  # a bad stretch: whatever is sent is rejected
+        sent.append(sizer.keep(estimates))
+        sizer.observed(0)
+    silent = sent.index(0)
+    assert silent > 0
+    assert sent[silent:] == ([0, 0, 0, 0, 1] * 10)[: 30 - silent]  # probes, one node each
+    for _ in range(40):  # the drafter is right again: every probed node is accepted
+        count = sizer.keep(estimates)
+        sizer.observed(count)
+    assert sizer.keep(estimates) >= 2  # the scale recovered; trees are sent without probing
+
+    steep = TreeSizer([0.010, 0.030, 0.050, 0.070, 0.090], max_nodes=4, probe_every=2)
+    assert [steep.keep(estimates) for _ in range(6)] == [0] * 6  # raw estimates never pay: no probe
+    with pytest.raises(ValueError, match="probe_every"):
+        TreeSizer(costs, max_nodes=4, probe_every=0)
+
+
 def test_tree_sizer_score_floor_is_the_log_of_the_calibrated_threshold() -> None:
     costs = [0.01, 0.02, 0.021, 0.022]  # worth_threshold 0.4 (three nodes at 40% each)
     sizer = TreeSizer(costs, max_nodes=3)

@@ -157,31 +157,55 @@ class TreeSizer:
     first :meth:`keep` of them, and reports the verified step to :meth:`observed`; :meth:`forget`
     at ``begin`` drops a tree that was never verified.
 
+    The calibration only learns from trees that are sent, so a scale that fell (a run of rejected
+    drafts, a hard prompt) could keep every later tree out for good. When only the calibration
+    keeps a step's nodes out (their raw estimates would pay), every ``probe_every``-th such step
+    since a tree was last sent sends the single best node anyway, so the scale can recover; this
+    costs at most one extra verified token every ``probe_every`` steps.
+
     Args:
         costs: the target's :func:`verify_cost_table`, at least ``max_nodes + 1`` entries.
         max_nodes: the most nodes one step may rank.
         budget: how the error for a short ``costs`` names the drafter's budget (default
             ``max_nodes=<max_nodes>``).
+        probe_every: see above.
     """
 
-    def __init__(self, costs: list[float], max_nodes: int, *, budget: str | None = None) -> None:
+    def __init__(
+        self,
+        costs: list[float],
+        max_nodes: int,
+        *,
+        budget: str | None = None,
+        probe_every: int = 32,
+    ) -> None:
         if len(costs) < max_nodes + 1:
             raise ValueError(
                 f"verify_costs has {len(costs)} entries; {budget or f'max_nodes={max_nodes}'} "
                 f"needs one per block size 1..{max_nodes + 1}"
             )
-        self.costs, self.max_nodes = costs, max_nodes
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        self.costs, self.max_nodes, self.probe_every = costs, max_nodes, probe_every
         self.calibration = AcceptanceCalibration()
         self._pending: float | None = None  # raw estimates of the last tree sent, summed
+        self._held_back = 0  # steps since a tree was sent whose nodes only the scale kept out
 
     def keep(self, estimates: Tensor) -> int:
         """How many of the nodes to send, given their raw acceptance estimates ``[k]`` (best
-        first, ``k <= max_nodes``): 0 when none pays. Remembers what the kept ones predict."""
+        first, ``k <= max_nodes``): 0 when none pays (but see the probe in the class docstring).
+        Remembers what the kept ones predict."""
         if estimates.numel() > self.max_nodes:
             raise ValueError(
                 f"{estimates.numel()} nodes ranked, but the cost table covers {self.max_nodes}"
             )
         count = best_prefix(self.calibration.apply(estimates), self.costs)
+        if count == 0 and best_prefix(estimates.clamp(max=1.0), self.costs) > 0:
+            self._held_back += 1
+            if self._held_back >= self.probe_every:
+                count, self._held_back = 1, 0
+        elif count > 0:
+            self._held_back = 0
         self._pending = float(estimates[:count].sum()) if count else None
         return count
 
