@@ -8,8 +8,15 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from headway.decode import gemm
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
-from headway.decode.gemm import MAX_ROWS, routed_linears, routes, small_block_linear
+from headway.decode.gemm import (
+    MAX_ROWS,
+    routed_linears,
+    routes,
+    small_block_linear,
+    transposed_is_faster,
+)
 from headway.decode.generate import generate
 from headway.decode.kv import new_cache, prefill, tree_forward
 from tests.test_generate import hf_greedy
@@ -45,14 +52,40 @@ def test_routed_linear_equals_f_linear(rows: int, bias: bool, pad_single: bool) 
         assert torch.equal(routed, functional.linear(x, layer.weight, layer.bias))
 
 
-def test_routes_follows_device_dtype_and_choice() -> None:
-    model = nn.Linear(4, 4)
-    assert routes(model, "auto")  # fp32 on CPU
+def test_routes_follows_device_dtype_choice_and_measurement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    measured: list[tuple[int, ...]] = []
+
+    def faster(weight: torch.Tensor) -> bool:
+        measured.append(tuple(weight.shape))
+        return True
+
+    monkeypatch.setattr(gemm, "transposed_is_faster", faster)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 16))
+    assert routes(model, "auto") and measured == [(16, 4)]  # fp32 on CPU: the largest is timed
+    monkeypatch.setattr(gemm, "transposed_is_faster", lambda weight: False)
+    assert not routes(model, "auto")  # measured no faster here: stock
     assert not routes(model, "stock")
     assert routes(model.to(torch.bfloat16), "transposed")
-    assert not routes(model, "auto")  # bf16: measured no faster
+    monkeypatch.setattr(gemm, "transposed_is_faster", faster)
+    assert not routes(model, "auto") and len(measured) == 1  # bf16: never considered
+    assert not routes(nn.ReLU(), "auto")  # no linear layer at all
     with pytest.raises(ValueError, match="gemm must be"):
         routes(model, "fast")  # type: ignore[arg-type]
+
+
+def test_transposed_is_faster_times_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm, "_MEASURED", {})
+    timings = iter([1.0, 0.5, 1.0, 0.9])  # (stock, transposed) per timed shape
+
+    def seconds(function: object) -> float:
+        return next(timings)
+
+    assert transposed_is_faster(torch.zeros(8, 4), seconds=seconds)  # 0.5 <= 0.8 x 1.0
+    assert transposed_is_faster(torch.zeros(8, 4), seconds=seconds)  # remembered, not timed
+    assert not transposed_is_faster(torch.zeros(8, 5), seconds=seconds)  # 0.9: not enough
+    assert next(timings, None) is None  # exactly two shapes were timed
 
 
 class _Quantized(nn.Linear):

@@ -7,8 +7,10 @@ token but 63-88 ms for 2-8. The same product asked for the other way round, ``(W
 streams the weights much faster: 29-31 ms for 2-4 tokens, 40-55 ms for 5-8; from about 10 rows
 on the two are level or the stock call wins (``scripts/bench_decode.py`` prints both tables).
 bf16 showed no gap (its 2-8-token forwards got slower routed), and CUDA is not this problem, so
-``"auto"`` routes fp32 models on CPU only. Other CPUs and BLAS builds may differ: ``"stock"``
-turns it off.
+``"auto"`` considers fp32 models on CPU only, and routes them only if a one-time timing of the
+largest linear layer on this machine finds the transposed order clearly faster
+(:func:`transposed_is_faster`): other CPUs and BLAS builds may not share this one's gap.
+``"stock"`` turns it off.
 
 Nothing in the modeling code changes. While a verify forward runs, every plain ``nn.Linear`` of
 the model (exact type; quantized or adapter layers keep their own forward) gets an instance-level
@@ -21,6 +23,8 @@ difference that already separates a multi-token forward from one-token forwards.
 
 from __future__ import annotations
 
+import statistics
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,11 +34,25 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional
 
-__all__ = ["MAX_ROWS", "GemmChoice", "routed_linears", "routes", "small_block_linear"]
+__all__ = [
+    "FASTER_BY",
+    "MAX_ROWS",
+    "GemmChoice",
+    "routed_linears",
+    "routes",
+    "small_block_linear",
+    "transposed_is_faster",
+]
 
 GemmChoice = Literal["auto", "stock", "transposed"]
-"""``"auto"``: transposed for fp32 models on CPU, stock elsewhere; ``"stock"``: never route;
-``"transposed"``: always route (any device or dtype; for tests and measurements)."""
+"""``"auto"``: for fp32 models on CPU, transposed if a one-time timing of the model's largest
+linear layer (4 rows, both orders) finds it at least 20% faster, else stock; stock on other
+devices and dtypes. ``"stock"``: never route. ``"transposed"``: always route (any device or
+dtype; for tests and measurements)."""
+
+FASTER_BY = 0.8
+"""``"auto"`` routes only if the transposed product takes at most this share of the stock time
+(here it took 0.2-0.3 of it, so noise cannot flip the choice)."""
 
 MAX_ROWS = 8
 """Largest block routed: the transposed product was faster at every size from 2 to 8 rows in
@@ -42,6 +60,7 @@ every measurement here; from 9 on the margin shrank to nothing, so larger blocks
 keep the stock path."""
 
 _LINEARS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Linear, ...]] = weakref.WeakKeyDictionary()
+_MEASURED: dict[tuple[str, torch.dtype, tuple[int, ...]], bool] = {}
 
 
 def routes(model: nn.Module, choice: GemmChoice) -> bool:
@@ -52,8 +71,39 @@ def routes(model: nn.Module, choice: GemmChoice) -> bool:
         return True
     if choice != "auto":
         raise ValueError(f"gemm must be 'auto', 'stock' or 'transposed', got {choice!r}")
-    weight = next(model.parameters(), None)
-    return weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+    largest = _largest_linear(model)
+    if largest is None:
+        return False
+    weight = largest.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    return transposed_is_faster(weight)
+
+
+def _median_seconds(function: Callable[[], object], repeats: int = 5) -> float:
+    function()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def transposed_is_faster(
+    weight: Tensor, *, seconds: Callable[[Callable[[], object]], float] = _median_seconds
+) -> bool:
+    """Whether ``(W · xᵀ)ᵀ`` on 4 rows takes at most :data:`FASTER_BY` of ``F.linear``'s time for
+    ``weight`` ``[out, in]``; timed once per device, dtype and shape (``seconds`` times a call),
+    then remembered for the process."""
+    key = (str(weight.device), weight.dtype, tuple(weight.shape))
+    if key not in _MEASURED:
+        with torch.inference_mode():
+            x = torch.randn(4, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            stock = seconds(lambda: functional.linear(x, weight))
+            transposed = seconds(lambda: torch.mm(weight, x.t()).t().contiguous())
+        _MEASURED[key] = transposed <= FASTER_BY * stock
+    return _MEASURED[key]
 
 
 def small_block_linear(
@@ -85,11 +135,18 @@ def small_block_linear(
 
 
 def _plain_linears(model: nn.Module) -> tuple[nn.Linear, ...]:
+    """``model``'s exact-type ``nn.Linear`` layers, largest weight first (found once per model)."""
     cached = _LINEARS.get(model)
     if cached is None:
-        cached = tuple(module for module in model.modules() if type(module) is nn.Linear)
+        found = [module for module in model.modules() if type(module) is nn.Linear]
+        cached = tuple(sorted(found, key=lambda module: -module.weight.numel()))
         _LINEARS[model] = cached
     return cached
+
+
+def _largest_linear(model: nn.Module) -> nn.Linear | None:
+    linears = _plain_linears(model)
+    return linears[0] if linears else None
 
 
 @contextmanager
