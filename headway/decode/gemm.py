@@ -52,7 +52,7 @@ dtype; for tests and measurements)."""
 
 FASTER_BY = 0.8
 """``"auto"`` routes only if the transposed product takes at most this share of the stock time
-(here it took 0.2-0.3 of it, so noise cannot flip the choice)."""
+(SmolLM2's LM head here: about 0.3 of it, so noise cannot flip the choice)."""
 
 MAX_ROWS = 8
 """Largest block routed: the transposed product was faster at every size from 2 to 8 rows in
