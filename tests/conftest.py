@@ -47,3 +47,4 @@ def routed_gemm_wherever_auto_considers_it(monkeypatch: pytest.MonkeyPatch) -> N
     routed path wherever "auto" considers it, as on the machine it was measured on, and no result
     depends on a timing; tests/test_gemm.py covers both choices and the timing itself."""
     monkeypatch.setattr(gemm, "transposed_is_faster", lambda weight: True)
+    monkeypatch.setattr(gemm, "_PREFERENCE", ["auto"])  # a --gemm flag a test passes ends with it

@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from headway.cli import build_parser, main
+from headway.decode.gemm import routes
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 
@@ -108,6 +110,11 @@ def test_train_export_generate_end_to_end(
     lookup = [*common, "--drafter", "prompt-lookup", "--draft-option", "min_ngram=1"]
     assert main([*lookup, "--draft-option", "max_nodes=2"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    tiny = torch.nn.Linear(4, 4)
+    assert routes(tiny, "auto")  # fp32 on CPU (the timing is fixed in conftest)
+    assert main([*common, "--heads", str(run), "--gemm", "stock"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    assert not routes(tiny, "auto")  # --gemm stock reached every verify forward of the process
     assert main([*common, "--heads", str(run), "--draft-option", "dpeth=3"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "dpeth" in err

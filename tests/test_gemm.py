@@ -75,6 +75,19 @@ def test_routes_follows_device_dtype_choice_and_measurement(
         routes(model, "fast")  # type: ignore[arg-type]
 
 
+def test_set_preference_decides_what_auto_means() -> None:
+    model = nn.Linear(4, 4)
+    assert routes(model, "auto")  # the measured choice (fixed to "faster" in conftest)
+    gemm.set_preference("stock")
+    assert not routes(model, "auto") and routes(model, "transposed")
+    gemm.set_preference("transposed")
+    assert routes(model.to(torch.bfloat16), "auto") and not routes(model, "stock")
+    gemm.set_preference("auto")
+    assert not routes(model, "auto")  # bf16: back to the measured choice, which skips it
+    with pytest.raises(ValueError, match="gemm must be"):
+        gemm.set_preference("fast")  # type: ignore[arg-type]
+
+
 def test_transposed_is_faster_times_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemm, "_MEASURED", {})
     timings = iter([1.0, 0.5, 1.0, 0.9])  # (stock, transposed) per timed shape

@@ -44,6 +44,25 @@ def target_from_flags(args: argparse.Namespace) -> Target:
     )
 
 
+def add_gemm_flag(parser: argparse.ArgumentParser) -> None:
+    """``--gemm``, applied with :func:`apply_gemm_flag`."""
+    parser.add_argument(
+        "--gemm",
+        default="auto",
+        choices=["auto", "stock", "transposed"],
+        help="how verify forwards of 2-8 tokens multiply the target's linear layers: auto "
+        "(default) takes the (W x^T)^T order for fp32 on CPU when a one-time timing on this "
+        "machine finds it faster, stock never does, transposed always does",
+    )
+
+
+def apply_gemm_flag(args: argparse.Namespace) -> None:
+    """Make ``--gemm`` the process-wide meaning of ``gemm="auto"``."""
+    from headway.decode.gemm import set_preference
+
+    set_preference(args.gemm)
+
+
 def option_value(text: str) -> Any:
     """``3`` -> 3, ``0.5`` -> 0.5, ``[[0],[1]]`` -> list, ``true`` -> True, else the string."""
     try:

@@ -10,7 +10,9 @@ from typing import Any
 
 from headway.cli.common import (
     add_draft_option_flag,
+    add_gemm_flag,
     add_target_flags,
+    apply_gemm_flag,
     option_value,
     parse_draft_options,
 )
@@ -76,6 +78,7 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         "such as [[0],[0,0],[1]]; EAGLE: default or auto",
     )
     add_draft_option_flag(parser)
+    add_gemm_flag(parser)
     parser.add_argument(
         "--baseline",
         default="hf",
@@ -153,6 +156,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from headway.evalsets import load_prompts
     from headway.target import load_target
 
+    apply_gemm_flag(args)
     options = parse_draft_options(args.draft_option)
     if args.heads and args.tree != "default":
         options["choices"] = option_value(args.tree) if args.tree.startswith("[") else args.tree

@@ -12,7 +12,13 @@ import argparse
 import json
 import sys
 
-from headway.cli.common import add_draft_option_flag, parse_draft_options, target_from_flags
+from headway.cli.common import (
+    add_draft_option_flag,
+    add_gemm_flag,
+    apply_gemm_flag,
+    parse_draft_options,
+    target_from_flags,
+)
 from headway.errors import HeadwayError
 
 
@@ -59,11 +65,13 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         "--force", action="store_true", help="use heads trained for a different target anyway"
     )
     add_draft_option_flag(parser)
+    add_gemm_flag(parser)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from headway.api import generate, load_drafter
 
+    apply_gemm_flag(args)
     target = target_from_flags(args)
     options = parse_draft_options(args.draft_option)
     drafter = None

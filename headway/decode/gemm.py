@@ -10,7 +10,7 @@ bf16 showed no gap (its 2-8-token forwards got slower routed), and CUDA is not t
 ``"auto"`` considers fp32 models on CPU only, and routes them only if a one-time timing of the
 largest linear layer on this machine finds the transposed order clearly faster
 (:func:`transposed_is_faster`): other CPUs and BLAS builds may not share this one's gap.
-``"stock"`` turns it off.
+``"stock"`` turns it off, per call or process-wide (:func:`set_preference`).
 
 Nothing in the modeling code changes. While a verify forward runs, every plain ``nn.Linear`` of
 the model (exact type; quantized or adapter layers keep their own forward) gets an instance-level
@@ -40,6 +40,7 @@ __all__ = [
     "GemmChoice",
     "routed_linears",
     "routes",
+    "set_preference",
     "small_block_linear",
     "transposed_is_faster",
 ]
@@ -61,6 +62,16 @@ keep the stock path."""
 
 _LINEARS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Linear, ...]] = weakref.WeakKeyDictionary()
 _MEASURED: dict[tuple[str, torch.dtype, tuple[int, ...]], bool] = {}
+_PREFERENCE: list[GemmChoice] = ["auto"]
+
+
+def set_preference(choice: GemmChoice) -> None:
+    """Process-wide, what ``"auto"`` means from now on (``"auto"`` restores the measured
+    choice), like ``torch.backends`` flags: one setting reaches every verify forward, cost-table
+    timing and drafter of the process. ``headway generate|eval --gemm`` sets it."""
+    if choice not in ("auto", "stock", "transposed"):
+        raise ValueError(f"gemm must be 'auto', 'stock' or 'transposed', got {choice!r}")
+    _PREFERENCE[0] = choice
 
 
 def routes(model: nn.Module, choice: GemmChoice) -> bool:
@@ -71,6 +82,8 @@ def routes(model: nn.Module, choice: GemmChoice) -> bool:
         return True
     if choice != "auto":
         raise ValueError(f"gemm must be 'auto', 'stock' or 'transposed', got {choice!r}")
+    if _PREFERENCE[0] != "auto":
+        return _PREFERENCE[0] == "transposed"
     largest = _largest_linear(model)
     if largest is None:
         return False
