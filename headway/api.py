@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from headway.decode.costs import verify_cost_table
+from headway.decode.costs import resolve_verify_costs
 from headway.decode.drafters import DEFAULT_MAX_NODES, PromptLookupDrafter
 from headway.decode.generate import Drafter
 from headway.decode.generate import generate as decode
@@ -71,11 +71,10 @@ def prompt_lookup_drafter(
     """A :class:`PromptLookupDrafter`; ``sizing="cost"`` times ``target``'s verify forward once
     and sizes every tree by it (``verify_costs``), ``"adaptive"`` (default) grows and shrinks
     the draft length with acceptance. `options` go to the drafter."""
-    if sizing == "cost":
-        max_nodes = int(options.get("max_nodes", DEFAULT_MAX_NODES))
-        options["verify_costs"] = verify_cost_table(target.model, max_nodes + 1)
-    elif sizing != "adaptive":
-        raise ValueError(f"sizing={sizing!r}: choose 'adaptive' or 'cost'")
+    max_nodes = int(options.get("max_nodes", DEFAULT_MAX_NODES))
+    costs = resolve_verify_costs(sizing, max_nodes + 1, target.model, otherwise="adaptive")
+    if costs is not None:
+        options["verify_costs"] = costs
     return PromptLookupDrafter(**options)
 
 

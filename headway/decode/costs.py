@@ -81,17 +81,24 @@ def verify_cost_table(
     return table
 
 
-def resolve_verify_costs(sizing: str, block_size: int, target_model: Any) -> list[float] | None:
-    """The ``sizing`` option of the trained drafters' builders. ``"fixed"`` (the references):
-    ``None``, every step verifies the whole tree. ``"cost"``: time the target's verify forward
-    once (:func:`verify_cost_table`, blocks of 1 .. ``block_size`` tokens, i.e. the root and the
-    largest tree) so each step verifies only the nodes that pay for themselves (:class:`TreeSizer`).
+def resolve_verify_costs(
+    sizing: str, block_size: int, target_model: Any, *, otherwise: str = "fixed"
+) -> list[float] | None:
+    """The ``sizing`` option of every drafter builder. ``"cost"``: time the target's verify
+    forward once (:func:`verify_cost_table`, blocks of 1 .. ``block_size`` tokens, i.e. the root
+    and the largest tree) so each step verifies only the nodes that pay for themselves
+    (:class:`TreeSizer`). ``otherwise``, the drafter's own sizing without a cost table (the trained
+    drafters' ``"fixed"``, as in the references: every step verifies the whole tree; prompt
+    lookup's ``"adaptive"``; retrieval's ``"share"``): ``None``.
+
+    Raises:
+        ValueError: ``sizing`` is neither.
     """
-    if sizing == "fixed":
+    if sizing == otherwise:
         return None
     if sizing == "cost":
         return verify_cost_table(target_model, block_size)
-    raise ValueError(f"sizing={sizing!r}: choose 'fixed' or 'cost'")
+    raise ValueError(f"sizing={sizing!r}: choose {otherwise!r} or 'cost'")
 
 
 def best_prefix(probabilities: Tensor, costs: list[float]) -> int:

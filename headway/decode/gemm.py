@@ -65,23 +65,23 @@ _MEASURED: dict[tuple[str, torch.dtype, tuple[int, ...]], bool] = {}
 _PREFERENCE: list[GemmChoice] = ["auto"]
 
 
+def _checked(choice: GemmChoice) -> GemmChoice:
+    if choice not in ("auto", "stock", "transposed"):
+        raise ValueError(f"gemm must be 'auto', 'stock' or 'transposed', got {choice!r}")
+    return choice
+
+
 def set_preference(choice: GemmChoice) -> None:
     """Process-wide, what ``"auto"`` means from now on (``"auto"`` restores the measured
     choice), like ``torch.backends`` flags: one setting reaches every verify forward, cost-table
     timing and drafter of the process. ``headway generate|eval --gemm`` sets it."""
-    if choice not in ("auto", "stock", "transposed"):
-        raise ValueError(f"gemm must be 'auto', 'stock' or 'transposed', got {choice!r}")
-    _PREFERENCE[0] = choice
+    _PREFERENCE[0] = _checked(choice)
 
 
 def routes(model: nn.Module, choice: GemmChoice) -> bool:
     """Whether a verify forward of ``model`` takes the transposed product under ``choice``."""
-    if choice == "stock":
-        return False
-    if choice == "transposed":
-        return True
-    if choice != "auto":
-        raise ValueError(f"gemm must be 'auto', 'stock' or 'transposed', got {choice!r}")
+    if _checked(choice) != "auto":
+        return choice == "transposed"
     if _PREFERENCE[0] != "auto":
         return _PREFERENCE[0] == "transposed"
     largest = _largest_linear(model)

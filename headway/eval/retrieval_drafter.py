@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from headway.api import eos_token_ids
-from headway.decode.costs import verify_cost_table
+from headway.decode.costs import resolve_verify_costs
 from headway.decode.drafters import DEFAULT_MAX_NODES, PromptLookupDrafter
 from headway.decode.merged import FirstDrafter
 from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
@@ -70,8 +70,11 @@ def build_retrieval_drafter(
             "the retrieval drafter needs a corpus: --draft-option data=PATH (chat data, e.g. "
             "the output of `headway data regenerate`)"
         )
-    if sizing not in ("cost", "share"):
-        raise HeadwayError(f"--draft-option sizing={sizing!r}: choose 'cost' or 'share'")
+    max_nodes = int(options.get("max_nodes", DEFAULT_MAX_NODES))
+    try:  # before indexing the corpus: a wrong option fails at once
+        costs = resolve_verify_costs(sizing, max_nodes + 1, target.model, otherwise="share")
+    except ValueError as error:
+        raise HeadwayError(f"--draft-option {error}") from None
     sources = [data] if isinstance(data, str) else list(data)
     start = time.perf_counter()
     answers = answer_token_ids(target, sources)
@@ -85,7 +88,5 @@ def build_retrieval_drafter(
         len(store),
         time.perf_counter() - start,
     )
-    max_nodes = int(options.get("max_nodes", DEFAULT_MAX_NODES))
-    costs = verify_cost_table(target.model, max_nodes + 1) if sizing == "cost" else None
     retrieval = RetrievalDrafter(store, verify_costs=costs, **options)
     return FirstDrafter([PromptLookupDrafter(min_ngram=min_ngram, max_ngram=max_ngram), retrieval])
