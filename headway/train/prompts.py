@@ -3,6 +3,8 @@
 A drafter learns the target's own distribution and its acceptance collapses off-domain, so the
 mix covers what users ask (DESIGN.md, "Training-data recipe"):
 
+- ``sharegpt``: user turns of the embedded ShareGPT V3 corpus (what people ask assistants; the
+  primary source, MT-bench and HumanEval prompts removed);
 - ``chitchat``: user turns of the embedded chitchat corpus (casual small talk);
 - ``code``: prompts made from Python standard-library functions (signature + docstring →
   implement / explain / write tests);
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import logging
 import random
 import sysconfig
 import textwrap
@@ -27,9 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from headway.errors import DataError
-from headway.train.sources import CHITCHAT, load_conversations
+from headway.train.embedded import EVAL_OVERLAP
+from headway.train.sources import CHITCHAT, SHAREGPT, load_conversations
 
-BUILTIN_SOURCES = (CHITCHAT, "code", "instruct", "self-instruct")
+logger = logging.getLogger(__name__)
+
+BUILTIN_SOURCES = (CHITCHAT, SHAREGPT, "code", "instruct", "self-instruct")
+# ~1,000 tokens: ShareGPT's first turns have a median of 144 characters, a long tail of pastes.
+DEFAULT_MAX_PROMPT_CHARS = 4000
 
 TASK_TYPES: dict[str, tuple[str, ...]] = {
     "writing": (
@@ -144,17 +152,34 @@ def parse_mix(spec: str) -> dict[str, int]:
 
 
 def chat_prompts(
-    source: str, count: int, *, rng: random.Random, max_turns: int
+    source: str,
+    count: int,
+    *,
+    rng: random.Random,
+    max_turns: int,
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
 ) -> list[PromptItem]:
-    """Up to `count` conversations' user turns (at most `max_turns` each) from a chat source."""
-    samples, _ = load_conversations(source, skip_bad_rows=True)
+    """Up to `count` conversations' user turns (at most `max_turns` each) from a chat source.
+
+    Conversations whose first user turn is longer than `max_prompt_chars` (pasted documents;
+    a long prefill costs more than its answer teaches) or empty are left out; later turns stop
+    at the first one that is too long. The source's data report is logged.
+    """
+    samples, report = load_conversations(source, skip_bad_rows=True)
+    overlap = report.skipped[EVAL_OVERLAP]
+    logger.info("%s; %d held an evaluation prompt and were removed", report.summary(), overlap)
     items = []
     for index, sample in enumerate(samples):
         if sample.messages is None:
             continue
-        users = [m["content"] for m in sample.messages if m["role"] == "user"][:max_turns]
+        users = list(
+            itertools.takewhile(
+                lambda text: len(text.strip()) > 0 and len(text) <= max_prompt_chars,
+                (m["content"] for m in sample.messages if m["role"] == "user"),
+            )
+        )[:max_turns]
         system = next((m["content"] for m in sample.messages if m["role"] == "system"), None)
-        if users and all(turn.strip() for turn in users):
+        if users:
             items.append(PromptItem(f"{Path(source).name}/{index}", source, users, system))
     rng.shuffle(items)
     return items[:count]
@@ -256,7 +281,13 @@ def code_prompts(count: int, *, rng: random.Random, max_lines: int = 40) -> list
     return items
 
 
-def build_mix(mix: dict[str, int], *, seed: int, max_turns: int = 1) -> list[PromptItem]:
+def build_mix(
+    mix: dict[str, int],
+    *,
+    seed: int,
+    max_turns: int = 1,
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+) -> list[PromptItem]:
     """The prompt items of `mix` (source -> count), deterministic in `seed`.
 
     Raises:
@@ -272,7 +303,9 @@ def build_mix(mix: dict[str, int], *, seed: int, max_turns: int = 1) -> list[Pro
         elif source == "self-instruct":
             chunk = self_instruct_meta_prompts(count, rng=rng)
         else:
-            chunk = chat_prompts(source, count, rng=rng, max_turns=max_turns)
+            chunk = chat_prompts(
+                source, count, rng=rng, max_turns=max_turns, max_prompt_chars=max_prompt_chars
+            )
         if not chunk:
             raise DataError(f"prompt source {source!r} produced no prompts")
         items += chunk

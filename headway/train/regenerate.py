@@ -8,8 +8,8 @@ Layout of an output folder::
     manifest.json            settings, target fingerprint, prompt mix, counts (rewritten as it goes)
     prompts.jsonl            the full prompt list (self-instruct prompts included), shuffled with
                              the seed so every shard, and so any finished prefix, mixes all sources
-    self-instruct/part-*.jsonl   the target's answers to the self-instruct meta prompts
-    data/part-*.jsonl        the training conversations (``messages`` rows, loadable as data)
+    self-instruct/part-*.jsonl.gz   the target's answers to the self-instruct meta prompts
+    data/part-*.jsonl.gz     the training conversations (``messages`` rows, loadable as data)
 
 Shard ``k`` always holds items ``[k·S, (k+1)·S)`` of its list and is written to a temporary name
 and renamed when complete, so a killed run resumes by skipping the shards that exist: no row is
@@ -18,6 +18,7 @@ lost or written twice, and (with a fixed seed) the resumed output equals an unin
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import random
@@ -31,7 +32,7 @@ from typing import Any, cast
 import torch
 from tqdm.auto import tqdm
 
-from headway.atomic import write_text_atomic
+from headway.atomic import write_bytes_atomic, write_text_atomic
 from headway.errors import DataError
 from headway.target import Target, fingerprint
 from headway.train.prompts import PromptItem, describe_mix
@@ -71,8 +72,18 @@ def _jsonl(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as file:
-        return [json.loads(line) for line in file if line.strip()]
+    """Rows of a ``.jsonl`` or ``.jsonl.gz`` file."""
+    data = path.read_bytes()
+    if path.name.endswith(".gz"):
+        data = gzip.decompress(data)
+    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+
+
+def shard_path(shard_dir: Path, index: int) -> Path:
+    """Where shard `index` lives: ``part-<index>.jsonl.gz`` (gzip with no timestamp, so the
+    same rows give the same bytes), or ``part-<index>.jsonl`` written by earlier versions."""
+    plain = shard_dir / f"part-{index:05d}.jsonl"
+    return plain if plain.is_file() else shard_dir / f"part-{index:05d}.jsonl.gz"
 
 
 def _conversation(item: PromptItem, answers: Sequence[str], turn: int) -> list[dict[str, str]]:
@@ -169,7 +180,7 @@ def run_shards(
     rows: list[dict[str, Any]] = []
     with tqdm(total=len(items), desc=desc, unit="conv", dynamic_ncols=True) as bar:
         for index, shard in enumerate(shards):
-            path = shard_dir / f"part-{index:05d}.jsonl"
+            path = shard_path(shard_dir, index)
             if path.is_file():
                 done = read_jsonl(path)
                 if [row["id"] for row in done] != [item.id for item in shard]:
@@ -188,7 +199,7 @@ def run_shards(
                 bar.update(1)
             by_position = {item.id: i for i, item in enumerate(shard)}
             shard_rows.sort(key=lambda row: by_position[row["id"]])
-            write_text_atomic(path, _jsonl(shard_rows))
+            write_bytes_atomic(path, gzip.compress(_jsonl(shard_rows).encode(), mtime=0))
             tokens = sum(row["answer_tokens"] for row in shard_rows)
             seconds = time.perf_counter() - started
             bar.set_postfix(tok_per_s=f"{tokens / seconds:.0f}")
@@ -255,7 +266,9 @@ def regenerate(
         The final manifest (settings, mix per source, rows, answer tokens, seconds).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {**asdict(options), "mix": mix, "target": fingerprint(target.model).to_dict()}
+    # What decides the answers; batch_size only decides speed, so a resume may change it.
+    what = {k: v for k, v in asdict(options).items() if k != "batch_size"}
+    settings = {**what, "mix": mix, "target": fingerprint(target.model).to_dict()}
     manifest_path = out_dir / "manifest.json"
     _check_manifest(manifest_path, settings)
     write_text_atomic(

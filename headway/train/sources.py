@@ -16,15 +16,26 @@ differ without saying which line, while we must name the line (and can skip it).
 
 from __future__ import annotations
 
-import importlib.util
+import gzip
+import io
 import itertools
 import json
-import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO
 
 from headway.errors import DataError
+from headway.train.embedded import (
+    CHITCHAT,
+    CUT_OFF,
+    EMBEDDED,
+    SHAREGPT,
+    RawRow,
+    cut_off_row,
+    iter_embedded,
+    read_text_tolerant,
+)
+from headway.train.json_stream import StreamProblem, iter_array
 from headway.train.samples import (
     ROLES,
     BadRowError,
@@ -34,7 +45,8 @@ from headway.train.samples import (
     Sample,
 )
 
-CHITCHAT = "chitchat"
+__all__ = ["CHITCHAT", "EMBEDDED", "SHAREGPT", "load_conversations", "row_to_sample"]
+
 FORMATS_HINT = "convert it to one of the formats in README 'Train on your own data'"
 SHAREGPT_ROLES: dict[str, Role] = {
     "human": "user",
@@ -45,31 +57,32 @@ SHAREGPT_ROLES: dict[str, Role] = {
 }
 OPENAI_ROLES: dict[str, Role] = {role: role for role in ROLES}
 
-# A row is either parsed JSON or the problem that stopped it from parsing.
-RawRow = tuple[str, object]
-
 
 def load_conversations(
     source: str | Path, *, skip_bad_rows: bool = False, limit: int | None = None
 ) -> tuple[list[Sample], DataReport]:
-    """Read ``source`` (a ``.jsonl`` / ``.json`` / ``.parquet`` path, a folder of them, or
-    ``"chitchat"``) into samples, in file order.
+    """Read ``source`` (a ``.jsonl`` / ``.jsonl.gz`` / ``.json`` / ``.parquet`` path, a folder of
+    them, or an embedded corpus: ``"chitchat"``, ``"sharegpt"``) into samples, in file order.
 
     A malformed row raises :class:`~headway.errors.DataError` naming its file and row, unless
     ``skip_bad_rows`` is set: then it is skipped and counted in the report by reason. The embedded
-    corpus always skips its unusable conversations (one speaker only): they cannot be fixed.
-    ``limit`` stops after that many samples (rows after it are not read or checked).
-    Raises DataError if no sample is left.
+    corpora always skip their unusable conversations (they cannot be fixed), and a ``.json`` list
+    that is cut off or broken part-way keeps every complete row before the break, reported as one
+    skipped ``cut-off file`` row. ``limit`` stops after that many samples (rows after it are not
+    read or checked). Raises DataError if no sample is left.
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
     report = DataReport(source=str(source))
-    is_embedded = str(source) == CHITCHAT
-    rows = _iter_chitchat() if is_embedded else _iter_file_rows(Path(source))
+    is_embedded = str(source) in EMBEDDED
+    rows = iter_embedded(str(source)) if is_embedded else _iter_file_rows(Path(source))
     samples: list[Sample] = []
     for location, row in rows:
         if limit is not None and len(samples) >= limit:
             break
+        if isinstance(row, BadRowError) and row.reason == CUT_OFF:
+            report.record_skip(row.reason, f"{location} ({row.detail})")
+            continue
         report.rows_read += 1
         try:
             samples.append(row_to_sample(row, location))
@@ -85,7 +98,7 @@ def load_conversations(
 
 def no_samples_message(report: DataReport) -> str:
     """The one-line error for a source that yields nothing usable."""
-    if not report.rows_read:
+    if not report.rows_read and not report.skipped:
         return (
             f"{report.source}: no rows (the file is empty); write one JSON object per line, or "
             "point data.sources at another file"
@@ -229,25 +242,44 @@ def _iter_file_rows(path: Path) -> Iterator[RawRow]:
     """Rows of one data file, or of every data file in a folder (sorted by name, e.g. the
     ``part-*.jsonl`` shards that ``headway data regenerate`` writes)."""
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in _READERS)
+        files = sorted(p for p in path.iterdir() if _suffix(p) in _READERS)
         if not files:
-            raise DataError(f"{path}: folder holds no .jsonl, .json or .parquet file")
+            raise DataError(f"{path}: folder holds no .jsonl, .jsonl.gz, .json or .parquet file")
         return itertools.chain.from_iterable(_iter_file_rows(file) for file in files)
-    reader = _READERS.get(path.suffix.lower())
+    reader = _READERS.get(_suffix(path))
     if reader is None:
         raise DataError(
-            f"{path}: unsupported file type {path.suffix!r}; use .jsonl, .json or .parquet, "
-            f"or '{CHITCHAT}' for the embedded corpus"
+            f"{path}: unsupported file type {path.suffix!r}; use .jsonl, .jsonl.gz, .json or "
+            f".parquet, or an embedded corpus: {', '.join(EMBEDDED)}"
         )
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     return reader(path)
 
 
-def _iter_jsonl(path: Path) -> Iterator[RawRow]:
+def _suffix(path: Path) -> str:
+    """The reader key of a file name: ``.jsonl.gz`` reads as ``.gz``, others by suffix."""
+    name = path.name.lower()
+    return (
+        ".gz"
+        if name.endswith(".jsonl.gz")
+        else ("" if name.endswith(".gz") else path.suffix.lower())
+    )
+
+
+def _iter_jsonl_gz(path: Path) -> Iterator[RawRow]:
+    """Rows of a gzip-compressed ``.jsonl.gz`` file (how regenerated data is committed)."""
+    try:
+        with gzip.open(path, "rb") as file:
+            yield from _iter_jsonl(path, io.BytesIO(file.read()))
+    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"{path}: cannot decompress ({error}); the file is damaged") from None
+
+
+def _iter_jsonl(path: Path, stream: IO[bytes] | None = None) -> Iterator[RawRow]:
     """Yield ``("<path>:<line>", row)`` per non-blank line; a line that is not UTF-8 or not JSON
     yields a :class:`BadRowError` in place of the row, so the caller can raise or skip it."""
-    with path.open("rb") as lines:
+    with stream or path.open("rb") as lines:
         for line_number, raw in enumerate(lines, start=1):
             location = f"{path}:{line_number}"
             try:
@@ -292,31 +324,25 @@ def _json_problem(error: ValueError | RecursionError) -> str:
 
 
 def _iter_json_array(path: Path) -> Iterator[RawRow]:
-    """Rows of a ``.json`` file holding one list. The file parses as a whole, so a syntax error
-    cannot be skipped: it raises naming the line."""
-    data = path.read_bytes()
+    """Rows of a ``.json`` file holding one list, decoded row by row: rows before a syntax error
+    or a cut-off end are kept, and what could not be read comes last as one ``cut-off file`` row
+    (see :mod:`headway.train.json_stream`)."""
+    text = read_text_tolerant(path)
     try:
-        text = data.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
+        elements = iter_array(text)
+        for element in elements:
+            if isinstance(element, StreamProblem):
+                yield cut_off_row(path, element)
+                return
+            number, row = element
+            yield f"{path} row {number + 1}", row
+    except ValueError:
+        top = text.lstrip()[:1]
+        kind = {"{": "an object", "": "empty"}.get(top, "not a list")
         raise DataError(
-            f"{path}:{line}: bytes are not valid UTF-8; re-save the file as UTF-8"
+            f"{path}: the top level is {kind}; a .json file must hold a list of rows "
+            "(or write one row per line as .jsonl)"
         ) from None
-    try:
-        rows = json.loads(text)
-    except (ValueError, RecursionError) as error:
-        at_line = f":{error.lineno}" if isinstance(error, json.JSONDecodeError) else ""
-        raise DataError(
-            f"{path}{at_line}: invalid JSON ({_json_problem(error)}); "
-            "fix the file or write one row per line as .jsonl"
-        ) from None
-    if not isinstance(rows, list):
-        raise DataError(
-            f"{path}: the top level is a {_json_type(rows)}; a .json file must hold a list of "
-            "rows (or write one row per line as .jsonl)"
-        )
-    for number, row in enumerate(rows, start=1):
-        yield f"{path} row {number}", row
 
 
 def _iter_parquet(path: Path) -> Iterator[RawRow]:
@@ -333,78 +359,14 @@ def _iter_parquet(path: Path) -> Iterator[RawRow]:
         yield f"{path} row {number}", row
 
 
-# --- the embedded corpus ---------------------------------------------------------------------
+# --- registry --------------------------------------------------------------------------------
 
 
-_READERS.update({".jsonl": _iter_jsonl, ".json": _iter_json_array, ".parquet": _iter_parquet})
-
-
-def chitchat_path() -> Path:
-    """``dataset.json`` of the PyPI package ``chitchat-dataset``, found without importing the
-    package (its ``__init__`` reads the whole corpus when its classes are used)."""
-    spec = importlib.util.find_spec("chitchat_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(
-            f"the embedded corpus '{CHITCHAT}' needs the package chitchat-dataset; "
-            "install it with `pip install chitchat-dataset`"
-        )
-    return Path(spec.submodule_search_locations[0]) / "dataset.json"
-
-
-def _iter_chitchat() -> Iterator[RawRow]:
-    """Yield chitchat conversations as OpenAI-style rows, ``"chitchat:<id>"`` as location.
-
-    The corpus is ``{id: {"messages": [[{"sender", "text"}, ...], ...]}}``: each inner list is one
-    turn, consecutive messages of one sender. Turns alternate between two senders; the first
-    speaker is the user. A turn's texts are joined with newlines (empty texts dropped), and the
-    conversation is cut before its first empty turn (keeping the roles alternating).
-    """
-    path = chitchat_path()
-    try:
-        for conversation_id, conversation in _iter_object_items(path.read_text("utf-8")):
-            messages: list[Message] = []
-            for turn in conversation["messages"]:
-                content = "\n".join(m["text"] for m in turn if m["text"].strip())
-                if not content:
-                    break
-                role: Role = "user" if len(messages) % 2 == 0 else "assistant"
-                messages.append(Message(role=role, content=content))
-            yield f"{CHITCHAT}:{conversation_id}", {"messages": messages}
-    except (ValueError, KeyError, TypeError, IndexError) as error:
-        raise DataError(
-            f"{path}: the chitchat corpus is corrupt ({error!r}); "
-            "reinstall it with `pip install --force-reinstall chitchat-dataset`"
-        ) from None
-
-
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
-
-
-def _iter_object_items(text: str) -> Iterator[tuple[str, Any]]:
-    """Yield the ``(key, value)`` pairs of a top-level JSON object one at a time, so reading the
-    first few conversations does not parse the whole 40 MB corpus."""
-    decoder = json.JSONDecoder()
-
-    def skip(position: int, expected: str) -> int:
-        """Skip whitespace, then ``expected`` (if any), then whitespace."""
-        position = _skip_whitespace(text, position)
-        if not text.startswith(expected, position):
-            raise ValueError(f"expected {expected!r} at character {position}")
-        return _skip_whitespace(text, position + len(expected))
-
-    position = skip(0, "{")
-    if text.startswith("}", position):
-        return
-    while True:
-        key, position = decoder.raw_decode(text, position)
-        value, position = decoder.raw_decode(text, skip(position, ":"))
-        yield key, value
-        position = skip(position, "")
-        if text.startswith("}", position):
-            return
-        position = skip(position, ",")
-
-
-def _skip_whitespace(text: str, position: int) -> int:
-    match = _WHITESPACE.match(text, position)  # always matches, possibly empty
-    return match.end() if match else position
+_READERS.update(
+    {
+        ".jsonl": _iter_jsonl,
+        ".gz": _iter_jsonl_gz,
+        ".json": _iter_json_array,
+        ".parquet": _iter_parquet,
+    }
+)
