@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from headway.train.prompts import (
     parse_mix,
 )
 from headway.train.regenerate import (
+    ENGINES,
     RegenerateOptions,
     prompts_from_self_instruct,
     read_jsonl,
@@ -70,26 +72,43 @@ def test_regenerate_writes_every_conversation_once(
     assert report.samples == 3 and samples[0].messages is not None
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 def test_resume_after_crash_equals_uninterrupted_run(
-    tiny_chat_target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_chat_target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, engine: str
 ) -> None:
+    options = replace(OPTIONS, engine=engine)
     reference = tmp_path / "reference"
-    regenerate(tiny_chat_target, items(), reference, OPTIONS, mix={"test": 8})
-    real_answer_batch = regenerate_module.answer_batch
+    regenerate(tiny_chat_target, items(), reference, options, mix={"test": 8})
+    real_conversation = regenerate_module._conversation
     resumed = tmp_path / "resumed"
 
     def crash_in_second_shard(*args: object, **kwargs: object) -> object:
         if len(list((resumed / "data").glob("part-*.jsonl*"))) == 1:
             raise KeyboardInterrupt  # killed in the middle of the second shard
-        return real_answer_batch(*args, **kwargs)  # type: ignore[arg-type]
+        return real_conversation(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(regenerate_module, "answer_batch", crash_in_second_shard)
+    monkeypatch.setattr(regenerate_module, "_conversation", crash_in_second_shard)
     with pytest.raises(KeyboardInterrupt):
-        regenerate(tiny_chat_target, items(), resumed, OPTIONS, mix={"test": 8})
+        regenerate(tiny_chat_target, items(), resumed, options, mix={"test": 8})
     assert len(list((resumed / "data").glob("part-*.jsonl*"))) == 1  # only complete shards
-    monkeypatch.setattr(regenerate_module, "answer_batch", real_answer_batch)
-    regenerate(tiny_chat_target, items(), resumed, OPTIONS, mix={"test": 8})
+    monkeypatch.setattr(regenerate_module, "_conversation", real_conversation)
+    regenerate(tiny_chat_target, items(), resumed, options, mix={"test": 8})
     assert read_all(resumed) == read_all(reference)
+
+
+def test_continuous_engine_answers_as_padded_generate_does(
+    tiny_chat_target: Target, tmp_path: Path
+) -> None:
+    """fp32 greedy: the same rows (multi-turn included) from both engines; a resume may switch
+    engine or batch size (they decide speed, not answers)."""
+    rows = {}
+    for engine in ENGINES:
+        options = replace(OPTIONS, engine=engine, max_new_tokens=12)
+        regenerate(tiny_chat_target, items(), tmp_path / engine, options, mix={"test": 8})
+        rows[engine] = read_all(tmp_path / engine)
+    assert rows["continuous"] == rows["generate"]  # early EOS exits: test_batched_generation
+    switched = replace(OPTIONS, engine="generate", max_new_tokens=12, batch_size=2)
+    regenerate(tiny_chat_target, items(), tmp_path / "continuous", switched, mix={"test": 8})
 
 
 def test_prompt_list_is_shuffled_so_every_shard_mixes_sources(

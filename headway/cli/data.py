@@ -39,6 +39,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         shard_size=args.shard_size,
+        engine=args.engine,
     )
     target = target_from_flags(args)
     items = build_mix(
@@ -71,7 +72,20 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         "tasks), self-instruct (prompts the target writes), or a chat data file",
     )
     parser.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap")
-    parser.add_argument("--batch-size", type=int, default=32, help="prompts generated together")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="rows generated together (continuous: slots kept busy; generate: a padded batch)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["continuous", "generate"],
+        default="continuous",
+        help="continuous: finished rows leave and waiting prompts join (about 2x faster on a "
+        "CPU, scripts/bench_regenerate.py); generate: HF generate on padded batches. Either may "
+        "be used to resume a folder",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold if sampling")
     parser.add_argument("--seed", type=int, default=0, help="seed of the mix and the sampling")

@@ -35,9 +35,15 @@ from tqdm.auto import tqdm
 from headway.atomic import write_bytes_atomic, write_text_atomic
 from headway.errors import DataError
 from headway.target import Target, fingerprint
+from headway.train.batched_generation import ContinuousBatcher, SamplingRule
 from headway.train.prompts import PromptItem, describe_mix
 
 logger = logging.getLogger(__name__)
+
+
+ENGINES = ("continuous", "generate")
+# Options that decide speed only: a resumed run may change them (the answers are the target's).
+SPEED_OPTIONS = ("batch_size", "engine")
 
 
 @dataclass
@@ -52,10 +58,15 @@ class RegenerateOptions:
     shard_size: int = 256
     # Self-instruct answers are one request each; a short cap saves most of that stage's time.
     meta_max_new_tokens: int = 96
+    # "continuous": rows leave when done and waiting prompts join (batched_generation);
+    # "generate": HF generate on padded batches (the reference, kept for benchmarks).
+    engine: str = "continuous"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1:
             raise DataError("max_new_tokens, batch_size and shard_size must be >= 1")
+        if self.engine not in ENGINES:
+            raise DataError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise DataError("temperature must be >= 0 and top_p in (0, 1]")
 
@@ -135,7 +146,66 @@ def answer_batch(
 def _answer_items(
     target: Target, items: Sequence[PromptItem], options: RegenerateOptions
 ) -> Iterator[tuple[PromptItem, list[Answer]]]:
-    """Answer every user turn of every item, turn by turn, in batches of similar length."""
+    """Answer every user turn of every item, turn by turn (each turn after the target's own
+    earlier answers), with the engine the options name."""
+    if options.engine == "continuous":
+        return _answer_continuously(target, items, options)
+    return _answer_in_padded_batches(target, items, options)
+
+
+def _prompt_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
+    text = target.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    return list(target.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _answer_continuously(
+    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
+) -> Iterator[tuple[PromptItem, list[Answer]]]:
+    """All items through one :class:`ContinuousBatcher`, shortest prompts first; an item's next
+    turn is submitted as soon as its previous answer is in."""
+    tokenizer = target.tokenizer
+    eos_ids = eos_token_ids(target)
+    batcher = ContinuousBatcher(
+        target.model,
+        slots=options.batch_size,
+        max_new_tokens=options.max_new_tokens,
+        eos_token_ids=eos_ids,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0],
+        rule=SamplingRule(options.temperature, options.top_p),
+    )
+    by_id = {item.id: item for item in items}
+    answers: dict[str, list[Answer]] = {item.id: [] for item in items}
+    for item in sorted(items, key=lambda item: len(item.user_turns[0])):
+        batcher.submit(item.id, _prompt_ids(target, _conversation(item, [], 0)))
+    for completion in batcher.completions():
+        item = by_id[str(completion.key)]
+        text = str(tokenizer.decode(completion.tokens, skip_special_tokens=True)).strip()
+        ended = completion.finish_reason == "eos"
+        answers[item.id].append(
+            Answer(text, len(completion.tokens) + ended, completion.finish_reason)
+        )
+        turn = len(answers[item.id])
+        if turn < len(item.user_turns):
+            texts = [answer.text for answer in answers[item.id]]
+            batcher.submit(item.id, _prompt_ids(target, _conversation(item, texts, turn)))
+        else:
+            yield item, answers[item.id]
+
+
+def eos_token_ids(target: Target) -> list[int]:
+    """The ids that end an answer: the generation config's EOS (one id or a list)."""
+    eos = target.model.generation_config.eos_token_id
+    if eos is None:
+        eos = target.tokenizer.eos_token_id
+    return sorted(set(eos if isinstance(eos, list) else [eos]))
+
+
+def _answer_in_padded_batches(
+    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
+) -> Iterator[tuple[PromptItem, list[Answer]]]:
+    """HF ``generate`` over left-padded batches of similar length, one turn at a time."""
     order = sorted(items, key=lambda item: sum(len(turn) for turn in item.user_turns))
     for start in range(0, len(order), options.batch_size):
         group = order[start : start + options.batch_size]
@@ -266,8 +336,8 @@ def regenerate(
         The final manifest (settings, mix per source, rows, answer tokens, seconds).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    # What decides the answers; batch_size only decides speed, so a resume may change it.
-    what = {k: v for k, v in asdict(options).items() if k != "batch_size"}
+    # What decides the answers; the speed options may change on a resume.
+    what = {k: v for k, v in asdict(options).items() if k not in SPEED_OPTIONS}
     settings = {**what, "mix": mix, "target": fingerprint(target.model).to_dict()}
     manifest_path = out_dir / "manifest.json"
     _check_manifest(manifest_path, settings)

@@ -1,0 +1,95 @@
+"""``headway data regenerate`` throughput: the continuous engine against HF ``generate`` on
+padded batches, on the same prompts, in one run.
+
+Both engines answer the same ShareGPT first turns (sorted by length, as regeneration does) with
+the same settings; the script prints answer tokens/s of each, the speedup, how many answers are
+identical (greedy: bf16 batches of other shapes round differently, so a few answers may part),
+and the machine it ran on.
+
+    .venv/bin/python scripts/bench_regenerate.py --prompts 128 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import time
+from collections.abc import Sequence
+
+import torch
+
+from headway.target import DEFAULT_TARGET, Target, load_target
+from headway.train.prompts import PromptItem, chat_prompts
+from headway.train.regenerate import ENGINES, Answer, RegenerateOptions, _answer_items
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="target model (default embedded)")
+    parser.add_argument("--dtype", default="bfloat16", help="target weights dtype")
+    parser.add_argument("--source", default="sharegpt", help="chat source of the prompts")
+    parser.add_argument("--prompts", type=int, default=128, help="prompts answered per engine")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap")
+    parser.add_argument("--batch-size", type=int, default=64, help="rows per batch (both)")
+    parser.add_argument(
+        "--generate-batch-size", type=int, help="HF generate's batch size, if other"
+    )
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch")
+    parser.add_argument("--seed", type=int, default=0, help="which prompts")
+    parser.add_argument(
+        "--engines", default=",".join(reversed(ENGINES)), help="engines, in the order run"
+    )
+    return parser.parse_args()
+
+
+def run(
+    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
+) -> tuple[dict[str, Answer], float]:
+    """Answer `items` once; the answers by item id and the seconds it took."""
+    started = time.perf_counter()
+    answers = {item.id: found[-1] for item, found in _answer_items(target, items, options)}
+    return answers, time.perf_counter() - started
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_target(args.target, dtype=args.dtype)
+    items = chat_prompts(args.source, args.prompts, rng=random.Random(args.seed), max_turns=1)
+    print(
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, {args.dtype}, {len(items)} {args.source} prompts, "
+        f"max_new_tokens {args.max_new_tokens}"
+    )
+    results: dict[str, tuple[dict[str, Answer], float]] = {}
+    for engine in args.engines.split(","):
+        batch = args.generate_batch_size if engine == "generate" else None
+        options = RegenerateOptions(
+            max_new_tokens=args.max_new_tokens,
+            batch_size=batch or args.batch_size,
+            engine=engine,
+        )
+        torch.manual_seed(args.seed)
+        answers, seconds = run(target, items, options)
+        tokens = sum(answer.tokens for answer in answers.values())
+        results[engine] = answers, seconds
+        print(
+            f"{engine:>10}: {tokens:,} answer tokens in {seconds:.1f} s = "
+            f"{tokens / seconds:.0f} tok/s (batch {options.batch_size})"
+        )
+    if set(results) == set(ENGINES):
+        a, b = (results[engine][0] for engine in ENGINES)
+        same = sum(a[key].text == b[key].text for key in a)
+        rates = {
+            name: sum(x.tokens for x in found.values()) / seconds
+            for name, (found, seconds) in results.items()
+        }
+        print(
+            f"continuous / generate: {rates['continuous'] / rates['generate']:.2f}x tokens/s; "
+            f"identical answers {same}/{len(a)}"
+        )
+
+
+if __name__ == "__main__":
+    main()

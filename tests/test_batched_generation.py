@@ -1,0 +1,130 @@
+"""The continuous batcher: greedy answers equal ``generate`` on each prompt alone (fp32) through
+refills, merges of unequal caches and rows leaving; the sampling rule draws from the target's
+distribution (temperature and nucleus)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable
+
+import pytest
+import torch
+
+from headway.train.batched_generation import ContinuousBatcher, SamplingRule
+from tests.tiny import tiny_model
+
+EOS = [5, 17]
+
+
+def reference(
+    model: torch.nn.Module, prompt: list[int], max_new: int, eos: list[int]
+) -> list[int]:
+    """``generate`` on the prompt alone, the answer cut before its first EOS."""
+    output = model.generate(  # type: ignore[operator]
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
+    return output[: next((i for i, t in enumerate(output) if t in eos), len(output))]
+
+
+def eos_that_ends_some(model: torch.nn.Module, prompts: list[list[int]]) -> list[int]:
+    """Tokens that greedy answers reach after a few steps, so some rows end early."""
+    answers = [reference(model, prompt, 6, [0]) for prompt in prompts[:3]]
+    return sorted({answer[-1] for answer in answers if len(answer) >= 4})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize(("slots", "refill"), [(3, 0.5), (4, 0.0), (16, 1.0)])
+def test_greedy_equals_generate_on_each_prompt_alone(
+    family: str, slots: int, refill: float
+) -> None:
+    model = tiny_model(family)
+    rng = random.Random(7)
+    prompts = {f"p{i}": [rng.randrange(3, 96) for _ in range(rng.randint(1, 20))] for i in range(9)}
+    eos = eos_that_ends_some(model, list(prompts.values()))
+    batcher = ContinuousBatcher(
+        model,
+        slots=slots,
+        max_new_tokens=10,
+        eos_token_ids=eos,
+        pad_token_id=0,
+        refill_fraction=refill,
+        prefill_tokens=40,  # small, so prefills split and caches of unequal width merge
+    )
+    for key, prompt in prompts.items():
+        batcher.submit(key, prompt)
+    answers = {c.key: c for c in batcher.completions()}
+    assert set(answers) == set(prompts)
+    for key, prompt in prompts.items():
+        expected = reference(model, prompt, 10, eos)
+        assert answers[key].tokens == expected, key
+        assert answers[key].finish_reason == ("length" if len(expected) == 10 else "eos")
+    assert any(c.finish_reason == "eos" for c in answers.values())  # rows did leave early
+
+
+def test_prompts_submitted_while_running_are_answered() -> None:
+    """The next turn of a conversation joins once this turn's answer is in."""
+    model = tiny_model("llama")
+    batcher = ContinuousBatcher(model, slots=2, max_new_tokens=4, eos_token_ids=EOS, pad_token_id=0)
+    batcher.submit(("a", 0), [10, 11, 12])
+    batcher.submit(("b", 0), [20])
+    seen: list[Hashable] = []
+    for completion in batcher.completions():
+        seen.append(completion.key)
+        name, turn = completion.key  # type: ignore[misc]
+        if turn == 0:
+            batcher.submit((name, 1), [30, *completion.tokens, 31])
+    assert sorted(seen) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]  # type: ignore[type-var]
+
+
+def test_bad_arguments_are_refused() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="slots"):
+        ContinuousBatcher(model, slots=0, max_new_tokens=4, eos_token_ids=EOS, pad_token_id=0)
+    batcher = ContinuousBatcher(model, slots=1, max_new_tokens=4, eos_token_ids=EOS, pad_token_id=0)
+    with pytest.raises(ValueError, match="empty"):
+        batcher.submit("x", [])
+
+
+def test_sampling_rule_probabilities_follow_temperature_and_nucleus() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    plain = SamplingRule(temperature=1.0).probabilities(logits)
+    torch.testing.assert_close(plain, torch.softmax(logits, dim=-1))
+    hot = SamplingRule(temperature=2.0).probabilities(logits)
+    torch.testing.assert_close(hot, torch.softmax(logits / 2, dim=-1))
+    # p = [0.644, 0.237, 0.087, 0.032]: top_p 0.8 keeps the two best (0.644 < 0.8 <= 0.881).
+    nucleus = SamplingRule(temperature=1.0, top_p=0.8).probabilities(logits)
+    expected = torch.softmax(logits[:, :2], dim=-1)
+    torch.testing.assert_close(nucleus, torch.cat([expected, torch.zeros(1, 2)], dim=1))
+    assert SamplingRule().pick(logits, None).tolist() == [0]  # greedy
+
+
+def test_sampled_tokens_follow_the_distribution() -> None:
+    """Chi-square goodness of fit of 20,000 draws against the rule's probabilities."""
+    logits = torch.tensor([[1.5, 1.0, 0.2, -0.5, -3.0]]).repeat(20_000, 1)
+    rule = SamplingRule(temperature=0.8)
+    generator = torch.Generator().manual_seed(0)
+    draws = rule.pick(logits, generator)
+    counts = torch.bincount(draws, minlength=5).double()
+    expected = rule.probabilities(logits[:1])[0].double() * len(draws)
+    chi_square = float(((counts - expected) ** 2 / expected).sum())
+    assert chi_square < 18.47  # the 0.999 quantile of chi-square with 4 degrees of freedom
+
+
+def test_grouped_attention_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from headway.train.batched_generation import grouped_attention
+
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    with grouped_attention():
+        assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "1"
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
+    with pytest.raises(RuntimeError), grouped_attention():
+        raise RuntimeError
+    assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "0"
