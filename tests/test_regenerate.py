@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import gzip
 import json
 import random
 from dataclasses import replace
@@ -193,3 +194,14 @@ def test_code_prompts_quote_real_parseable_functions() -> None:
         code = prompt.user_turns[0].split("```python\n", 1)[1].rsplit("```", 1)[0]
         ast.parse(code)  # a real function, indented correctly
         assert '"""' in code or "'" in code or '"' in code
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.jsonl.gz"])
+def test_read_jsonl_keeps_unicode_line_separators_inside_strings(
+    tmp_path: Path, name: str
+) -> None:
+    rows = [{"text": "a\u2028b\x1cc\u0085d"}, {"text": "second"}]
+    data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    assert read_jsonl(path) == rows

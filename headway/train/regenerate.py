@@ -87,7 +87,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     data = path.read_bytes()
     if path.name.endswith(".gz"):
         data = gzip.decompress(data)
-    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+    # Split on "\n" only: str.splitlines() also splits at U+2028 and other separators that
+    # json.dumps(ensure_ascii=False) leaves unescaped inside strings.
+    return [json.loads(line) for line in data.decode("utf-8").split("\n") if line.strip()]
 
 
 def shard_path(shard_dir: Path, index: int) -> Path:
