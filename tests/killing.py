@@ -32,6 +32,7 @@ import yaml
 from safetensors import safe_open
 from transformers import PreTrainedModel
 
+from headway.train.regenerate import prompts_path, read_jsonl
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 
@@ -232,15 +233,11 @@ def regeneration(workspace: Workspace) -> Pipeline:
         return [*argv, "--batch-size", "4", "--shard-size", "4", "--out", str(out)]
 
     def outcome(out: Path) -> dict[str, Any]:
-        rows = [
-            json.loads(line)
-            for path in sorted((out / "data").glob("part-*.jsonl"))
-            for line in path.read_text(encoding="utf-8").splitlines()
-        ]
-        listed = [
-            json.loads(line)["id"]
-            for line in (out / "prompts.jsonl").read_text(encoding="utf-8").splitlines()
-        ]
+        shards = sorted((out / "data").glob("part-*.jsonl*"))
+        rows = [row for path in shards for row in read_jsonl(path)]
+        listed = [row["id"] for row in read_jsonl(prompts_path(out))]
+        if not rows or not listed:
+            raise AssertionError(f"{out}: the run left no shards or no prompt list")
         ids = [row["id"] for row in rows]
         return {
             "rows": rows,

@@ -16,9 +16,7 @@ from tests.tiny import tiny_model
 EOS = [5, 17]
 
 
-def reference(
-    model: torch.nn.Module, prompt: list[int], max_new: int, eos: list[int]
-) -> list[int]:
+def reference(model: torch.nn.Module, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
     """``generate`` on the prompt alone, the answer cut before its first EOS."""
     output = model.generate(  # type: ignore[operator]
         torch.tensor([prompt]),

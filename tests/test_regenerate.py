@@ -26,6 +26,7 @@ from headway.train.regenerate import (
     ENGINES,
     RegenerateOptions,
     prompts_from_self_instruct,
+    prompts_path,
     read_jsonl,
     regenerate,
 )
@@ -60,7 +61,7 @@ def test_regenerate_writes_every_conversation_once(
     manifest = regenerate(tiny_chat_target, items(), tmp_path, OPTIONS, mix={"test": 8})
     rows = read_all(tmp_path)
     assert sorted(row["id"] for row in rows) == sorted(item.id for item in items())
-    listed = [row["id"] for row in read_jsonl(tmp_path / "prompts.jsonl")]
+    listed = [row["id"] for row in read_jsonl(prompts_path(tmp_path))]
     assert [row["id"] for row in rows] == listed  # shards follow prompts.jsonl
     assert manifest["complete"] and manifest["rows"] == 8
     multi = next(row for row in rows if row["id"] == "t/0")
@@ -123,7 +124,7 @@ def test_prompt_list_is_shuffled_so_every_shard_mixes_sources(
     assert len({row["source"] for row in first}) > 1
     again = tmp_path / "again"
     regenerate(tiny_chat_target, grouped, again, options, mix={"a": 6, "b": 6, "c": 6})
-    assert read_jsonl(again / "prompts.jsonl") == read_jsonl(tmp_path / "prompts.jsonl")
+    assert read_jsonl(prompts_path(again)) == read_jsonl(prompts_path(tmp_path))
 
 
 def test_resume_with_other_settings_is_refused(tiny_chat_target: Target, tmp_path: Path) -> None:
@@ -197,9 +198,7 @@ def test_code_prompts_quote_real_parseable_functions() -> None:
 
 
 @pytest.mark.parametrize("name", ["rows.jsonl", "rows.jsonl.gz"])
-def test_read_jsonl_keeps_unicode_line_separators_inside_strings(
-    tmp_path: Path, name: str
-) -> None:
+def test_read_jsonl_keeps_unicode_line_separators_inside_strings(tmp_path: Path, name: str) -> None:
     rows = [{"text": "a\u2028b\x1cc\u0085d"}, {"text": "second"}]
     data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
     path = tmp_path / name

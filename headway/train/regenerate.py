@@ -6,7 +6,7 @@ regenerated data), so every assistant turn of the training data is written by th
 Layout of an output folder::
 
     manifest.json            settings, target fingerprint, prompt mix, counts (rewritten as it goes)
-    prompts.jsonl            the full prompt list (self-instruct prompts included), shuffled with
+    prompts.jsonl.gz         the full prompt list (self-instruct prompts included), shuffled with
                              the seed so every shard, and so any finished prefix, mixes all sources
     self-instruct/part-*.jsonl.gz   the target's answers to the self-instruct meta prompts
     data/part-*.jsonl.gz     the training conversations (``messages`` rows, loadable as data)
@@ -303,10 +303,19 @@ def prompts_from_self_instruct(rows: Sequence[dict[str, Any]]) -> list[PromptIte
     return items
 
 
-def _load_or_write_prompts(path: Path, items: Sequence[PromptItem]) -> list[PromptItem]:
+def prompts_path(out_dir: Path) -> Path:
+    """The frozen prompt list of a regeneration folder: ``prompts.jsonl.gz``, or the
+    ``prompts.jsonl`` of folders written by earlier versions."""
+    plain = out_dir / "prompts.jsonl"
+    return plain if plain.is_file() else out_dir / "prompts.jsonl.gz"
+
+
+def _load_or_write_prompts(out_dir: Path, items: Sequence[PromptItem]) -> list[PromptItem]:
+    path = prompts_path(out_dir)
     if path.is_file():
         return [PromptItem(**row) for row in read_jsonl(path)]
-    write_text_atomic(path, _jsonl([asdict(item) for item in items]))
+    text = _jsonl([asdict(item) for item in items])
+    write_bytes_atomic(path, gzip.compress(text.encode(), mtime=0))
     return list(items)
 
 
@@ -356,7 +365,7 @@ def regenerate(
         )
         direct += prompts_from_self_instruct(meta_rows)
     random.Random(options.seed).shuffle(direct)
-    prompts = _load_or_write_prompts(out_dir / "prompts.jsonl", direct)
+    prompts = _load_or_write_prompts(out_dir, direct)
     rows = run_shards(target, prompts, out_dir / "data", options, desc="regenerate")
     manifest = {
         "settings": settings,
