@@ -22,3 +22,7 @@ class DataError(HeadwayError):
 
 class TargetError(HeadwayError):
     """A target model cannot be found or loaded, or does not match what was expected."""
+
+
+class FolderBusyError(HeadwayError):
+    """Another live process is writing the output folder (see :mod:`headway.locks`)."""

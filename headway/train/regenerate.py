@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from headway.atomic import write_bytes_atomic, write_text_atomic
 from headway.errors import DataError
+from headway.locks import exclusive_folder
 from headway.target import Target, fingerprint
 from headway.train.batched_generation import ContinuousBatcher, SamplingRule
 from headway.train.prompts import PromptItem, describe_mix
@@ -345,7 +346,22 @@ def regenerate(
 
     Returns:
         The final manifest (settings, mix per source, rows, answer tokens, seconds).
+
+    Raises:
+        FolderBusyError: when another process is writing `out_dir`.
     """
+    with exclusive_folder(out_dir, what="--out"):
+        return _regenerate(target, items, out_dir, options, mix=mix)
+
+
+def _regenerate(
+    target: Target,
+    items: Sequence[PromptItem],
+    out_dir: Path,
+    options: RegenerateOptions,
+    *,
+    mix: dict[str, int],
+) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     # What decides the answers; the speed options may change on a resume.
     what = {k: v for k, v in asdict(options).items() if k not in SPEED_OPTIONS}

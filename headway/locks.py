@@ -1,0 +1,68 @@
+"""One writer per output folder: an OS file lock that dies with its process.
+
+Two runs writing the same folder (two ``headway data regenerate --out X``, say) would interleave
+shards and manifests. A writer holds ``flock`` on ``<folder>/.headway-writer.lock`` while it
+works; a second writer is refused at once, in one line naming the holder's pid. The kernel drops
+the lock when the holder exits for any reason (SIGKILL included), so a crash never leaves a
+stale lock, and the holder removes the file when it is done (no leftovers in the folder).
+
+Removing a lock file races with a process that opened it just before: that process would lock
+an unlinked inode. So after locking, a writer checks that the path still names the inode it
+locked, and starts over if not.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from headway.errors import FolderBusyError
+
+LOCK_NAME = ".headway-writer.lock"
+
+
+def _holder(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError:
+        return "unknown"
+    return text if text.isdigit() else "unknown"
+
+
+@contextmanager
+def exclusive_folder(folder: Path, *, what: str = "output") -> Iterator[None]:
+    """Hold the writer lock of ``folder`` (created if missing) for the block.
+
+    Raises:
+        FolderBusyError: when another process holds it: ``"<folder> is being written by another
+            headway process (pid N); wait for it to end or choose another <what> folder"``.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    while True:
+        handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(handle)
+            raise FolderBusyError(
+                f"{folder} is being written by another headway process (pid {_holder(path)}); "
+                f"wait for it to end or choose another {what} folder"
+            ) from None
+        try:
+            same = os.fstat(handle).st_ino == path.stat().st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(handle)  # the holder removed the file between our open and our lock: retry
+    try:
+        os.ftruncate(handle, 0)
+        os.write(handle, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(handle)  # closing releases the lock
