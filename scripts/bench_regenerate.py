@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import torch
 
 from headway.target import DEFAULT_TARGET, Target, load_target
+from headway.train.answering import ENGINES, Answer, RegenerateOptions, answer_items
 from headway.train.prompts import PromptItem, chat_prompts
-from headway.train.regenerate import ENGINES, Answer, RegenerateOptions, _answer_items
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,7 +48,7 @@ def run(
 ) -> tuple[dict[str, Answer], float]:
     """Answer `items` once; the answers by item id and the seconds it took."""
     started = time.perf_counter()
-    answers = {item.id: found[-1] for item, found in _answer_items(target, items, options)}
+    answers = {item.id: found[-1] for item, found in answer_items(target, items, options)}
     return answers, time.perf_counter() - started
 
 

@@ -253,7 +253,7 @@ def regeneration(workspace: Workspace) -> Pipeline:
         started=lambda out: (out / "manifest.json").is_file(),
         finished=_complete,
         outcome=outcome,
-        progress=lambda out: _count(sorted((out / "data").glob("part-*.jsonl")), "shards"),
+        progress=lambda out: _count(sorted((out / "data").glob("part-*.jsonl*")), "shards"),
     )
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from headway.errors import DataError
 from headway.target import Target
-from headway.train import regenerate as regenerate_module
+from headway.train import answering
+from headway.train.answering import ENGINES
 from headway.train.prompts import (
     TASK_TYPES,
     PromptItem,
@@ -23,7 +24,6 @@ from headway.train.prompts import (
     parse_mix,
 )
 from headway.train.regenerate import (
-    ENGINES,
     RegenerateOptions,
     prompts_from_self_instruct,
     prompts_path,
@@ -81,7 +81,7 @@ def test_resume_after_crash_equals_uninterrupted_run(
     options = replace(OPTIONS, engine=engine)
     reference = tmp_path / "reference"
     regenerate(tiny_chat_target, items(), reference, options, mix={"test": 8})
-    real_conversation = regenerate_module._conversation
+    real_conversation = answering.conversation_messages
     resumed = tmp_path / "resumed"
 
     def crash_in_second_shard(*args: object, **kwargs: object) -> object:
@@ -89,11 +89,11 @@ def test_resume_after_crash_equals_uninterrupted_run(
             raise KeyboardInterrupt  # killed in the middle of the second shard
         return real_conversation(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(regenerate_module, "_conversation", crash_in_second_shard)
+    monkeypatch.setattr(answering, "conversation_messages", crash_in_second_shard)
     with pytest.raises(KeyboardInterrupt):
         regenerate(tiny_chat_target, items(), resumed, options, mix={"test": 8})
     assert len(list((resumed / "data").glob("part-*.jsonl*"))) == 1  # only complete shards
-    monkeypatch.setattr(regenerate_module, "_conversation", real_conversation)
+    monkeypatch.setattr(answering, "conversation_messages", real_conversation)
     regenerate(tiny_chat_target, items(), resumed, options, mix={"test": 8})
     assert read_all(resumed) == read_all(reference)
 

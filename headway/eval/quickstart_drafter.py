@@ -150,7 +150,7 @@ def draft_vocabulary(data_dir: Path, tokenizer: Any, size: int) -> Tensor:
     """The ``size`` most frequent token ids of the assistant answers in regenerated data
     (``data_dir/*.jsonl`` with ``messages`` rows), sorted, as a LongTensor."""
     counts: Counter[int] = Counter()
-    for path in sorted(data_dir.glob("*.jsonl")):
+    for path in sorted(data_dir.glob("*.jsonl*")):
         for row in read_jsonl(path):
             answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
             for answer in answers:

@@ -1,0 +1,187 @@
+"""How the target answers a shard of prompts: turn by turn, through one of two engines.
+
+- ``continuous`` (default): :class:`~headway.train.batched_generation.ContinuousBatcher` keeps
+  every row busy (finished rows leave, waiting prompts and next turns join);
+- ``generate``: HF ``generate`` on left-padded batches of similar length (the reference).
+
+Either way each user turn is answered after the target's own earlier answers (multi-turn
+self-distillation), and the answers are the target's: greedy, or sampled from its distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from headway.errors import DataError
+from headway.target import Target
+from headway.train.batched_generation import ContinuousBatcher, SamplingRule
+from headway.train.prompts import PromptItem
+
+ENGINES = ("continuous", "generate")
+# Options that decide speed only: a resumed run may change them (the answers are the target's).
+SPEED_OPTIONS = ("batch_size", "engine")
+
+
+@dataclass
+class RegenerateOptions:
+    """How the target answers. Greedy (temperature 0) matches greedy evaluation best."""
+
+    max_new_tokens: int = 512
+    batch_size: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    shard_size: int = 256
+    # Self-instruct answers are one request each; a short cap saves most of that stage's time.
+    meta_max_new_tokens: int = 96
+    # "continuous": rows leave when done and waiting prompts join (batched_generation);
+    # "generate": HF generate on padded batches (the reference, kept for benchmarks).
+    engine: str = "continuous"
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1:
+            raise DataError("max_new_tokens, batch_size and shard_size must be >= 1")
+        if self.engine not in ENGINES:
+            raise DataError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise DataError("temperature must be >= 0 and top_p in (0, 1]")
+
+
+@dataclass
+class Answer:
+    text: str
+    tokens: int
+    finish_reason: str  # "eos" or "length"
+
+
+def conversation_messages(
+    item: PromptItem, answers: Sequence[str], turn: int
+) -> list[dict[str, str]]:
+    """Messages up to user turn `turn`, with the already regenerated answers in between."""
+    messages = [{"role": "system", "content": item.system}] if item.system else []
+    for index in range(turn + 1):
+        messages.append({"role": "user", "content": item.user_turns[index]})
+        if index < turn:
+            messages.append({"role": "assistant", "content": answers[index]})
+    return messages
+
+
+def answer_batch(
+    target: Target, conversations: Sequence[list[dict[str, str]]], options: RegenerateOptions
+) -> list[Answer]:
+    """Let the target answer each conversation's last user turn, as one left-padded batch."""
+    tokenizer, model = target.tokenizer, target.model
+    texts = [
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        for messages in conversations
+    ]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = batch.to(model.device)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    sampling = (
+        {"do_sample": True, "temperature": options.temperature, "top_p": options.top_p}
+        if options.temperature > 0
+        else {"do_sample": False}
+    )
+    with torch.inference_mode():
+        # PreTrainedModel's stubs lack generate(); every causal LM has it (GenerationMixin).
+        output = cast(Any, model).generate(
+            **batch,
+            max_new_tokens=options.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id or next(iter(eos_ids)),
+            **sampling,
+        )
+    answers = []
+    for row in output[:, batch["input_ids"].shape[1] :].tolist():
+        ends = [i for i, token in enumerate(row) if token in eos_ids]
+        length = ends[0] if ends else len(row)
+        text = str(tokenizer.decode(row[:length], skip_special_tokens=True)).strip()
+        answers.append(Answer(text, length + bool(ends), "eos" if ends else "length"))
+    return answers
+
+
+def answer_items(
+    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
+) -> Iterator[tuple[PromptItem, list[Answer]]]:
+    """Answer every user turn of every item, turn by turn (each turn after the target's own
+    earlier answers), with the engine the options name."""
+    if options.engine == "continuous":
+        return _answer_continuously(target, items, options)
+    return _answer_in_padded_batches(target, items, options)
+
+
+def _prompt_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
+    text = target.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    return list(target.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _answer_continuously(
+    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
+) -> Iterator[tuple[PromptItem, list[Answer]]]:
+    """All items through one :class:`ContinuousBatcher`, shortest prompts first; an item's next
+    turn is submitted as soon as its previous answer is in."""
+    tokenizer = target.tokenizer
+    eos_ids = eos_token_ids(target)
+    batcher = ContinuousBatcher(
+        target.model,
+        slots=options.batch_size,
+        max_new_tokens=options.max_new_tokens,
+        eos_token_ids=eos_ids,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0],
+        rule=SamplingRule(options.temperature, options.top_p),
+    )
+    by_id = {item.id: item for item in items}
+    answers: dict[str, list[Answer]] = {item.id: [] for item in items}
+    for item in sorted(items, key=lambda item: len(item.user_turns[0])):
+        batcher.submit(item.id, _prompt_ids(target, conversation_messages(item, [], 0)))
+    for completion in batcher.completions():
+        item = by_id[str(completion.key)]
+        text = str(tokenizer.decode(completion.tokens, skip_special_tokens=True)).strip()
+        ended = completion.finish_reason == "eos"
+        answers[item.id].append(
+            Answer(text, len(completion.tokens) + ended, completion.finish_reason)
+        )
+        turn = len(answers[item.id])
+        if turn < len(item.user_turns):
+            texts = [answer.text for answer in answers[item.id]]
+            batcher.submit(item.id, _prompt_ids(target, conversation_messages(item, texts, turn)))
+        else:
+            yield item, answers[item.id]
+
+
+def eos_token_ids(target: Target) -> list[int]:
+    """The ids that end an answer: the generation config's EOS (one id or a list)."""
+    eos = target.model.generation_config.eos_token_id
+    if eos is None:
+        eos = target.tokenizer.eos_token_id
+    return sorted(set(eos if isinstance(eos, list) else [eos]))
+
+
+def _answer_in_padded_batches(
+    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
+) -> Iterator[tuple[PromptItem, list[Answer]]]:
+    """HF ``generate`` over left-padded batches of similar length, one turn at a time."""
+    order = sorted(items, key=lambda item: sum(len(turn) for turn in item.user_turns))
+    for start in range(0, len(order), options.batch_size):
+        group = order[start : start + options.batch_size]
+        answers: dict[str, list[Answer]] = {item.id: [] for item in group}
+        for turn in range(max(len(item.user_turns) for item in group)):
+            live = [item for item in group if turn < len(item.user_turns)]
+            texts = [[a.text for a in answers[item.id]] for item in live]
+            conversations = [
+                conversation_messages(i, t, turn) for i, t in zip(live, texts, strict=True)
+            ]
+            for item, answer in zip(
+                live, answer_batch(target, conversations, options), strict=True
+            ):
+                answers[item.id].append(answer)
+        for item in group:
+            yield item, answers[item.id]
