@@ -33,15 +33,17 @@ def _holder(path: Path) -> str:
 
 
 @contextmanager
-def exclusive_folder(folder: Path, *, what: str = "output") -> Iterator[None]:
-    """Hold the writer lock of ``folder`` (created if missing) for the block.
+def exclusive_folder(
+    folder: Path, *, what: str = "output", name: str = LOCK_NAME
+) -> Iterator[None]:
+    """Hold the writer lock ``name`` of ``folder`` (created if missing) for the block.
 
     Raises:
         FolderBusyError: when another process holds it: ``"<folder> is being written by another
             headway process (pid N); wait for it to end or choose another <what> folder"``.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / LOCK_NAME
+    path = folder / name
     while True:
         handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

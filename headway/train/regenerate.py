@@ -21,20 +21,22 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import os
 import random
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
 from tqdm.auto import tqdm
 
 from headway.atomic import write_bytes_atomic, write_text_atomic
 from headway.errors import DataError
-from headway.locks import exclusive_folder
+from headway.locks import LOCK_NAME, exclusive_folder
 from headway.target import Target, fingerprint
 from headway.train.answering import (
     SPEED_OPTIONS,
@@ -44,6 +46,34 @@ from headway.train.answering import (
     conversation_messages,
 )
 from headway.train.prompts import PromptItem, describe_mix
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the processes regenerating together (one, unless launched
+    with ``accelerate launch``), and the barrier between them."""
+
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def from_accelerate(cls) -> Ranks:
+        """The ranks ``accelerate launch`` set up (read from its environment), else one."""
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return cls()
+        # Without CUDA, processes must be told to use CPU DDP (gloo), as in training.
+        state = PartialState(cpu=not torch.cuda.is_available())
+        return cls(state.process_index, state.num_processes)
+
+    def wait(self) -> None:
+        """Block until every process gets here (nothing to wait for with one)."""
+        if self.world > 1:
+            PartialState().wait_for_everyone()
+
+    def lock_name(self) -> str:
+        """One writer lock per rank: two launches into one folder still collide."""
+        return LOCK_NAME if self.world == 1 else f"{LOCK_NAME}.rank-{self.rank}"
+
 
 __all__ = [
     "RegenerateOptions",
@@ -92,6 +122,16 @@ def _row(item: PromptItem, answers: Sequence[Answer]) -> dict[str, Any]:
     }
 
 
+def _checked_shard(path: Path, shard: Sequence[PromptItem]) -> list[dict[str, Any]]:
+    done = read_jsonl(path)
+    if [row["id"] for row in done] != [item.id for item in shard]:
+        raise DataError(
+            f"{path} does not hold the prompts it should; this folder was written "
+            "with another prompt list: use a new --out folder"
+        )
+    return done
+
+
 def run_shards(
     target: Target,
     items: Sequence[PromptItem],
@@ -99,22 +139,23 @@ def run_shards(
     options: RegenerateOptions,
     *,
     desc: str,
+    ranks: Ranks | None = None,
 ) -> list[dict[str, Any]]:
-    """Answer `items` into ``shard_dir/part-*.jsonl``, skipping complete shards; return all rows."""
+    """Answer `items` into ``shard_dir/part-*.jsonl.gz``, skipping complete shards; return all
+    rows. With several processes, rank r answers shards r, r + W, r + 2W, ... and every rank
+    returns all rows once all are done."""
+    ranks = ranks or Ranks()
     shard_dir.mkdir(parents=True, exist_ok=True)
     shards = [items[k : k + options.shard_size] for k in range(0, len(items), options.shard_size)]
-    rows: list[dict[str, Any]] = []
-    with tqdm(total=len(items), desc=desc, unit="conv", dynamic_ncols=True) as bar:
-        for index, shard in enumerate(shards):
-            path = shard_path(shard_dir, index)
+    mine = [index for index in range(len(shards)) if index % ranks.world == ranks.rank]
+    total = sum(len(shards[index]) for index in mine)
+    with tqdm(
+        total=total, desc=desc, unit="conv", dynamic_ncols=True, disable=ranks.rank > 0
+    ) as bar:
+        for index in mine:
+            shard, path = shards[index], shard_path(shard_dir, index)
             if path.is_file():
-                done = read_jsonl(path)
-                if [row["id"] for row in done] != [item.id for item in shard]:
-                    raise DataError(
-                        f"{path} does not hold the prompts it should; this folder was written "
-                        "with another prompt list: use a new --out folder"
-                    )
-                rows += done
+                _checked_shard(path, shard)
                 bar.update(len(shard))
                 continue
             # Seed per shard so a resumed run samples exactly what an uninterrupted one would.
@@ -132,8 +173,12 @@ def run_shards(
             logger.info(
                 "%s: %d rows, %d tokens, %.0f tok/s", path, len(shard), tokens, tokens / seconds
             )
-            rows += shard_rows
-    return rows
+    ranks.wait()
+    return [
+        row
+        for index, shard in enumerate(shards)
+        for row in _checked_shard(shard_path(shard_dir, index), shard)
+    ]
 
 
 def _request_text(answer: str) -> str:
@@ -195,7 +240,9 @@ def regenerate(
 ) -> dict[str, Any]:
     """Regenerate the assistant turns of `items` with `target` into `out_dir`; resumable.
 
-    Self-instruct meta items are answered first and their answers become prompts.
+    Self-instruct meta items are answered first and their answers become prompts. Under
+    ``accelerate launch`` with W processes, each answers every W-th shard (a disjoint slice of the
+    prompts) and rank 0 writes the manifest once all shards are in; a resume may use another W.
 
     Returns:
         The final manifest (settings, mix per source, rows, answer tokens, seconds).
@@ -203,8 +250,10 @@ def regenerate(
     Raises:
         FolderBusyError: when another process is writing `out_dir`.
     """
-    with exclusive_folder(out_dir, what="--out"):
-        return _regenerate(target, items, out_dir, options, mix=mix)
+    ranks = Ranks.from_accelerate()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with exclusive_folder(out_dir, what="--out", name=ranks.lock_name()):
+        return _regenerate(target, items, out_dir, options, mix=mix, ranks=ranks)
 
 
 def _regenerate(
@@ -214,28 +263,32 @@ def _regenerate(
     options: RegenerateOptions,
     *,
     mix: dict[str, int],
+    ranks: Ranks,
 ) -> dict[str, Any]:
-    out_dir.mkdir(parents=True, exist_ok=True)
     # What decides the answers; the speed options may change on a resume.
     what = {k: v for k, v in asdict(options).items() if k not in SPEED_OPTIONS}
     settings = {**what, "mix": mix, "target": fingerprint(target.model).to_dict()}
     manifest_path = out_dir / "manifest.json"
     _check_manifest(manifest_path, settings)
-    write_text_atomic(
-        manifest_path, json.dumps({"settings": settings, "complete": False}, indent=2)
-    )
+    ranks.wait()  # every rank has read the old manifest before rank 0 rewrites it
+    if ranks.rank == 0:
+        started_manifest = {"settings": settings, "complete": False}
+        write_text_atomic(manifest_path, json.dumps(started_manifest, indent=2))
     started = time.perf_counter()
     meta = [item for item in items if item.meta]
     direct = [item for item in items if not item.meta]
     if meta:
         meta_options = replace(options, max_new_tokens=options.meta_max_new_tokens)
         meta_rows = run_shards(
-            target, meta, out_dir / "self-instruct", meta_options, desc="self-instruct"
+            target, meta, out_dir / "self-instruct", meta_options, desc="self-instruct", ranks=ranks
         )
         direct += prompts_from_self_instruct(meta_rows)
     random.Random(options.seed).shuffle(direct)
+    if ranks.rank == 0:
+        _load_or_write_prompts(out_dir, direct)
+    ranks.wait()
     prompts = _load_or_write_prompts(out_dir, direct)
-    rows = run_shards(target, prompts, out_dir / "data", options, desc="regenerate")
+    rows = run_shards(target, prompts, out_dir / "data", options, desc="regenerate", ranks=ranks)
     manifest = {
         "settings": settings,
         "complete": True,
@@ -243,7 +296,10 @@ def _regenerate(
         "rows": len(rows),
         "answer_tokens": sum(row["answer_tokens"] for row in rows),
         "truncated_answers": sum(row["finish_reason"] == "length" for row in rows),
+        "processes": ranks.world,
         "seconds_this_run": round(time.perf_counter() - started, 1),
     }
-    write_text_atomic(manifest_path, json.dumps(manifest, indent=2))
+    if ranks.rank == 0:
+        write_text_atomic(manifest_path, json.dumps(manifest, indent=2))
+    ranks.wait()
     return manifest
