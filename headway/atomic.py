@@ -177,3 +177,28 @@ def _recover(path: Path) -> None:
                 break
     remove_stale(path, "old")
     remove_stale(path, "staging")
+
+
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|staging|saving)-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+def remove_dead_writers_leftovers(folder: Path) -> list[Path]:
+    """Remove every temporary file or folder under `folder` (any depth) that a killed writer
+    left: names ``.NAME.KIND-PID-RANDOM`` of kind tmp/staging/saving whose process is gone.
+
+    :func:`remove_stale` cleans a path's temporaries when that same path is written again; this
+    sweep runs when a writer takes a folder (:func:`headway.locks.exclusive_folder`), so shards
+    or checkpoints a dead run was writing go even if no later run writes those names. Folders a
+    killed :func:`atomic_dir` moved aside (kind ``old``) are left for its recovery.
+    """
+    removed = []
+    for candidate in sorted(folder.rglob(".*")):
+        match = _TEMPORARY.match(candidate.name)
+        if match is None or _running(int(match["pid"])):
+            continue  # not a temporary, or its writer (this process included) is still at work
+        if candidate.is_dir() and not candidate.is_symlink():
+            shutil.rmtree(candidate, ignore_errors=True)
+        else:
+            candidate.unlink(missing_ok=True)
+        removed.append(candidate)
+    return removed

@@ -2,7 +2,8 @@
 
 Two runs writing the same folder (two ``headway data regenerate --out X``, say) would interleave
 shards and manifests. A writer holds ``flock`` on ``<folder>/.headway-writer.lock`` while it
-works; a second writer is refused at once, in one line naming the holder's pid. The kernel drops
+works; a second writer is refused at once, in one line naming the holder's pid. Taking the lock
+also sweeps away the temporaries that killed writers left anywhere in the folder. The kernel drops
 the lock when the holder exits for any reason (SIGKILL included), so a crash never leaves a
 stale lock, and the holder removes the file when it is done (no leftovers in the folder).
 
@@ -14,12 +15,16 @@ locked, and starts over if not.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from headway.atomic import remove_dead_writers_leftovers
 from headway.errors import FolderBusyError
+
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".headway-writer.lock"
 
@@ -64,6 +69,9 @@ def exclusive_folder(
     try:
         os.ftruncate(handle, 0)
         os.write(handle, f"{os.getpid()}\n".encode())
+        removed = remove_dead_writers_leftovers(folder)
+        if removed:
+            logger.info("removed %d temporaries of killed writers in %s", len(removed), folder)
         yield
     finally:
         path.unlink(missing_ok=True)

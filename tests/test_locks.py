@@ -74,3 +74,26 @@ def test_regeneration_into_a_busy_folder_is_refused(
     with pytest.raises(FolderBusyError, match=f"pid {holder.pid}"):
         regenerate(target, items, tmp_path / "out", RegenerateOptions(), mix={"t": 1})
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [LOCK_NAME]  # untouched
+
+
+def test_taking_a_folder_sweeps_temporaries_of_killed_writers(tmp_path: Path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    (tmp_path / "data").mkdir()
+    shard = tmp_path / "data" / f".part-00003.jsonl.gz.tmp-{dead_pid}-0123456789ab"
+    shard.write_bytes(b"half a shard")
+    checkpoint = tmp_path / f".step-40.staging-{dead_pid}-0123456789ab"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"x")
+    mine = tmp_path / f".manifest.json.tmp-{os.getpid()}-0123456789ab"  # a live writer's
+    mine.write_bytes(b"{}")
+    retired = tmp_path / f".run.old-{dead_pid}-0123456789ab"  # atomic_dir recovers these
+    retired.mkdir()
+    keep = tmp_path / ".gitignore"
+    keep.write_text("*\n")
+    with exclusive_folder(tmp_path):
+        pass
+    assert not shard.exists() and not checkpoint.exists()
+    assert mine.exists() and retired.exists() and keep.exists()
