@@ -91,14 +91,37 @@ def _jsonl(rows: Sequence[dict[str, Any]]) -> str:
     return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
+_DAMAGED = "the folder is damaged: remove this file to regenerate it, or use a new --out folder"
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a ``.jsonl`` or ``.jsonl.gz`` file."""
+    """Objects of a ``.jsonl`` or ``.jsonl.gz`` file that headway wrote.
+
+    Raises:
+        DataError: naming the file (and line) when it is not gzip, UTF-8, or one JSON object
+            per line.
+    """
     data = path.read_bytes()
-    if path.name.endswith(".gz"):
-        data = gzip.decompress(data)
+    try:
+        if path.name.endswith(".gz"):
+            data = gzip.decompress(data)
+        text = data.decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as error:  # BadGzipFile is an OSError
+        raise DataError(f"{path}: cannot be read ({error}); {_DAMAGED}") from None
+    rows = []
     # Split on "\n" only: str.splitlines() also splits at U+2028 and other separators that
     # json.dumps(ensure_ascii=False) leaves unescaped inside strings.
-    return [json.loads(line) for line in data.decode("utf-8").split("\n") if line.strip()]
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError) as error:
+            raise DataError(f"{path}:{number}: not JSON ({error}); {_DAMAGED}") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{number}: not a JSON object; {_DAMAGED}")
+        rows.append(row)
+    return rows
 
 
 def shard_path(shard_dir: Path, index: int) -> Path:
@@ -122,8 +145,20 @@ def _row(item: PromptItem, answers: Sequence[Answer]) -> dict[str, Any]:
     }
 
 
+_ROW_FIELDS = {"id": str, "messages": list, "finish_reason": str, "answer_tokens": int}
+
+
 def _checked_shard(path: Path, shard: Sequence[PromptItem]) -> list[dict[str, Any]]:
+    """The rows of a finished shard, checked to be the rows of ``shard`` as this module writes
+    them (a damaged or foreign file is an error naming it, never a crash later)."""
     done = read_jsonl(path)
+    for number, row in enumerate(done, start=1):
+        wrong = [key for key, kind in _ROW_FIELDS.items() if not isinstance(row.get(key), kind)]
+        if wrong:
+            raise DataError(f"{path}:{number}: missing or mistyped {', '.join(wrong)}; {_DAMAGED}")
+        last = row["messages"][-1] if row["messages"] else None
+        if not isinstance(last, dict) or not isinstance(last.get("content"), str):
+            raise DataError(f"{path}:{number}: the last message has no text; {_DAMAGED}")
     if [row["id"] for row in done] != [item.id for item in shard]:
         raise DataError(
             f"{path} does not hold the prompts it should; this folder was written "
@@ -212,7 +247,10 @@ def prompts_path(out_dir: Path) -> Path:
 def _load_or_write_prompts(out_dir: Path, items: Sequence[PromptItem]) -> list[PromptItem]:
     path = prompts_path(out_dir)
     if path.is_file():
-        return [PromptItem(**row) for row in read_jsonl(path)]
+        try:
+            return [PromptItem(**row) for row in read_jsonl(path)]
+        except TypeError as error:  # a key PromptItem does not take, or one it needs missing
+            raise DataError(f"{path}: a row is not a prompt ({error}); {_DAMAGED}") from None
     text = _jsonl([asdict(item) for item in items])
     write_bytes_atomic(path, gzip.compress(text.encode(), mtime=0))
     return list(items)
@@ -221,7 +259,14 @@ def _load_or_write_prompts(out_dir: Path, items: Sequence[PromptItem]) -> list[P
 def _check_manifest(path: Path, settings: dict[str, Any]) -> None:
     if not path.is_file():
         return
-    previous = json.loads(path.read_text(encoding="utf-8"))["settings"]
+    try:
+        previous = json.loads(path.read_text(encoding="utf-8"))["settings"]
+    except (ValueError, UnicodeDecodeError, RecursionError, KeyError, TypeError) as error:
+        raise DataError(
+            f"{path}: not a regeneration manifest ({type(error).__name__}: {error}); {_DAMAGED}"
+        ) from None
+    if not isinstance(previous, dict):
+        raise DataError(f"{path}: 'settings' is not an object; {_DAMAGED}")
     if previous != settings:
         changed = sorted(key for key in settings if previous.get(key) != settings[key])
         raise DataError(
