@@ -17,6 +17,7 @@ from headway.cli.data import add_data
 from headway.cli.eval import add_eval
 from headway.cli.export import add_export
 from headway.cli.quickstart import add_quickstart
+from headway.cli.values import OneLineParser
 from headway.config import RunConfig, describe
 from headway.errors import HeadwayError
 
@@ -72,7 +73,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``headway`` argument parser (exposed for tests and docs)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="headway",
         description="Train, export, evaluate and decode with speculative-decoding drafters "
         "(Medusa, EAGLE-1/2, EAGLE-3) on a frozen Hugging Face causal LM, losslessly.",

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from headway.cli.common import add_target_flags, target_from_flags
+from headway.cli.values import POSITIVE, SEED, TEMPERATURE, TOP_P, text
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -63,7 +64,9 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         "command to resume after an interruption: finished shards are kept, none is redone.",
     )
     add_target_flags(parser, default_dtype="bfloat16")
-    parser.add_argument("--out", required=True, help="output folder (created; resumable)")
+    parser.add_argument(
+        "--out", required=True, type=text("--out"), help="output folder (created; resumable)"
+    )
     parser.add_argument(
         "--mix",
         default=DEFAULT_MIX,
@@ -71,10 +74,10 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         "HumanEval prompts removed), chitchat, code (stdlib functions), instruct (templated "
         "tasks), self-instruct (prompts the target writes), or a chat data file",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap")
+    parser.add_argument("--max-new-tokens", type=POSITIVE, default=512, help="answer length cap")
     parser.add_argument(
         "--batch-size",
-        type=int,
+        type=POSITIVE,
         default=64,
         help="rows generated together (continuous: slots kept busy; generate: a padded batch)",
     )
@@ -86,20 +89,20 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         "CPU, scripts/bench_regenerate.py); generate: HF generate on padded batches. Either may "
         "be used to resume a folder",
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold if sampling")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the mix and the sampling")
-    parser.add_argument("--shard-size", type=int, default=256, help="conversations per shard")
+    parser.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy answers")
+    parser.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus threshold if sampling")
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the mix and the sampling")
+    parser.add_argument("--shard-size", type=POSITIVE, default=256, help="conversations per shard")
     parser.add_argument(
         "--max-turns",
-        type=int,
+        type=POSITIVE,
         default=1,
         help="user turns regenerated per chat conversation, each answered after the target's "
         "own earlier answers",
     )
     parser.add_argument(
         "--max-prompt-chars",
-        type=int,
+        type=POSITIVE,
         default=DEFAULT_MAX_PROMPT_CHARS,
         help="leave out chat conversations whose first user turn is longer (later turns stop "
         "at the first longer one)",
@@ -171,7 +174,9 @@ def _add_cache_features(actions: argparse._SubParsersAction) -> None:
         default=["chitchat"],
         help="data sources: chitchat, sharegpt, or .jsonl/.jsonl.gz/.json/.parquet files",
     )
-    parser.add_argument("--out", required=True, help="output folder (resumable)")
+    parser.add_argument(
+        "--out", required=True, type=text("--out"), help="output folder (resumable)"
+    )
     parser.add_argument(
         "--method",
         default="medusa1",
@@ -188,9 +193,11 @@ def _add_cache_features(actions: argparse._SubParsersAction) -> None:
         choices=["bfloat16", "float16", "float32"],
         help="dtype the features are stored in",
     )
-    parser.add_argument("--max-length", type=int, default=1024, help="tokens per sample")
-    parser.add_argument("--limit", type=int, help="use at most this many conversations per source")
-    parser.add_argument("--batch-size", type=int, default=8, help="samples per target forward")
+    parser.add_argument("--max-length", type=POSITIVE, default=1024, help="tokens per sample")
+    parser.add_argument(
+        "--limit", type=POSITIVE, help="use at most this many conversations per source"
+    )
+    parser.add_argument("--batch-size", type=POSITIVE, default=8, help="samples per target forward")
     parser.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows")
     parser.set_defaults(handler=run_cache_features)
 
@@ -210,8 +217,8 @@ def add_data(commands: argparse._SubParsersAction) -> None:
         default="chitchat",
         help="an embedded corpus (chitchat, sharegpt) or a .jsonl/.jsonl.gz/.json/.parquet file",
     )
-    inspect.add_argument("--n", type=int, default=1, help="number of samples to show")
-    inspect.add_argument("--max-length", type=int, default=1024, help="truncate samples here")
+    inspect.add_argument("--n", type=POSITIVE, default=1, help="number of samples to show")
+    inspect.add_argument("--max-length", type=POSITIVE, default=1024, help="truncate samples here")
     inspect.add_argument("--no-color", action="store_true", help="mark with [[ ]] instead")
     inspect.set_defaults(handler=run_inspect)
     _add_regenerate(actions)

@@ -1,0 +1,106 @@
+"""Command-line values are checked at the boundary (issue #17): any value given to a numeric
+flag either runs or stops with one line naming the flag, exit status 2 — never a traceback.
+
+The hypothesis test walks the real parser, so a flag added later is covered as soon as it has a
+type; commands run against a target folder that does not exist, so a value that passes the
+parser fails fast at load (also one line) instead of starting real work.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from headway.cli import build_parser, main
+from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, integer, number
+
+# Commands whose every run here must end fast: (argv prefix, arguments that make it fail at load).
+COMMANDS: dict[tuple[str, ...], list[str]] = {
+    ("data", "regenerate"): ["--out", "{tmp}/out", "--target", "{tmp}/no-such-model"],
+    ("data", "inspect"): ["--target", "{tmp}/no-such-model"],
+    ("data", "cache-features"): ["--out", "{tmp}/out", "--target", "{tmp}/no-such-model"],
+}
+
+WEIRD = st.sampled_from(
+    [
+        "-3",
+        "0",
+        "1",
+        "-1",
+        "nan",
+        "inf",
+        "-inf",
+        "1e309",
+        "",
+        " ",
+        "--seed",
+        "3.5",
+        "0x10",
+        "99999999999999999999999",
+        "1_000",
+        "½",
+        "None",
+    ]
+) | st.text(max_size=6)
+
+
+def typed_flags(command: tuple[str, ...]) -> list[str]:
+    """The flags of `command` that take a value checked by a ``type=`` function."""
+    parser: argparse.ArgumentParser = build_parser()
+    for name in command:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return [
+        action.option_strings[-1]
+        for action in parser._actions
+        if action.option_strings and action.type is not None and action.nargs is None
+    ]
+
+
+def test_every_numeric_flag_of_these_commands_is_typed() -> None:
+    for command in COMMANDS:
+        assert len(typed_flags(command)) >= 2, command
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_value_runs_or_fails_in_one_line(
+    data: st.DataObject, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    command = data.draw(st.sampled_from(sorted(COMMANDS)))
+    flag = data.draw(st.sampled_from(typed_flags(command)))
+    value = data.draw(WEIRD)
+    base = [arg.format(tmp=tmp_path) for arg in COMMANDS[command]]
+    try:
+        status = main([*command, *base, flag, value])
+    except SystemExit as stop:  # argparse refused the value
+        status = stop.code  # type: ignore[assignment]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2, (command, flag, value)
+    assert len(err) == 1 and err[0].startswith("headway"), err
+
+
+@pytest.mark.parametrize(
+    ("parse", "good", "bad"),
+    [
+        (POSITIVE, {"1": 1, " 7 ": 7}, ["0", "-3", "1.5", "x", ""]),
+        (NON_NEGATIVE, {"0": 0}, ["-1"]),
+        (SEED, {"0": 0}, ["-1", str(2**63)]),
+        (integer(2, 8), {"2": 2, "8": 8}, ["1", "9"]),
+        (TEMPERATURE, {"0": 0.0, "0.7": 0.7}, ["-1", "nan", "inf", "1e309", "101"]),
+        (TOP_P, {"1": 1.0, "0.5": 0.5}, ["0", "1.01", "nan"]),
+        (number(0, above=True), {"1e-9": 1e-9}, ["0", "-inf"]),
+    ],
+)
+def test_value_types(parse: object, good: dict[str, object], bad: list[str]) -> None:
+    for text, expected in good.items():
+        assert parse(text) == expected  # type: ignore[operator]
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)  # type: ignore[operator]
