@@ -4,6 +4,7 @@ headway's own one-line error naming the file, never a KeyError, TypeError or gzi
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import json
 import shutil
@@ -43,10 +44,11 @@ def target() -> Target:
 
 @lru_cache(maxsize=1)
 def finished_folder() -> Path:
-    """One complete regeneration, copied before each example."""
-    out = Path(tempfile.mkdtemp(prefix="headway-fuzz-")) / "out"
-    regenerate(target(), ITEMS, out, OPTIONS, mix={"test": 4})
-    return out
+    """One complete regeneration, copied before each example (removed at exit)."""
+    root = Path(tempfile.mkdtemp(prefix="headway-fuzz-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    regenerate(target(), ITEMS, root / "out", OPTIONS, mix={"test": 4})
+    return root / "out"
 
 
 def resume_with(damage: dict[str, bytes]) -> None:
