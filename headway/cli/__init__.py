@@ -106,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args))
     except HeadwayError as error:
-        print(f"headway {args.command}: error: {error}", file=sys.stderr)
+        command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
+        print(f"headway {command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
