@@ -74,7 +74,13 @@ class DataConfig:
     skip_bad_rows: bool = field(
         default=False, metadata=_help("skip malformed rows and report them instead of stopping")
     )
-    pack: bool = field(default=False, metadata=_help("pack samples into max_length blocks"))
+    pack: bool = field(
+        default=False,
+        metadata=_help(
+            "pack whole samples into max_length blocks (positions restart and attention stays "
+            "inside each sample), so a step trains on tokens rather than padding; online only"
+        ),
+    )
     eval_fraction: float = field(
         default=0.02, metadata=_help("fraction of samples held out for evaluation")
     )
@@ -97,6 +103,11 @@ class DataConfig:
             raise ConfigError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
         if self.features == "offline" and not self.features_dir:
             raise ConfigError("data.features=offline needs data.features_dir (a feature cache)")
+        if self.features == "offline" and self.pack:
+            raise ConfigError(
+                "data.pack=true packs samples for the target's forward, but offline features "
+                "were cached per sample; set data.pack=false or data.features=online"
+            )
 
 
 @dataclass

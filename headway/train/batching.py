@@ -142,3 +142,29 @@ def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
     same_document = document_ids[:, :, None] == document_ids[:, None, :]
     return (same_document & causal)[:, None, :, :]
+
+
+def target_inputs(batch: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Keyword arguments for a stock HF forward over ``batch`` (``input_ids`` ``[B, T]``).
+
+    A padded batch passes its 2-D ``attention_mask``. A packed one (it has ``document_ids``)
+    passes a 4-D additive mask ``[B, 1, T, T]`` in ``dtype`` (causal, within one sample:
+    :func:`document_attention_mask`) and ``position_ids`` restarting at every sample, so each
+    sample is computed as if it were alone.
+    """
+    if "document_ids" not in batch:
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    visible = document_attention_mask(batch["document_ids"])
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": mask,
+        "position_ids": batch["position_ids"],
+    }
+
+
+def padding_share(blocks: datasets.Dataset) -> float:
+    """The fraction of a packed dataset's token slots that are padding (``attention_mask`` 0)."""
+    slots = sum(len(row) for row in blocks["attention_mask"])
+    return 1 - sum(sum(row) for row in blocks["attention_mask"]) / max(slots, 1)

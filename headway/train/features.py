@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 from headway.atomic import atomic_file, write_text_atomic
 from headway.errors import DataError
 from headway.target import fingerprint
-from headway.train.batching import pad_collate
+from headway.train.batching import pad_collate, target_inputs
 
 logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -53,12 +53,10 @@ class OnlineFeatures:
 
     @torch.no_grad()
     def __call__(self, batch: Mapping[str, Tensor]) -> dict[int, Tensor]:
-        """``input_ids``/``attention_mask`` ``[B, T]`` -> layer -> hidden ``[B, T, H]``."""
+        """``input_ids``/``attention_mask`` ``[B, T]`` (+ packed ``position_ids``/
+        ``document_ids``) -> layer -> hidden ``[B, T, H]``."""
         output = self.model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            output_hidden_states=True,
-            use_cache=False,
+            **target_inputs(batch, self.model.dtype), output_hidden_states=True, use_cache=False
         )
         return {layer: output.hidden_states[layer] for layer in self.layers}
 

@@ -35,6 +35,7 @@ from headway.config import RunConfig, to_dict
 from headway.errors import HeadwayError
 from headway.heads.io import save_heads
 from headway.target import Target, fingerprint, load_target
+from headway.train.batching import pack, padding_share
 from headway.train.data import build_datasets, pad_collate, pad_id_of
 from headway.train.features import (
     CachedFeatureDataset,
@@ -102,6 +103,14 @@ def _datasets(config: RunConfig, target: Target) -> tuple[Dataset[Any], Dataset[
     )
     for report in reports:
         logger.info("%s", report.summary())
+    if config.data.pack:
+        samples = len(dataset)
+        dataset = pack(dataset, block_length=config.data.max_length, pad_token_id=pad_id)
+        share = padding_share(dataset)
+        logger.info(
+            "packed %d samples into %d blocks of %d tokens (%.1f%% padding)",
+            *(samples, len(dataset), config.data.max_length, 100 * share),
+        )
     train_set, eval_set = _split(dataset, config.data.eval_fraction, config.train.seed)
     return train_set, eval_set, partial(pad_collate, pad_token_id=pad_id)
 

@@ -120,7 +120,12 @@ def _check_shapes(head_logits: Tensor, input_ids: Tensor, loss_mask: Tensor) -> 
 
 
 def medusa_loss(
-    head_logits: Tensor, input_ids: Tensor, loss_mask: Tensor, *, decay: float = 0.8
+    head_logits: Tensor,
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    *,
+    decay: float = 0.8,
+    document_ids: Tensor | None = None,
 ) -> LossOutput:
     """Medusa-1 loss ``Σ_{k=1..K} decay^k · CE_k`` (see the module docstring for the alignment).
 
@@ -131,6 +136,8 @@ def medusa_loss(
         loss_mask: ``[B, T]``, 1 where a token is a training label (assistant tokens), 0 for
             prompt and padding.
         decay: λ_k = decay^k for k = 1..K.
+        document_ids: ``[B, T]`` sample numbers of packed batches, if any: a label in another
+            sample than its position is not trained (as if the sample ended there).
 
     Returns:
         :class:`LossOutput`; metrics per head k (1-based): ``head{k}/ce``, ``head{k}/top1``,
@@ -147,6 +154,8 @@ def medusa_loss(
         logits = head_logits[index, :, : length - shift]  # [B, T - k - 1, V]
         labels = input_ids[:, shift:]
         valid = loss_mask[:, shift:].bool()
+        if document_ids is not None:
+            valid &= document_ids[:, shift:] == document_ids[:, : length - shift]
         count = valid.sum()
         targets = labels.masked_fill(~valid, _IGNORE).reshape(-1)
         ce_sum = F.cross_entropy(
@@ -174,7 +183,12 @@ def _metrics(rows: list[list[float]]) -> dict[str, float]:
 
 
 def medusa_loss_reference(
-    head_logits: Tensor, input_ids: Tensor, loss_mask: Tensor, *, decay: float = 0.8
+    head_logits: Tensor,
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    *,
+    decay: float = 0.8,
+    document_ids: Tensor | None = None,
 ) -> LossOutput:
     """The slow, obvious :func:`medusa_loss`: Python loops over heads, batch rows and positions.
     Kept so a test can hold the fast version equal to it."""
@@ -190,6 +204,11 @@ def medusa_loss_reference(
             for t in range(length):
                 label_position = t + k + 1
                 if label_position >= length or not loss_mask[b, label_position]:
+                    continue
+                if (
+                    document_ids is not None
+                    and document_ids[b, t] != document_ids[b, label_position]
+                ):
                     continue
                 row = head_logits[index, b, t].float()
                 label = int(input_ids[b, label_position])

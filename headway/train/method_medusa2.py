@@ -59,6 +59,7 @@ from headway.heads.medusa2 import (
     write_adapter,
 )
 from headway.target import Target
+from headway.train.batching import target_inputs
 from headway.train.losses import LossOutput, distillation_kl, label_mask, medusa_loss
 
 __all__ = ["FrozenBackbone", "Medusa2", "check_lora_targets"]
@@ -177,14 +178,17 @@ class Medusa2(nn.Module):
             ``backbone/tokens`` (rows scored by the KL) and ``heads/loss`` (Σ_k decay^k CE_k).
         """
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-        inputs = {"input_ids": ids, "attention_mask": batch["attention_mask"], "use_cache": False}
-        rows = label_mask(loss_mask, 1)  # row t predicts token t + 1: scored iff it is trained
         model = self.backbone.model
+        inputs = {**target_inputs(batch, model.dtype), "use_cache": False}
+        rows = label_mask(loss_mask, 1)  # row t predicts token t + 1: scored iff it is trained
+        documents = batch.get("document_ids")
+        if documents is not None:  # packed: the last token of a sample predicts nothing
+            rows[:, :-1] &= documents[:, 1:] == documents[:, :-1]
         with torch.no_grad(), self.backbone.peft_model.disable_adapter():
             teacher = model(**inputs).logits[rows]  # [N, V]
         student = model(**inputs, output_hidden_states=True)
         head_logits = self.heads(student.hidden_states[self.hidden_layer].to(self.heads_dtype))
-        heads = medusa_loss(head_logits, ids, loss_mask, decay=self.decay)
+        heads = medusa_loss(head_logits, ids, loss_mask, decay=self.decay, document_ids=documents)
         scored = rows.new_ones((1, teacher.shape[0]))
         kl = distillation_kl(student.logits[rows][None], teacher[None], scored)
         loss = self.backbone_weight * kl + self.heads_weight * heads.loss

@@ -67,7 +67,13 @@ class Medusa1(nn.Module):
 
     def forward(self, batch: dict[str, Tensor], hidden: dict[int, Tensor]) -> LossOutput:
         logits = self.heads(hidden[self.feature_layers[0]].to(self.heads_dtype))
-        return medusa_loss(logits, batch["input_ids"], batch["loss_mask"], decay=self.decay)
+        return medusa_loss(
+            logits,
+            batch["input_ids"],
+            batch["loss_mask"],
+            decay=self.decay,
+            document_ids=batch.get("document_ids"),
+        )
 
     @property
     def heads_dtype(self) -> torch.dtype:
