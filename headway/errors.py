@@ -26,3 +26,7 @@ class TargetError(HeadwayError):
 
 class FolderBusyError(HeadwayError):
     """Another live process is writing the output folder (see :mod:`headway.locks`)."""
+
+
+class TrainingError(HeadwayError):
+    """Training cannot go on (a non-finite loss, a missing checkpoint, a stale feature cache)."""

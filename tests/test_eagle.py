@@ -27,7 +27,7 @@ from headway.train.features import (
     cached_hidden,
     collate_cached,
 )
-from headway.train.losses import eagle_loss, eagle_loss_reference, eagle_rows
+from headway.train.losses_eagle import eagle_loss, eagle_loss_reference, eagle_rows
 from headway.train.method_eagle import Eagle1, add_uniform_noise
 from headway.train.methods import build_method
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model

@@ -37,7 +37,7 @@ from headway.train.features import (
     cached_hidden,
     collate_cached,
 )
-from headway.train.losses import eagle3_loss, eagle3_loss_reference
+from headway.train.losses_eagle import eagle3_loss, eagle3_loss_reference
 from headway.train.method_eagle3 import Eagle3, ttt_attention_mask, ttt_unroll, ttt_unroll_reference
 from headway.train.methods import build_method
 from tests.test_eagle_drafter import Recorder

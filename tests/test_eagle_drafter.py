@@ -24,7 +24,7 @@ from headway.heads.drafter_eagle import (
     select_nodes,
 )
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
-from headway.train.losses import eagle_loss
+from headway.train.losses_eagle import eagle_loss
 from tests.test_generate import chi_square, exact_two_token_probs, hf_greedy, sharp_gpt2
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model
 

@@ -16,7 +16,7 @@ from headway.target import Target, load_target
 from headway.train.batching import pack, pad_collate
 from headway.train.data import build_dataset, pad_id_of
 from headway.train.features import OnlineFeatures
-from headway.train.loop import _datasets
+from headway.train.loop_data import training_data
 from headway.train.methods import build_method
 from tests.test_eagle3 import tiny4
 from tests.tokenizers_fixture import smollm2_tokenizer
@@ -73,7 +73,7 @@ def test_loop_trains_packed_blocks_when_asked(workspace: Path) -> None:
     target = load_target(workspace / "target", device="cpu")
     seen = {}
     for packed in (False, True):
-        train_set, _, collate = _datasets(
+        train_set, _, collate = training_data(
             config(workspace, "medusa1", f"data.pack={packed}", "data.max_length=512"), target
         )
         batch = collate([train_set[i] for i in range(len(train_set))])

@@ -31,7 +31,7 @@ from headway.errors import HeadwayError
 from headway.heads.io import load_heads
 from headway.target import Target, check_fingerprint, fingerprint, load_target
 from headway.train.features import OnlineFeatures
-from headway.train.loop import _datasets
+from headway.train.loop_data import training_data
 from headway.train.methods import build_method
 
 __all__ = [
@@ -186,7 +186,7 @@ def heads_only(
         trust_remote_code=config.target.trust_remote_code,
         attn_implementation=config.target.attn_implementation,
     )
-    _, split, collate = _datasets(config, target)
+    _, split, collate = training_data(config, target)
     held_out: Any = split  # a torch Subset, so sized, though typed as a plain Dataset
     if num_samples is not None:
         held_out = Subset(held_out, range(min(num_samples, len(held_out))))

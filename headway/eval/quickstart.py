@@ -198,9 +198,9 @@ class _Pipeline:
 
     def _held_out(self, target: Target, limit: int = 8) -> list[tuple[list[int], list[int]]]:
         """Up to ``limit`` samples the training run held out, as (input_ids, loss_mask)."""
-        from headway.train.loop import _datasets  # the split training evaluated on
+        from headway.train.loop_data import training_data  # the split training evaluated on
 
-        _, held_out, _ = _datasets(self.train_config(), target)
+        _, held_out, _ = training_data(self.train_config(), target)
         rows = [held_out[i] for i in range(min(limit, len(held_out)))]  # type: ignore[arg-type]
         return [(list(row["input_ids"]), list(row["loss_mask"])) for row in rows]
 

@@ -18,7 +18,6 @@ import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,32 +25,21 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from headway.atomic import write_text_atomic
 from headway.config import RunConfig, to_dict
-from headway.errors import HeadwayError
+from headway.errors import TrainingError
 from headway.heads.io import save_heads
-from headway.target import Target, fingerprint, load_target
-from headway.train.batching import pack, padding_share
-from headway.train.data import build_datasets, pad_collate, pad_id_of
-from headway.train.features import (
-    CachedFeatureDataset,
-    OnlineFeatures,
-    cached_hidden,
-    collate_cached,
-)
+from headway.target import fingerprint, load_target
+from headway.train.loop_data import feature_source, training_data
 from headway.train.methods import build_method
 
 logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 KEEP_CHECKPOINTS = 2
-
-
-class TrainingError(HeadwayError):
-    """Training cannot go on (a non-finite loss, a missing checkpoint)."""
 
 
 @dataclass
@@ -71,48 +59,6 @@ class Progress:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.batches_in_epoch = int(state["batches_in_epoch"])
-
-
-def _split(dataset: Any, eval_fraction: float, seed: int) -> tuple[Any, Any]:
-    """Deterministic train / held-out split of a map-style dataset (at least one held-out row)."""
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
-    held_out = max(1, round(len(dataset) * eval_fraction)) if eval_fraction > 0 else 0
-    held_out = min(held_out, len(dataset) - 1)
-    subset = torch.utils.data.Subset
-    return subset(dataset, order[held_out:]), subset(dataset, order[:held_out])
-
-
-def _datasets(config: RunConfig, target: Target) -> tuple[Dataset[Any], Dataset[Any], Any]:
-    """Train and held-out datasets and their collate function."""
-    pad_id = pad_id_of(target.tokenizer)
-    if config.data.features == "offline":
-        assert config.data.features_dir is not None  # checked by DataConfig
-        cached = CachedFeatureDataset(Path(config.data.features_dir))
-        if cached.settings["target"] != fingerprint(target.model).to_dict():
-            raise TrainingError(
-                f"{config.data.features_dir} was cached from another target; recache it"
-            )
-        train_set, eval_set = _split(cached, config.data.eval_fraction, config.train.seed)
-        return train_set, eval_set, partial(collate_cached, pad_token_id=pad_id)
-    dataset, reports = build_datasets(
-        target.tokenizer,
-        config.data.sources,
-        max_length=config.data.max_length,
-        skip_bad_rows=config.data.skip_bad_rows,
-        limit=config.data.limit,
-    )
-    for report in reports:
-        logger.info("%s", report.summary())
-    if config.data.pack:
-        samples = len(dataset)
-        dataset = pack(dataset, block_length=config.data.max_length, pad_token_id=pad_id)
-        share = padding_share(dataset)
-        logger.info(
-            "packed %d samples into %d blocks of %d tokens (%.1f%% padding)",
-            *(samples, len(dataset), config.data.max_length, 100 * share),
-        )
-    train_set, eval_set = _split(dataset, config.data.eval_fraction, config.train.seed)
-    return train_set, eval_set, partial(pad_collate, pad_token_id=pad_id)
 
 
 def _accelerator(config: RunConfig, run_dir: Path) -> Accelerator:
@@ -223,14 +169,6 @@ def evaluate(method: Any, loader: Any, features: Any, accelerator: Accelerator) 
     return {f"eval/{name}": float(summed[i]) / count for i, name in enumerate(names)}
 
 
-def _feature_source(config: RunConfig, target: Target, layers: tuple[int, ...]) -> Any:
-    if not layers:  # the method runs the target itself (medusa2): no extra frozen forward
-        return lambda batch: {}
-    if config.data.features == "offline":
-        return partial(cached_hidden, layers=layers)
-    return OnlineFeatures(target.model, layers)
-
-
 def train(config: RunConfig, *, resume: bool = False) -> Path:
     """Train ``config.train.method`` and save the heads to ``config.train.output_dir``.
 
@@ -255,7 +193,7 @@ def train(config: RunConfig, *, resume: bool = False) -> Path:
         trust_remote_code=config.target.trust_remote_code,
         attn_implementation=config.target.attn_implementation,
     )
-    train_set, eval_set, collate = _datasets(config, target)
+    train_set, eval_set, collate = training_data(config, target)
     method = build_method(config, target)
     batch = config.train.batch_size
     train_loader = DataLoader(train_set, batch_size=batch, shuffle=True, collate_fn=collate)
@@ -279,7 +217,7 @@ def train(config: RunConfig, *, resume: bool = False) -> Path:
         write_text_atomic(run_dir / "train_config.json", json.dumps(to_dict(config), indent=2))
     if config.train.log_with:
         accelerator.init_trackers("headway", config=_flat(to_dict(config)))
-    features = _feature_source(config, target, layers)
+    features = feature_source(config, target, layers)
     started = time.perf_counter()
     _run_steps(
         config,

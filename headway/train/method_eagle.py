@@ -3,7 +3,7 @@ Uncertainty", arXiv:2401.15077, §4.2), as a :class:`~headway.train.methods.Meth
 
 The draft model (:class:`~headway.heads.eagle.EagleModel`) is trained teacher-forced on the frozen
 target's last hidden states: row t reads (``f_t`` + noise, ``x_{t+1}``) and is scored by
-:func:`~headway.train.losses.eagle_loss` against the clean ``f_{t+1}``. The target's embedding
+:func:`~headway.train.losses_eagle.eagle_loss` against the clean ``f_{t+1}``. The target's embedding
 and LM head are borrowed (:class:`~headway.heads.eagle.TargetHead`): frozen, outside the module's
 parameters, never exported. Works with online and offline features (the loop hands over
 ``hidden: dict[int, Tensor]``) and with packed batches (``position_ids`` / ``document_ids``).
@@ -28,7 +28,8 @@ from headway.heads.drafter_medusa import final_hidden_layer
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
 from headway.target import Target
 from headway.train.batching import document_attention_mask
-from headway.train.losses import LossOutput, eagle_loss
+from headway.train.losses import LossOutput
+from headway.train.losses_eagle import eagle_loss
 
 __all__ = ["Eagle1", "add_uniform_noise", "packed_loss_mask"]
 

@@ -8,7 +8,7 @@ draft step reads the drafter's *own* previous state, never a target feature. TTT
 step j >= 1 at row t reads the drafter's own output of step j - 1 at row t and the embedding of
 the ground-truth token ``x_{t+j+1}`` (the reference shifts ``input_ids`` left once per step), at
 rotary position ``t + j`` (the reference's ``position_ids + lck``). Row t of step j drafts
-``x_{t+j+2}``; :func:`~headway.train.losses.eagle3_loss` scores it.
+``x_{t+j+2}``; :func:`~headway.train.losses_eagle.eagle3_loss` scores it.
 
 Attention. Step j at row t sees what the drafter will see at inference after committing
 ``x_0 .. x_{t+1}`` and drafting j tokens: step 0 at rows ``<= t`` of its sample (the committed
@@ -46,7 +46,8 @@ from headway.target import Target
 from headway.train.batching import document_attention_mask
 from headway.train.data import build_datasets
 from headway.train.features import CachedFeatureDataset
-from headway.train.losses import LossOutput, eagle3_loss
+from headway.train.losses import LossOutput
+from headway.train.losses_eagle import eagle3_loss
 
 __all__ = [
     "Eagle3",
