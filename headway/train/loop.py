@@ -34,6 +34,7 @@ from headway.config import RunConfig, to_dict
 from headway.errors import TrainingError
 from headway.heads.io import save_heads
 from headway.target import fingerprint, load_target
+from headway.train.curves import CURVE_FILE, simulated_tau, write_learning_curve
 from headway.train.loop_data import feature_source, training_data
 from headway.train.methods import build_method
 
@@ -52,13 +53,20 @@ class Progress:
     step: int = 0
     epoch: int = 0
     batches_in_epoch: int = 0
+    trained_tokens: int = 0  # over all processes
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+            "trained_tokens": self.trained_tokens,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.batches_in_epoch = int(state["batches_in_epoch"])
+        self.trained_tokens = int(state.get("trained_tokens", 0))  # older checkpoints lack it
 
 
 def _accelerator(config: RunConfig, run_dir: Path) -> Accelerator:
@@ -300,6 +308,8 @@ def _run_steps(
     while progress.step < settings.max_steps:
         with accelerator.accumulate(method):
             batch = next(batches)
+            tokens = batch["loss_mask"].sum().to(accelerator.device)
+            progress.trained_tokens += int(accelerator.reduce(tokens, reduction="sum"))
             output = method(batch, features(batch))
             _check_finite(output.loss, progress)
             accelerator.backward(output.loss)
@@ -317,9 +327,14 @@ def _run_steps(
         accelerator.log(logs, step=progress.step)
         if progress.step % settings.eval_every == 0 or progress.step == settings.max_steps:
             logs = evaluate(method, eval_loader, features, accelerator)
+            tau = simulated_tau(logs)
+            if tau is not None:
+                logs["eval/tau_sim"] = tau
             accelerator.log(logs, step=progress.step)
             if accelerator.is_main_process:
-                _record_eval(run_dir / "eval.jsonl", {"step": progress.step, **logs})
+                row = {"step": progress.step, "trained_tokens": progress.trained_tokens, **logs}
+                _record_eval(run_dir / "eval.jsonl", row)
+                write_learning_curve(run_dir / "eval.jsonl", run_dir / CURVE_FILE)
         if progress.step % settings.save_every == 0 or progress.step == settings.max_steps:
             _save_checkpoint(accelerator, run_dir, progress.step)
             after_checkpoint(progress)
