@@ -137,3 +137,19 @@ def test_medusa_loss_never_trains_a_label_from_the_next_sample() -> None:
     # head 1 (label 2 ahead): positions 0-1 and 4-7 -> 6 labels; head 2 (3 ahead): 0, 4-6 -> 4.
     assert (fast.metrics["head1/tokens"], fast.metrics["head2/tokens"]) == (6.0, 4.0)
     assert slow.metrics == pytest.approx(fast.metrics)
+
+
+def test_online_features_under_bf16_autocast_are_close_and_fp32(workspace: Path) -> None:
+    """train.mixed_precision=bf16 covers the target's forward: fp32 features, bf16 rounding."""
+    target = load_target(workspace / "target", device="cpu")
+    dataset, _ = build_dataset(target.tokenizer, workspace / "chat.jsonl", max_length=64)
+    batch = pad_collate([dataset[i] for i in range(3)], pad_token_id=pad_id_of(target.tokenizer))
+    exact = OnlineFeatures(target.model, (2, 4))(batch)
+    fast = OnlineFeatures(target.model, (2, 4), autocast=torch.bfloat16)(batch)
+    plain = target.model(**{k: batch[k] for k in ("input_ids", "attention_mask")},
+                         output_hidden_states=True).hidden_states  # fmt: skip
+    for layer in (2, 4):
+        torch.testing.assert_close(exact[layer], plain[layer])  # one LM-head row changes nothing
+        assert fast[layer].dtype == torch.float32
+        torch.testing.assert_close(fast[layer], exact[layer], rtol=0.05, atol=0.05)
+        assert not torch.equal(fast[layer], exact[layer])  # it really ran in bf16

@@ -73,4 +73,8 @@ def feature_source(config: RunConfig, target: Target, layers: tuple[int, ...]) -
         return lambda batch: {}
     if config.data.features == "offline":
         return partial(cached_hidden, layers=layers)
-    return OnlineFeatures(target.model, layers)
+    # Mixed precision covers the frozen target's forward too (on a CPU most of a step's time).
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.train.mixed_precision)
+    if autocast is torch.float16 and target.model.device.type != "cuda":
+        autocast = None  # as the loop does: fp16 needs CUDA, the run trains in fp32
+    return OnlineFeatures(target.model, layers, autocast=autocast)
