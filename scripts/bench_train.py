@@ -1,0 +1,146 @@
+"""Training throughput per method on the embedded target: trained tokens/s, before and after, in
+one run, and achieved FLOP/s against this machine's measured bf16 matmul peak.
+
+"before" is how the recipes trained until now: padded batches (``data.pack`` was parsed and never
+used) and the frozen target's forward in fp32 beside a bf16-autocast drafter. "after" packs
+samples into ``max_length`` blocks and runs the target's forward under the same autocast (its LM
+head for one row only). Each variant runs ``--warmup`` optimizer steps, then times ``--steps``;
+trained tokens are the tokens with a loss (assistant tokens), the figure a user cares about.
+
+FLOP/s counts the work actually done: 2·P·T for the target's forward over every token slot of the
+batch (padding included) and 6·P_trained·T·S for the drafter (forward and backward; S = unrolled
+steps for EAGLE-3), with P the parameters that multiply each token.
+
+    .venv/bin/python scripts/bench_train.py --methods eagle3,medusa1,eagle1 --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from headway.config import RunConfig, load_config
+from headway.target import load_target
+from headway.train.features import OnlineFeatures
+from headway.train.loop_data import training_data
+from headway.train.methods import build_method
+
+RECIPES = {name: f"configs/{name}-smollm2.yaml" for name in ("medusa1", "eagle1", "eagle3")}
+VARIANTS = {"before": (False, False), "after": (True, True)}  # (pack, target autocast)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--methods", default="eagle3,medusa1,eagle1", help="comma-separated")
+    parser.add_argument("--data", default="data/regenerated/smollm2-v2/data", help="chat data")
+    parser.add_argument("--limit", type=int, default=96, help="conversations read")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps timed")
+    parser.add_argument("--warmup", type=int, default=1, help="optimizer steps not timed")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch")
+    return parser.parse_args()
+
+
+def matmul_peak(dtype: torch.dtype = torch.bfloat16, size: int = 1024) -> float:
+    """FLOP/s of a square ``size`` matmul in ``dtype`` (best of 5 after a warm-up)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def multiplying_parameters(module: torch.nn.Module) -> int:
+    """Parameters that multiply each token: every weight except embedding tables."""
+    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+    return sum(p.numel() for p in module.parameters() if id(p) not in embeddings)
+
+
+def batches(loader: DataLoader[Any]) -> Iterator[dict[str, torch.Tensor]]:
+    while True:
+        yield from loader
+
+
+def run(method_name: str, variant: str, args: argparse.Namespace) -> dict[str, float]:
+    pack, target_autocast = VARIANTS[variant]
+    overrides = [
+        f"data.sources={args.data}",
+        f"data.limit={args.limit}",
+        f"data.pack={str(pack).lower()}",
+        "data.eval_fraction=0",
+        "train.log_with=[]",
+    ]
+    config: RunConfig = load_config(RunConfig, RECIPES[method_name], overrides)
+    target = load_target(config.target.name, dtype=config.target.dtype, device="cpu")
+    train_set, _, collate = training_data(config, target)
+    torch.manual_seed(0)
+    method = build_method(config, target)
+    optimizer = torch.optim.AdamW(method.parameter_groups(config.train.lr, 0.0))  # type: ignore[operator]
+    layers = tuple(method.feature_layers)  # type: ignore[arg-type]
+    mixed = config.train.mixed_precision == "bf16"
+    features = OnlineFeatures(
+        target.model, layers, autocast=torch.bfloat16 if mixed and target_autocast else None
+    )
+    generator = torch.Generator().manual_seed(0)
+    loader = DataLoader(
+        train_set,
+        batch_size=config.train.batch_size,
+        shuffle=True,
+        collate_fn=collate,
+        generator=generator,
+    )
+    stream = batches(loader)
+    trained = slots = 0
+    started = 0.0
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            started, trained, slots = time.perf_counter(), 0, 0
+        for _ in range(config.train.grad_accum):
+            batch = next(stream)
+            hidden = features(batch) if layers else {}
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+                output = method(batch, hidden)
+            output.loss.backward()
+            trained += int(batch["loss_mask"].sum())
+            slots += batch["input_ids"].numel()
+        optimizer.step()
+        optimizer.zero_grad()
+    seconds = time.perf_counter() - started
+    unrolled = config.eagle3.ttt_steps if method_name == "eagle3" else 1
+    flops = 2 * multiplying_parameters(target.model) * slots
+    flops += 6 * multiplying_parameters(method) * slots * unrolled
+    return {"tokens_per_s": trained / seconds, "flops": flops / seconds, "slots": slots,
+            "trained": trained, "seconds": seconds}  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    peak = matmul_peak()
+    print(
+        f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+        f"bf16 matmul peak {peak / 1e9:.0f} GFLOP/s; {args.steps} steps timed per variant"
+    )
+    for method_name in args.methods.split(","):
+        results = {variant: run(method_name, variant, args) for variant in VARIANTS}
+        for variant, result in results.items():
+            print(
+                f"{method_name:>8} {variant:>6}: {result['tokens_per_s']:7.0f} trained tok/s "
+                f"({result['trained']:,} of {result['slots']:,} slots trained, "
+                f"{result['seconds']:.1f} s), {result['flops'] / 1e9:6.1f} GFLOP/s = "
+                f"{result['flops'] / peak:.0%} of peak"
+            )
+        ratio = results["after"]["tokens_per_s"] / results["before"]["tokens_per_s"]
+        print(f"{method_name:>8}  after / before: {ratio:.2f}x trained tokens/s")
+
+
+if __name__ == "__main__":
+    main()
