@@ -179,7 +179,18 @@ def resolve_target_path(name_or_path: str | Path) -> Path | str:
         return path
     if path.exists():
         raise TargetError(f"{path} is a file but not a .gguf; pass its folder instead")
+    if _looks_like_a_path(spec):
+        raise TargetError(
+            f"{spec}: no such folder; pass a Hugging Face model folder, a .gguf file, a model id "
+            f"in the local HF cache (like 'org/name'), or {DEFAULT_TARGET!r}"
+        )
     return spec
+
+
+def _looks_like_a_path(spec: str) -> bool:
+    """A spec that cannot be a hub id ('name' or 'org/name'): absolute, relative with dots, in
+    the home folder, or with more than one separator."""
+    return spec.startswith(("/", "./", "../", "~", ".\\")) or spec.count("/") > 1 or "\\" in spec
 
 
 def load_target(

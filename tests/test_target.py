@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,9 @@ def test_embedded_smollm2_loads_and_answers(smollm2: Target) -> None:
     )["input_ids"]
     out = target.model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in target.tokenizer.decode(out[0, ids.shape[1] :])
+
+
+@pytest.mark.parametrize("spec", ["/no/such/folder", "./nope", "../nope", "~/nope", "a/b/c"])
+def test_a_missing_folder_is_named_as_such(spec: str) -> None:
+    with pytest.raises(TargetError, match=f"^{re.escape(spec)}: no such folder"):
+        load_target(spec)
