@@ -76,3 +76,12 @@ def exclusive_folder(
     finally:
         path.unlink(missing_ok=True)
         os.close(handle)  # closing releases the lock
+
+
+def rank_lock_name() -> str:
+    """The writer lock of this process: :data:`LOCK_NAME`, or one per rank under a multi-process
+    launch (``RANK``/``WORLD_SIZE`` as ``accelerate launch`` sets them), so the ranks of one run
+    share a folder while a second run into it is still refused."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return LOCK_NAME
+    return f"{LOCK_NAME}.rank-{int(os.environ.get('RANK', '0'))}"

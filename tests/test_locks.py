@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from headway.errors import FolderBusyError
-from headway.locks import LOCK_NAME, exclusive_folder
+from headway.locks import LOCK_NAME, exclusive_folder, rank_lock_name
 from headway.target import Target
+from headway.train.loop import train
 from headway.train.prompts import PromptItem
 from headway.train.regenerate import RegenerateOptions, regenerate
+from tests.test_packing import config, workspace  # noqa: F401  (module-scoped fixture)
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 
@@ -97,3 +99,22 @@ def test_taking_a_folder_sweeps_temporaries_of_killed_writers(tmp_path: Path) ->
         pass
     assert not shard.exists() and not checkpoint.exists()
     assert mine.exists() and retired.exists() and keep.exists()
+
+
+def test_training_into_a_busy_run_folder_is_refused(
+    holder: subprocess.Popen[str],
+    tmp_path: Path,
+    workspace: Path,  # noqa: F811
+) -> None:
+    settings = config(workspace, "medusa1", f"train.output_dir={tmp_path / 'out'}")
+    with pytest.raises(FolderBusyError, match=f"pid {holder.pid}.*train.output_dir"):
+        train(settings)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [LOCK_NAME]  # untouched
+
+
+def test_each_rank_of_a_launch_has_its_own_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert rank_lock_name() == f"{LOCK_NAME}.rank-1"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert rank_lock_name() == LOCK_NAME

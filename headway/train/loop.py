@@ -33,6 +33,7 @@ from headway.atomic import write_text_atomic
 from headway.config import RunConfig, to_dict
 from headway.errors import TrainingError
 from headway.heads.io import save_heads
+from headway.locks import exclusive_folder, rank_lock_name
 from headway.target import fingerprint, load_target
 from headway.train.curves import CURVE_FILE, simulated_tau, write_learning_curve
 from headway.train.loop_data import feature_source, training_data
@@ -182,8 +183,16 @@ def train(config: RunConfig, *, resume: bool = False) -> Path:
 
     Returns:
         The run directory (``config.json`` + ``model.safetensors`` + ``checkpoints/``).
+
+    Raises:
+        FolderBusyError: when another run is writing ``train.output_dir``.
     """
     run_dir = Path(config.train.output_dir)
+    with exclusive_folder(run_dir, what="train.output_dir", name=rank_lock_name()):
+        return _train(config, run_dir, resume=resume)
+
+
+def _train(config: RunConfig, run_dir: Path, *, resume: bool) -> Path:
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         raise TrainingError(f"--resume: {run_dir}/{CHECKPOINTS} has no checkpoint to resume from")

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from headway.atomic import write_bytes_atomic, write_text_atomic
 from headway.errors import DataError
-from headway.locks import LOCK_NAME, exclusive_folder
+from headway.locks import exclusive_folder, rank_lock_name
 from headway.target import Target, fingerprint
 from headway.train.answering import (
     SPEED_OPTIONS,
@@ -69,10 +69,6 @@ class Ranks:
         """Block until every process gets here (nothing to wait for with one)."""
         if self.world > 1:
             PartialState().wait_for_everyone()
-
-    def lock_name(self) -> str:
-        """One writer lock per rank: two launches into one folder still collide."""
-        return LOCK_NAME if self.world == 1 else f"{LOCK_NAME}.rank-{self.rank}"
 
 
 __all__ = [
@@ -297,7 +293,7 @@ def regenerate(
     """
     ranks = Ranks.from_accelerate()
     out_dir.mkdir(parents=True, exist_ok=True)
-    with exclusive_folder(out_dir, what="--out", name=ranks.lock_name()):
+    with exclusive_folder(out_dir, what="--out", name=rank_lock_name()):
         return _regenerate(target, items, out_dir, options, mix=mix, ranks=ranks)
 
 
