@@ -255,3 +255,16 @@ def test_new_methods_register_without_touching_the_loader(
     drafter = load_drafter(run, target, depth=2)
     assert isinstance(drafter, FixedDrafter)
     assert drafter.propose(torch.tensor([1])).tokens.tolist() == [5, 5]
+
+
+def test_weight_files_get_the_users_permissions(tmp_path: Path) -> None:
+    import os
+
+    from headway.heads.io import write_safetensors
+
+    before = os.umask(0o022)
+    try:
+        write_safetensors(tmp_path / "model.safetensors", {"w": torch.zeros(2)})
+    finally:
+        os.umask(before)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644

@@ -278,9 +278,14 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
 def write_safetensors(
     path: Path, tensors: Mapping[str, Tensor], metadata: dict[str, str] | None = None
 ) -> None:
-    """Save ``tensors`` (detached, contiguous, CPU copies) to ``path`` and flush it to disk."""
+    """Save ``tensors`` (detached, contiguous, CPU copies) to ``path`` and flush it to disk, with
+    the permissions of any file the user writes (0644 under umask 022)."""
     cpu = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
     save_file(cpu, str(path), metadata=metadata)
+    # safetensors creates the file owner-only (0600): give it what any file the user writes gets.
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
     with path.open("rb") as handle:
         os.fsync(handle.fileno())
 
