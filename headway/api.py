@@ -25,6 +25,7 @@ from headway.decode.drafters import DEFAULT_MAX_NODES, PromptLookupDrafter
 from headway.decode.generate import Drafter
 from headway.decode.generate import generate as decode
 from headway.decode.sampling import SamplingParams
+from headway.decode.verify import AcceptanceRule
 from headway.errors import HeadwayError
 from headway.heads.io import load_drafter as load_heads_drafter
 from headway.target import Target
@@ -40,9 +41,11 @@ class Generation:
     tau: float
     tokens_per_s: float
     stop_reason: str
+    acceptance: str = "lossless"
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "acceptance": self.acceptance,
             "text": self.text,
             "token_ids": self.token_ids,
             "accept_lengths": self.accept_lengths,
@@ -119,13 +122,16 @@ def generate(
     chat: bool = True,
     stop: Sequence[str] = (),
     on_text: Callable[[str], None] | None = None,
+    acceptance: AcceptanceRule = "lossless",
 ) -> Generation:
     """Generate from `prompt` with speculative decoding.
 
     At temperature 0 the output equals the target's own greedy decoding (exactly, in fp32); with
     sampling it follows the target's distribution. Generation stops right after the token that
     completes one of the `stop` strings in the decoded text (the match stays in the output).
-    `on_text` receives each newly committed piece of text.
+    `on_text` receives each newly committed piece of text. ``acceptance="typical"`` is Medusa's
+    typical acceptance: LOSSY when sampling (it accepts drafts the target would not have sampled
+    as often); at temperature 0 both rules are greedy.
     """
     if isinstance(drafter, str):
         drafter = load_drafter(drafter, target)
@@ -144,6 +150,7 @@ def generate(
         stop_check=_stop_strings(target, stop) if stop else None,
         generator=generator,
         on_tokens=streamer,
+        acceptance=acceptance,
     )
     seconds = time.perf_counter() - start
     if streamer is not None:
@@ -156,6 +163,7 @@ def generate(
         tau=result.tau,
         tokens_per_s=len(tokens) / seconds if seconds > 0 else 0.0,
         stop_reason=result.stop_reason,
+        acceptance=acceptance,
     )
 
 

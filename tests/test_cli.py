@@ -153,3 +153,21 @@ def test_cache_features_then_offline_training(
     ]
     assert main(["train", *overrides]) == 0
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_typical_acceptance_is_reachable_and_labelled_lossy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "target"
+    tiny_model("llama", vocab_size=400).save_pretrained(target)
+    smollm2_tokenizer().save_pretrained(target)
+    common = ["generate", "--target", str(target), "--device", "cpu", "--max-new-tokens", "12"]
+    common += ["--drafter", "prompt-lookup", "hello there hello there"]
+    assert main([*common, "--json"]) == 0
+    lossless = json.loads(capsys.readouterr().out)
+    assert main([*common, "--json", "--acceptance", "typical"]) == 0
+    typical = json.loads(capsys.readouterr().out)
+    assert (lossless["acceptance"], typical["acceptance"]) == ("lossless", "typical")
+    assert typical["token_ids"] == lossless["token_ids"]  # temperature 0: both are greedy
+    assert main([*common, "--acceptance", "typical", "--temperature", "1.0"]) == 0
+    assert "typical acceptance: LOSSY" in capsys.readouterr().err

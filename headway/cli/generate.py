@@ -64,6 +64,14 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force", action="store_true", help="use heads trained for a different target anyway"
     )
+    parser.add_argument(
+        "--acceptance",
+        default="lossless",
+        choices=["lossless", "typical"],
+        help="lossless (default): the output is the target's own (greedy: identical; sampling: "
+        "its distribution). typical: Medusa's typical acceptance, LOSSY when sampling (accepts "
+        "more drafts; the output no longer follows the target's distribution)",
+    )
     add_draft_option_flag(parser)
     add_gemm_flag(parser)
 
@@ -107,14 +115,16 @@ def run_generate(args: argparse.Namespace) -> int:
             chat=args.chat,
             stop=args.stop,
             on_text=stream,
+            acceptance=args.acceptance,
         )
         if args.json:
             print(json.dumps({"prompt": prompt, **result.to_dict()}), flush=True)
         else:
             print(flush=True)
+            lossy = ", typical acceptance: LOSSY" if args.acceptance == "typical" else ""
             print(
                 f"[{len(result.token_ids)} tokens, tau {result.tau:.2f}, "
-                f"{result.tokens_per_s:.1f} tok/s]",
+                f"{result.tokens_per_s:.1f} tok/s{lossy}]",
                 file=sys.stderr,
             )
     return 0
