@@ -27,7 +27,7 @@ from headway.decode.generate import generate as decode
 from headway.decode.sampling import SamplingParams
 from headway.decode.verify import AcceptanceRule
 from headway.errors import HeadwayError
-from headway.heads.io import load_drafter as load_heads_drafter
+from headway.heads.loading import load_drafter as load_heads_drafter
 from headway.target import Target
 
 

@@ -23,7 +23,8 @@ from transformers import PreTrainedModel
 from headway.config import RunConfig, load_config
 from headway.errors import ConfigError, DataError, HeadwayError
 from headway.heads.eagle import EagleConfig, EagleModel
-from headway.heads.io import HeadsError, load_drafter, load_heads, save_heads
+from headway.heads.io import HeadsError, load_heads, save_heads
+from headway.heads.loading import load_drafter
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.target import fingerprint
 from headway.train.data import build_dataset

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from headway.cli import build_parser, main
 from headway.decode.gemm import routes
@@ -115,6 +116,15 @@ def test_train_export_generate_end_to_end(
     assert main([*common, "--heads", str(run), "--gemm", "stock"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
     assert not routes(tiny, "auto")  # --gemm stock reached every verify forward of the process
+    for layout in ("medusa", "medusa-vllm"):  # every export decodes through the CLI, losslessly
+        assert main([*common, "--heads", str(tmp_path / layout)]) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"], layout
+    published = tmp_path / "published"  # reference heads as a .pt file, no config
+    published.mkdir()
+    tensors = load_file(str(tmp_path / "medusa" / "medusa_lm_head.safetensors"))
+    torch.save(tensors, published / "medusa_lm_head.pt")
+    assert main([*common, "--heads", str(published)]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
     assert main([*common, "--heads", str(run), "--draft-option", "dpeth=3"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "dpeth" in err

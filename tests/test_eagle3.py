@@ -24,7 +24,7 @@ from headway.errors import ConfigError
 from headway.heads.drafter_eagle3 import Eagle3Drafter
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model, default_feature_layers
-from headway.heads.io import load_drafter
+from headway.heads.loading import load_drafter
 from headway.heads.vocab import DraftVocab, choose_vocab, token_counts
 from headway.target import Target, load_target
 from headway.train import loop

@@ -23,7 +23,8 @@ from headway.heads.export_eagle import (
     load_eagle1_drafter,
     reference_tensor_names,
 )
-from headway.heads.io import HeadsError, load_drafter, load_heads, save_heads
+from headway.heads.io import HeadsError, load_heads, save_heads
+from headway.heads.loading import load_drafter
 from headway.target import fingerprint
 from tests.test_eagle_drafter import PROMPT, TREE, fit_drafter, hf_greedy
 from tests.tiny import TINY_VOCAB, tiny_model

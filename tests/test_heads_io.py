@@ -20,10 +20,10 @@ from headway.heads.io import (
     HeadsError,
     LoadedHeads,
     MethodSpec,
-    load_drafter,
     load_heads,
     save_heads,
 )
+from headway.heads.loading import load_drafter
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.target import fingerprint
 from tests.tiny import TINY_VOCAB, tiny_model

@@ -15,7 +15,8 @@ from torch import Tensor
 from headway.decode.costs import best_prefix
 from headway.decode.generate import generate
 from headway.heads.drafter_medusa import DEFAULT_CHOICES, MedusaDrafter, final_hidden_layer
-from headway.heads.io import HeadsError, load_drafter
+from headway.heads.io import HeadsError
+from headway.heads.loading import load_drafter
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from tests.test_generate import hf_greedy
 from tests.test_heads_io import save, trained_like_heads

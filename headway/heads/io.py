@@ -52,7 +52,7 @@ from headway.heads.drafter_medusa import (
 from headway.heads.eagle import EagleConfig, eagle_tensor_shapes
 from headway.heads.eagle3 import Eagle3Config, eagle3_tensor_shapes
 from headway.heads.medusa import MedusaConfig, MedusaHeads, medusa_tensor_shapes
-from headway.target import TargetFingerprint, check_fingerprint, fingerprint
+from headway.target import TargetFingerprint
 
 __all__ = [
     "CONFIG_NAME",
@@ -63,10 +63,8 @@ __all__ = [
     "MethodSpec",
     "build_eagle",
     "build_eagle3",
+    "build_medusa",
     "check_tensors",
-    "is_eagle1_folder",
-    "is_eagle3_folder",
-    "load_drafter",
     "load_heads",
     "read_safetensors",
     "save_heads",
@@ -125,7 +123,7 @@ def _medusa_shapes(head_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return medusa_tensor_shapes(MedusaConfig.from_dict(head_config))
 
 
-def _build_medusa(
+def build_medusa(
     loaded: LoadedHeads,
     model: Any,
     *,
@@ -218,12 +216,12 @@ def _merge_medusa2_adapter(run_dir: Path, model: Any) -> None:
     merge_adapter(run_dir, model)
 
 
-_MEDUSA = MethodSpec(tensor_shapes=_medusa_shapes, build=_build_medusa)
+_MEDUSA = MethodSpec(tensor_shapes=_medusa_shapes, build=build_medusa)
 _EAGLE = MethodSpec(tensor_shapes=_eagle_shapes, build=_build_eagle)
 _EAGLE3 = MethodSpec(tensor_shapes=_eagle3_shapes, build=_build_eagle3)
 DRAFTER_METHODS: dict[str, MethodSpec] = {
     "medusa1": _MEDUSA,
-    "medusa2": MethodSpec(_medusa_shapes, _build_medusa, adapt_target=_merge_medusa2_adapter),
+    "medusa2": MethodSpec(_medusa_shapes, build_medusa, adapt_target=_merge_medusa2_adapter),
     "eagle1": _EAGLE,
     "eagle3": _EAGLE3,
 }
@@ -438,67 +436,3 @@ def load_heads(directory: str | Path) -> LoadedHeads:
         fingerprint=target,
         target_name=str(config["target_name"]),
     )
-
-
-def _engine_config(directory: Path) -> dict[str, Any]:
-    """The ``config.json`` of an engine-format folder: one that is not a headway run directory
-    (no ``method`` key); ``{}`` otherwise (the run-directory loader reports broken files)."""
-    path = directory / CONFIG_NAME
-    try:
-        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return {}
-    return config if isinstance(config, dict) and "method" not in config else {}
-
-
-def is_eagle1_folder(directory: Path) -> bool:
-    """True for an EAGLE-1/2 reference-layout folder (``headway export --format eagle1`` or a
-    published drafter): a 1-layer Llama ``config.json`` that is not a headway run directory."""
-    config = _engine_config(directory)
-    return (
-        config.get("architectures") == ["LlamaForCausalLM"] and config.get("num_hidden_layers") == 1
-    )
-
-
-def is_eagle3_folder(directory: Path) -> bool:
-    """True for an ``eagle3-hf`` folder (``headway export --format eagle3-hf`` or a published
-    EAGLE-3 drafter): a ``LlamaForCausalLMEagle3`` ``config.json``, not a run directory."""
-    return _engine_config(directory).get("architectures") == ["LlamaForCausalLMEagle3"]
-
-
-def load_drafter(
-    directory: str | Path, target_model: Any, *, force: bool = False, **drafter_options: Any
-) -> Drafter:
-    """Load heads from a run directory and build their drafter for ``target_model``.
-
-    Args:
-        directory: a run directory written by :func:`save_heads`, an EAGLE-1 reference-layout
-            folder (:func:`is_eagle1_folder`, read by
-            :func:`headway.heads.export_eagle.load_eagle1_drafter`) or an ``eagle3-hf`` folder
-            (:func:`is_eagle3_folder`, :func:`headway.heads.export_eagle3.load_eagle3_drafter`).
-        target_model: the frozen Hugging Face causal LM to decode with. A ``medusa2`` run
-            merges its LoRA adapter into it, in place (:mod:`headway.heads.medusa2`): decode
-            and compare with this same, now merged, model.
-        force: accept a target whose fingerprint differs (logged as a warning); sizes must still
-            match.
-        drafter_options: passed to the method's drafter, e.g. ``choices=...`` for Medusa.
-
-    Raises:
-        TargetError: the heads were trained for another target (both fingerprints named).
-        HeadsError: see :func:`load_heads`.
-    """
-    if is_eagle1_folder(Path(directory)):
-        from headway.heads.export_eagle import load_eagle1_drafter  # it imports this module
-
-        return load_eagle1_drafter(directory, target_model, force=force, **drafter_options)
-    if is_eagle3_folder(Path(directory)):
-        from headway.heads.export_eagle3 import load_eagle3_drafter  # it imports this module
-
-        return load_eagle3_drafter(directory, target_model, force=force, **drafter_options)
-    loaded = load_heads(directory)
-    check_fingerprint(loaded.fingerprint, fingerprint(target_model), force=force)
-    spec = DRAFTER_METHODS[loaded.method]
-    drafter = spec.build(loaded, target_model, **drafter_options)
-    if spec.adapt_target is not None:
-        spec.adapt_target(Path(directory), target_model)
-    return drafter
