@@ -118,3 +118,19 @@ def test_each_rank_of_a_launch_has_its_own_lock(monkeypatch: pytest.MonkeyPatch)
     assert rank_lock_name() == f"{LOCK_NAME}.rank-1"
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert rank_lock_name() == LOCK_NAME
+
+
+def test_feature_caching_and_quickstart_into_a_busy_folder_are_refused(
+    holder: subprocess.Popen[str], tmp_path: Path
+) -> None:
+    import datasets
+
+    from headway.eval.quickstart import run_quickstart
+    from headway.train.features import cache_features
+
+    rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 1]]})
+    with pytest.raises(FolderBusyError, match=f"pid {holder.pid}"):
+        cache_features(tiny_model("llama"), rows, tmp_path / "out", layers=(2,))
+    with pytest.raises(FolderBusyError, match=f"pid {holder.pid}"):
+        run_quickstart(tmp_path / "out", tiny=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [LOCK_NAME]  # untouched

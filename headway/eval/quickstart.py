@@ -34,6 +34,7 @@ from headway.eval.report import write_report
 from headway.eval.run import evaluate
 from headway.eval.speed import EvalSettings
 from headway.evalsets import load_prompts
+from headway.locks import exclusive_folder
 from headway.target import Target, check_fingerprint, fingerprint, load_target
 
 __all__ = ["QuickstartResult", "StageReport", "run_quickstart"]
@@ -291,9 +292,15 @@ def _stage(
 
 def run_quickstart(out: Path, *, tiny: bool = False, echo: Echo = print) -> QuickstartResult:
     """Run (or resume) every stage into ``out``; returns what happened, also written to
-    ``out/quickstart.json``."""
-    plan = TINY_PLAN if tiny else SMOLLM2_PLAN
+    ``out/quickstart.json``. A second quickstart into the same ``out`` is refused
+    (:class:`~headway.errors.FolderBusyError`)."""
     out.mkdir(parents=True, exist_ok=True)
+    with exclusive_folder(out, what="--out"):
+        return _run_quickstart(out, tiny=tiny, echo=echo)
+
+
+def _run_quickstart(out: Path, *, tiny: bool, echo: Echo) -> QuickstartResult:
+    plan = TINY_PLAN if tiny else SMOLLM2_PLAN
     pipeline = _Pipeline(plan, out)
     result = QuickstartResult(str(out), asdict(plan))
     report_path = pipeline.eval_dir / "report.json"

@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 
 from headway.atomic import atomic_file, write_text_atomic
 from headway.errors import DataError
+from headway.locks import exclusive_folder, rank_lock_name
 from headway.target import fingerprint
 from headway.train.batching import pad_collate, target_inputs
 
@@ -118,8 +119,29 @@ def cache_features(
 
     Returns:
         The manifest (also written to ``out_dir/manifest.json``), with ``bytes_per_token``.
+
+    Raises:
+        FolderBusyError: when another process is writing ``out_dir``.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    with exclusive_folder(out_dir, what="--out", name=rank_lock_name()):
+        return _cache_features(
+            model, dataset, out_dir, layers=layers, dtype=dtype, batch_size=batch_size,
+            shard_samples=shard_samples, pad_token_id=pad_token_id,
+        )  # fmt: skip
+
+
+def _cache_features(
+    model: PreTrainedModel,
+    dataset: datasets.Dataset,
+    out_dir: Path,
+    *,
+    layers: Sequence[int],
+    dtype: torch.dtype,
+    batch_size: int,
+    shard_samples: int,
+    pad_token_id: int,
+) -> dict[str, Any]:
     settings = {
         "target": fingerprint(model).to_dict(),
         "layers": list(layers),
