@@ -181,3 +181,14 @@ def test_typical_acceptance_is_reachable_and_labelled_lossy(
     assert typical["token_ids"] == lossless["token_ids"]  # temperature 0: both are greedy
     assert main([*common, "--acceptance", "typical", "--temperature", "1.0"]) == 0
     assert "typical acceptance: LOSSY" in capsys.readouterr().err
+
+
+def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from headway.cli import common
+
+    assert common.dtype_for("auto", "cpu") == "float32"
+    assert common.dtype_for("float16", "cpu") == "float16"  # an explicit choice is kept
+    monkeypatch.setattr(common, "resolve_device", lambda device: torch.device("cuda"))
+    assert common.dtype_for("auto", "auto") == "bfloat16"
+    args = build_parser().parse_args(["generate", "hi"])
+    assert args.dtype == "auto"

@@ -7,10 +7,10 @@ import json
 from typing import Any
 
 from headway.errors import HeadwayError
-from headway.target import Target, load_target
+from headway.target import Target, load_target, resolve_device
 
 
-def add_target_flags(parser: argparse.ArgumentParser, *, default_dtype: str = "float32") -> None:
+def add_target_flags(parser: argparse.ArgumentParser, *, default_dtype: str = "auto") -> None:
     """``--target``, ``--dtype``, ``--device``, ``--trust-remote-code``."""
     parser.add_argument(
         "--target",
@@ -21,8 +21,10 @@ def add_target_flags(parser: argparse.ArgumentParser, *, default_dtype: str = "f
     parser.add_argument(
         "--dtype",
         default=default_dtype,
-        choices=["float32", "bfloat16", "float16"],
-        help="target weights dtype (greedy output is exact against plain decoding in float32)",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="target weights dtype: auto (default) is bfloat16 on CUDA and float32 on a CPU; "
+        "greedy output is identical to plain decoding in float32, and in bfloat16 equal up to "
+        "the rounding of a batched forward",
     )
     parser.add_argument(
         "--device", default="auto", help="'auto' (CUDA if present, else CPU), 'cpu', 'cuda:0'"
@@ -34,11 +36,19 @@ def add_target_flags(parser: argparse.ArgumentParser, *, default_dtype: str = "f
     )
 
 
+def dtype_for(dtype: str, device: str) -> str:
+    """``--dtype auto``: bfloat16 where the target runs on CUDA, float32 elsewhere (CPU bf16
+    changes greedy text and is not always faster there); other values as given."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if resolve_device(device).type == "cuda" else "float32"
+
+
 def target_from_flags(args: argparse.Namespace) -> Target:
     """Load the target named by :func:`add_target_flags`."""
     return load_target(
         args.target,
-        dtype=args.dtype,
+        dtype=dtype_for(args.dtype, args.device),
         device=args.device,
         trust_remote_code=args.trust_remote_code,
     )

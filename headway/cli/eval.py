@@ -13,6 +13,7 @@ from headway.cli.common import (
     add_gemm_flag,
     add_target_flags,
     apply_gemm_flag,
+    dtype_for,
     option_value,
     parse_draft_options,
 )
@@ -50,8 +51,9 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         target="target model: HF folder, model id in the local HF cache, .gguf file or "
         "'smollm2-135m'; default: the target the heads were trained for (their config.json), "
         "else smollm2-135m",
-        dtype="target weights dtype; default float32 (outputs are exact against plain decoding "
-        "only in float32), or the run's own dtype with --heads-only",
+        dtype="target weights dtype; default auto: bfloat16 on CUDA, float32 on a CPU (outputs "
+        "are identical to plain decoding in float32; in bfloat16 the report counts how many "
+        "are), or the run's own dtype with --heads-only",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--heads", help="trained heads: a run directory or an eagle1 export")
@@ -128,7 +130,7 @@ def run_heads_only(args: argparse.Namespace) -> int:
     overrides = [f"target.device={args.device}"]
     if args.target:
         overrides.append(f"target.name={args.target}")
-    if args.dtype:
+    if args.dtype and args.dtype != "auto":
         overrides.append(f"target.dtype={args.dtype}")
     if args.trust_remote_code:
         overrides.append("target.trust_remote_code=true")
@@ -172,7 +174,7 @@ def run_eval(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
     target = load_target(
         args.target or _heads_target(args.heads) or "smollm2-135m",
-        dtype=args.dtype or "float32",
+        dtype=dtype_for(args.dtype or "auto", args.device),
         device=args.device,
         trust_remote_code=args.trust_remote_code,
     )
