@@ -94,6 +94,7 @@ def test_layout_names_and_config(run: Path, tmp_path: Path) -> None:
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
+        "rope_scaling": None,
         "max_position_embeddings": 256,
         "vocab_size": TINY_VOCAB,
         "tie_word_embeddings": False,
@@ -178,9 +179,17 @@ def test_errors_are_clear(run: Path, target: Any, tmp_path: Path) -> None:
     (out / "config.json").write_text(json.dumps({**config, "bias": False}))
     with pytest.raises(HeadsError, match=r"bias=false but fc\.bias is present"):
         import_eagle1(out)
-    rope = {"rope_type": "llama3", "factor": 8.0}
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}  # fmt: skip
     (out / "config.json").write_text(json.dumps({**config, "rope_scaling": rope}))
-    with pytest.raises(HeadsError, match="RoPE scaling"):
+    assert import_eagle1(out).config.rope_scaling == rope  # a scaled target's drafter (#16)
+    (out / "config.json").write_text(
+        json.dumps({**config, "rope_scaling": {"rope_type": "llama3"}})
+    )
+    with pytest.raises(HeadsError, match="not a RoPE scaling transformers can build"):
+        import_eagle1(out)
+    (out / "config.json").write_text(json.dumps({**config, "rope_scaling": "llama3"}))
+    with pytest.raises(HeadsError, match="rope_scaling 'llama3' is not an object"):
         import_eagle1(out)
     (out / "config.json").write_text(json.dumps(config))
     tensors = load_file(out / "model.safetensors")

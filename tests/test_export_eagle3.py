@@ -73,6 +73,7 @@ def test_layout_names_shapes_and_config(run: Path, tmp_path: Path) -> None:
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
+        "rope_scaling": None,
         "max_position_embeddings": 256,
         "vocab_size": V,
         "draft_vocab_size": 64,

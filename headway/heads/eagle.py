@@ -68,6 +68,9 @@ class EagleConfig:
         rope_theta: rotary base (the target's; 10000 for targets without rotary embeddings).
         max_position_embeddings: the target's context length (recorded for engine configs).
         fc_bias: whether ``fc`` has a bias (the EAGLE-1 reference default is True).
+        rope_scaling: the target's RoPE scaling beyond ``rope_theta`` (``rope_type`` ``llama3``,
+            ``yarn``, ``linear``, ``dynamic`` ... with their parameters, as transformers names
+            them), None for plain RoPE: the draft layer rotates positions as the target does.
     """
 
     hidden_size: int
@@ -81,6 +84,7 @@ class EagleConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     fc_bias: bool = True
+    rope_scaling: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
@@ -95,6 +99,14 @@ class EagleConfig:
             )
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("EagleConfig: rms_norm_eps and rope_theta must be > 0")
+        if self.rope_scaling is not None:
+            try:  # transformers checks each rope type's parameters when it builds the config
+                self.llama_config()
+            except (KeyError, ValueError, TypeError, AttributeError) as error:
+                raise ValueError(
+                    f"EagleConfig.rope_scaling {self.rope_scaling!r} is not a RoPE scaling "
+                    f"transformers can build ({str(error).strip(chr(34))})"
+                ) from None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (what ``config.json`` stores as ``head_config``)."""
@@ -134,6 +146,7 @@ class EagleConfig:
             rope_theta=float(rope.get("rope_theta", getattr(text, "rope_theta", None) or 1e4)),
             max_position_embeddings=int(getattr(text, "max_position_embeddings", None) or 2048),
             fc_bias=fc_bias,
+            rope_scaling=rope_scaling_of(rope),
         )
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
@@ -148,13 +161,27 @@ class EagleConfig:
             "head_dim": self.head_dim,
             "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": {
+                "rope_type": "default",
+                **(self.rope_scaling or {}),
+                "rope_theta": self.rope_theta,
+            },
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": False,
             "mlp_bias": False,
             "attn_implementation": attn_implementation,
         }
         return LlamaConfig(**settings)
+
+
+def rope_scaling_of(rope: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The scaling part of a transformers ``rope_parameters`` / ``rope_scaling`` dict (every key
+    but ``rope_theta``, ``type`` read as ``rope_type``), or None for plain RoPE."""
+    if not rope:
+        return None
+    scaling = {key: value for key, value in rope.items() if key not in ("rope_theta", "type")}
+    scaling["rope_type"] = str(rope.get("rope_type", rope.get("type", "default")))
+    return None if scaling["rope_type"] == "default" else scaling
 
 
 def additive_mask(visible: Tensor, dtype: torch.dtype) -> Tensor:

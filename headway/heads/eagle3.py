@@ -97,6 +97,7 @@ class Eagle3Config:
         rms_norm_eps: epsilon of the four RMSNorms.
         rope_theta: rotary base.
         max_position_embeddings: the target's context length (recorded for engine configs).
+        rope_scaling: the target's RoPE scaling, as in :class:`EagleConfig`.
     """
 
     hidden_size: int
@@ -111,6 +112,7 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
+    rope_scaling: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.layer_sizes()  # validates the shared sizes
@@ -143,6 +145,7 @@ class Eagle3Config:
             rope_theta=self.rope_theta,
             max_position_embeddings=self.max_position_embeddings,
             fc_bias=False,
+            rope_scaling=self.rope_scaling,
         )
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from headway.heads.drafter_eagle import EagleDrafter
-from headway.heads.eagle import EagleConfig, eagle_tensor_shapes
+from headway.heads.eagle import EagleConfig, eagle_tensor_shapes, rope_scaling_of
 from headway.heads.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -125,6 +125,7 @@ def eagle1_config(
         "hidden_act": config.hidden_act,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,  # null for plain RoPE, as HF configs write it
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
         "tie_word_embeddings": False,
@@ -182,8 +183,8 @@ def _read_tensors(folder: Path) -> tuple[dict[str, Tensor], Path]:
 
 def _config_from_engine(engine: dict[str, Any], tensors: dict[str, Tensor], where: Path) -> Any:
     rope = engine.get("rope_scaling") or engine.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise HeadsError(f"{where}: RoPE scaling {rope} is not supported by the EAGLE draft layer")
+    if not isinstance(rope, dict):
+        raise HeadsError(f"{where}: rope_scaling {rope!r} is not an object")
     bias = bool(engine.get("bias", True))  # the reference's default when the key is absent
     if bias != ("fc.bias" in tensors):
         raise HeadsError(
@@ -203,6 +204,7 @@ def _config_from_engine(engine: dict[str, Any], tensors: dict[str, Tensor], wher
         rope_theta=float(engine.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         max_position_embeddings=int(engine.get("max_position_embeddings", 2048)),
         fc_bias=bias,
+        rope_scaling=rope_scaling_of(rope),
     )
 
 

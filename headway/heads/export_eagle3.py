@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from headway.heads.drafter_eagle3 import Eagle3Drafter
+from headway.heads.eagle import rope_scaling_of
 from headway.heads.eagle3 import Eagle3Config, default_feature_layers, eagle3_tensor_shapes
 from headway.heads.export_eagle import _read_tensors
 from headway.heads.io import (
@@ -132,6 +133,7 @@ def eagle3_hf_config(
         "hidden_act": config.hidden_act,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,  # null for plain RoPE, as HF configs write it
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
@@ -197,8 +199,8 @@ def _feature_layers(engine: dict[str, Any], target_layers: int | None, where: Pa
 
 def _config_from_engine(engine: dict[str, Any], layers: Any, where: Path) -> Eagle3Config:
     rope = engine.get("rope_scaling") or engine.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise HeadsError(f"{where}: RoPE scaling {rope} is not supported by the EAGLE draft layer")
+    if not isinstance(rope, dict):
+        raise HeadsError(f"{where}: rope_scaling {rope!r} is not an object")
     hidden, heads = int(engine["hidden_size"]), int(engine["num_attention_heads"])
     if int(engine.get("target_hidden_size") or hidden) != hidden:
         raise HeadsError(f"{where}: target_hidden_size != hidden_size is not supported")
@@ -215,6 +217,7 @@ def _config_from_engine(engine: dict[str, Any], layers: Any, where: Path) -> Eag
         rms_norm_eps=float(engine.get("rms_norm_eps", 1e-6)),
         rope_theta=float(engine.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         max_position_embeddings=int(engine.get("max_position_embeddings", 2048)),
+        rope_scaling=rope_scaling_of(rope),
     )
 
 
