@@ -23,6 +23,15 @@ COMMANDS: dict[tuple[str, ...], list[str]] = {
     ("data", "regenerate"): ["--out", "{tmp}/out", "--target", "{tmp}/no-such-model"],
     ("data", "inspect"): ["--target", "{tmp}/no-such-model"],
     ("data", "cache-features"): ["--out", "{tmp}/out", "--target", "{tmp}/no-such-model"],
+    ("generate",): ["--target", "{tmp}/no-such-model", "hello"],
+    ("eval",): [
+        "--target",
+        "{tmp}/no-such-model",
+        "--drafter",
+        "prompt-lookup",
+        "--out",
+        "{tmp}/e",
+    ],
 }
 
 WEIRD = st.sampled_from(
@@ -64,6 +73,25 @@ def typed_flags(command: tuple[str, ...]) -> list[str]:
 def test_every_numeric_flag_of_these_commands_is_typed() -> None:
     for command in COMMANDS:
         assert len(typed_flags(command)) >= 2, command
+    assert "--threads" in typed_flags(("quickstart",))
+
+
+def test_malformed_command_lines_of_the_review_are_one_line_errors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The two command lines that ended in tracebacks (issue #17), and their kin."""
+    for argv in (
+        ["generate", "--max-new-tokens", "-3", "hi"],
+        ["generate", "--temperature", "-1", "hi"],
+        ["generate", "--top-p", "nan", "hi"],
+        ["eval", "--drafter", "prompt-lookup", "--num-prompts", "0"],
+        ["quickstart", "--threads", "-2"],
+    ):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "error: argument" in err[0], (argv, err)
 
 
 @settings(

@@ -17,6 +17,7 @@ from headway.cli.common import (
     option_value,
     parse_draft_options,
 )
+from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P
 from headway.errors import HeadwayError
 
 DESCRIPTION = """\
@@ -66,13 +67,18 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         "--prompts", default="mt-bench", help="mt-bench (default), humaneval, or a .jsonl file"
     )
     parser.add_argument(
-        "--num-prompts", type=int, default=10, help="prompts used, spread evenly over categories"
+        "--num-prompts",
+        type=POSITIVE,
+        default=10,
+        help="prompts used, spread evenly over categories",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus threshold if sampling")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k best (0 = off)")
-    parser.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i")
+    parser.add_argument("--max-new-tokens", type=POSITIVE, default=128, help="tokens per prompt")
+    parser.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus threshold if sampling")
+    parser.add_argument(
+        "--top-k", type=NON_NEGATIVE, default=0, help="sample among the k best (0 = off)"
+    )
+    parser.add_argument("--seed", type=SEED, default=0, help="prompt i samples with seed + i")
     parser.add_argument(
         "--tree",
         default="default",
@@ -103,10 +109,10 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         help="--heads-only: data sources (default: the run's data.sources)",
     )
     parser.add_argument(
-        "--num-samples", type=int, default=64, help="--heads-only: held-out samples used"
+        "--num-samples", type=POSITIVE, default=64, help="--heads-only: held-out samples used"
     )
     parser.add_argument(
-        "--batch-size", type=int, default=4, help="--heads-only: samples per target forward"
+        "--batch-size", type=POSITIVE, default=4, help="--heads-only: samples per target forward"
     )
 
 

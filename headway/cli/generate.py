@@ -19,6 +19,7 @@ from headway.cli.common import (
     parse_draft_options,
     target_from_flags,
 )
+from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P
 from headway.errors import HeadwayError
 
 
@@ -35,19 +36,21 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument("--heads", help="trained heads folder (headway run dir or an export)")
     parser.add_argument(
-        "--max-new-tokens", type=int, default=128, help="stop after this many generated tokens"
+        "--max-new-tokens", type=POSITIVE, default=128, help="stop after this many generated tokens"
     )
     parser.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples"
+        "--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy (default); > 0 samples"
     )
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k best (0 = off)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    parser.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus sampling threshold")
+    parser.add_argument(
+        "--top-k", type=NON_NEGATIVE, default=0, help="sample among the k best (0 = off)"
+    )
+    parser.add_argument("--seed", type=SEED, default=0, help="seed of the sampling generator")
     parser.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
     )
     parser.add_argument(
-        "--draft-length", type=int, default=8, help="prompt lookup: tokens proposed per step"
+        "--draft-length", type=POSITIVE, default=8, help="prompt lookup: tokens proposed per step"
     )
     parser.add_argument(
         "--chat",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from headway.cli.values import NON_NEGATIVE
+
 DESCRIPTION = """\
 The whole pipeline on the embedded SmolLM2-135M-Instruct, on a CPU, in about ten minutes:
 the target answers a small prompt mix itself (bf16, batched), two Medusa heads are trained on
@@ -73,6 +75,6 @@ def add_quickstart(commands: argparse._SubParsersAction) -> None:
         "--tiny", action="store_true", help="tiny random target and data: seconds, for tests"
     )
     parser.add_argument(
-        "--threads", type=int, default=0, help="torch threads (0 = torch's default)"
+        "--threads", type=NON_NEGATIVE, default=0, help="torch threads (0 = torch's default)"
     )
     parser.set_defaults(handler=run_quickstart)
