@@ -299,10 +299,15 @@ class EagleDrafter(CostSized):
         frontier_tokens, frontier_scores = root_tokens[0], root_scores[0]
         features = root_feature.expand(k, -1)
         ancestors = torch.zeros(k, 0, dtype=torch.bool, device=self._device)
-        # a fixed-size tree always grows to `depth`; a cost-sized one while a node could pay
+        # A fixed-size tree always grows to `depth`; a cost-sized one stops once no frontier node
+        # could pay for itself. The check reads a score on the host, so it runs on a CPU only: on
+        # a GPU a sync per level costs more than the small forwards it saves, and `sizer.keep`
+        # still trims what does not pay in `propose` (the one sync of a step). Either way the
+        # output is the target's: sizing only decides how much is drafted.
         floor = -math.inf if self.sizer is None else self.sizer.score_floor()
+        check_floor = floor > -math.inf and self._device.type == "cpu"
         for level in range(1, self.depth):
-            if float(frontier_scores.max()) < floor:  # no descendant could pay for itself
+            if check_floor and float(frontier_scores.max()) < floor:  # no descendant can pay
                 break
             predicted = self._forward_frontier(
                 features, frontier_tokens, ancestors, self._committed + level - 1
