@@ -50,8 +50,9 @@ class TargetConfig:
         default="float32", metadata=_help("dtype of the frozen target's weights")
     )
     device: str = field(default="auto", metadata=_help("'auto' (CUDA if present), 'cpu', 'cuda:0'"))
-    attn_implementation: Literal["sdpa", "eager"] = field(
-        default="sdpa", metadata=_help("attention kernel; both accept 4-D tree masks")
+    attn_implementation: Literal["auto", "sdpa", "eager"] = field(
+        default="auto",
+        metadata=_help("attention kernel: auto (sdpa where supported, else eager), sdpa, eager"),
     )
     trust_remote_code: bool = field(
         default=False, metadata=_help("run the model repository's own code (only if you trust it)")

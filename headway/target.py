@@ -193,13 +193,40 @@ def _looks_like_a_path(spec: str) -> bool:
     return spec.startswith(("/", "./", "../", "~", ".\\")) or spec.count("/") > 1 or "\\" in spec
 
 
+_UNSUPPORTED = "does not support"
+
+
+def _load_model(
+    source: Path | str, dtype: torch.dtype, attention: str, options: dict[str, Any]
+) -> PreTrainedModel:
+    """The model with the attention implementation asked for; ``"auto"`` takes sdpa where the
+    model supports it and eager otherwise (both take headway's 4-D masks)."""
+    wanted = "sdpa" if attention == "auto" else attention
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=wanted, **options
+        )
+    except ValueError as error:
+        if _UNSUPPORTED not in str(error):
+            raise
+        if attention != "auto":
+            raise TargetError(
+                f"{source}: this model does not support attn_implementation={attention!r} "
+                f"({str(error).splitlines()[0][:120]}); use 'auto' or 'eager'"
+            ) from None
+    logger.info("%s: sdpa is not supported by this model; using eager attention", source)
+    return AutoModelForCausalLM.from_pretrained(
+        source, dtype=dtype, attn_implementation="eager", **options
+    )
+
+
 def load_target(
     name_or_path: str | Path = DEFAULT_TARGET,
     *,
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "auto",
     trust_remote_code: bool = False,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
 ) -> Target:
     """Load a frozen target model and its tokenizer, offline.
 
@@ -209,7 +236,9 @@ def load_target(
         dtype: weights dtype; fp32 is the one in which greedy equivalence is exact.
         device: ``"auto"`` (CUDA if present, else CPU), ``"cpu"``, ``"cuda:0"``, ...
         trust_remote_code: run a model repository's own Python code; off unless you trust it.
-        attn_implementation: ``"sdpa"`` or ``"eager"``; both accept headway's 4-D tree masks.
+        attn_implementation: ``"auto"`` (sdpa where the model supports it, else eager),
+            ``"sdpa"`` or ``"eager"``; both accept headway's 4-D tree masks. A choice the model
+            does not support is refused in one line.
 
     Returns:
         A :class:`Target` whose model is in eval mode with gradients disabled.
@@ -218,12 +247,7 @@ def load_target(
     local_only = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **local_only)
-        model = AutoModelForCausalLM.from_pretrained(
-            source,
-            dtype=resolve_dtype(dtype),
-            attn_implementation=attn_implementation,
-            **local_only,
-        )
+        model = _load_model(source, resolve_dtype(dtype), attn_implementation, local_only)
     except OSError as error:
         raise TargetError(
             f"cannot load target {str(name_or_path)!r} offline ({error.__class__.__name__}: "

@@ -1,0 +1,106 @@
+"""Tiny random targets of the popular families beyond tests/tiny.py (issue #16): in-process
+configs, 2 layers, hidden 32, 96 tokens (ids 0/1/2 are pad/bos/eos), fp32, CPU, milliseconds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Olmo2Config,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+    Qwen3Config,
+)
+
+VOCAB = 96
+COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "initializer_range": 0.16,
+}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def family_config(family: str) -> PretrainedConfig:
+    """A 2-layer config of ``family`` (see :data:`FAMILIES`)."""
+    if family == "llama-llama3-rope":
+        return LlamaConfig(**COMMON, rope_parameters=LLAMA3_SCALING)
+    if family == "qwen3":
+        return Qwen3Config(**COMMON, head_dim=8)
+    if family == "mistral":
+        return MistralConfig(**COMMON, sliding_window=None)
+    # Gemma scales embeddings by sqrt(hidden) and soft-caps logits: a small random init gives a
+    # model that repeats one token, so these get a wide one, no cap and a sharper, untied head.
+    gemma = {**COMMON, "head_dim": 8, "sliding_window": 64, "initializer_range": 1.0,
+             "tie_word_embeddings": False}  # fmt: skip
+    if family == "gemma2":
+        return Gemma2Config(**gemma, final_logit_softcapping=None)
+    if family == "gemma3-text":
+        return Gemma3TextConfig(**gemma, final_logit_softcapping=None)
+    if family == "phi3":
+        return Phi3Config(**COMMON)
+    if family == "olmo2":
+        return Olmo2Config(**COMMON)
+    if family == "gpt-neox":
+        settings = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
+        return GPTNeoXConfig(**settings)
+    if family == "qwen2-moe":
+        return Qwen2MoeConfig(**COMMON, **MOE, shared_expert_intermediate_size=32)
+    if family == "mixtral":
+        return MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    raise ValueError(f"unknown family {family!r}")
+
+
+FAMILIES = (
+    "llama-llama3-rope",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3-text",
+    "phi3",
+    "olmo2",
+    "gpt-neox",
+    "qwen2-moe",
+    "mixtral",
+)
+
+
+# Families whose transformers implementation has no sdpa path.
+EAGER_ONLY = ("gemma2",)
+
+
+def family_model(family: str, *, seed: int = 0) -> Any:
+    """A tiny random causal LM of ``family``, eval mode, fp32, deterministic in ``seed``."""
+    torch.manual_seed(seed)
+    attention = "eager" if family in EAGER_ONLY else "sdpa"
+    model = AutoModelForCausalLM.from_config(
+        family_config(family), attn_implementation=attention, dtype=torch.float32
+    ).eval()
+    if family.startswith("gemma"):
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 30.0)
+    return model

@@ -1,0 +1,56 @@
+"""Any causal LM as target (issue #16): the popular families beyond tests/tiny.py decode with
+prompt lookup and a tree drafter exactly as transformers' greedy decoding does (fp32); a model
+without sdpa is loaded with eager attention; decoding past a sliding window is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
+from headway.decode.generate import generate
+from headway.errors import TargetError
+from headway.target import load_target
+from tests.families import FAMILIES, family_config, family_model
+from tests.test_generate import PROMPT, hf_greedy
+from tests.tokenizers_fixture import smollm2_tokenizer
+
+NEW_TOKENS = 30
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_output_equals_transformers(family: str) -> None:
+    model = family_model(family)
+    truth = hf_greedy(model, PROMPT, NEW_TOKENS, eos=None)
+    assert len(set(truth)) > 3  # a model that repeats one token would prove nothing
+    drafters = {
+        "prompt-lookup": PromptLookupDrafter(num_draft_tokens=5, max_nodes=12),
+        "oracle-tree": OracleDrafter(truth, 4, width=3),
+    }
+    for name, drafter in drafters.items():
+        result = generate(
+            model, PROMPT, drafter=drafter, max_new_tokens=NEW_TOKENS, eos_token_ids=()
+        )
+        assert result.tokens == truth, name
+    assert result.tau > 4  # the oracle tree was verified several tokens at a time
+
+
+def test_a_model_without_sdpa_loads_with_eager_attention(tmp_path: Path) -> None:
+    family_model("gemma2").save_pretrained(tmp_path / "gemma2")
+    smollm2_tokenizer().save_pretrained(tmp_path / "gemma2")
+    target = load_target(tmp_path / "gemma2", device="cpu")  # "auto"
+    assert target.model.config._attn_implementation == "eager"
+    with pytest.raises(TargetError, match="does not support attn_implementation='sdpa'"):
+        load_target(tmp_path / "gemma2", device="cpu", attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3-text"])
+def test_decoding_past_a_sliding_window_is_refused(family: str) -> None:
+    config = family_config(family)
+    config.sliding_window = 8
+    torch.manual_seed(0)
+    model = type(family_model(family))(config).eval()
+    with pytest.raises(ValueError, match="sliding window of 8 tokens"):
+        generate(model, PROMPT, drafter=PromptLookupDrafter(), max_new_tokens=4, eos_token_ids=())
