@@ -24,6 +24,7 @@ from headway.decode.costs import resolve_verify_costs
 from headway.decode.drafters import DEFAULT_MAX_NODES, PromptLookupDrafter
 from headway.decode.generate import Drafter
 from headway.decode.generate import generate as decode
+from headway.decode.probe import check_tree_mask
 from headway.decode.sampling import SamplingParams
 from headway.decode.verify import AcceptanceRule
 from headway.errors import HeadwayError
@@ -136,6 +137,7 @@ def generate(
     if isinstance(drafter, str):
         drafter = load_drafter(drafter, target)
     model = target.model
+    check_tree_mask(model)  # once per model: refuses one that ignores the 4-D tree mask
     ids = prompt_ids(target, prompt, chat=chat).to(model.device)
     generator = torch.Generator(device=model.device).manual_seed(seed)
     streamer = _TextStreamer(target, on_text) if on_text else None

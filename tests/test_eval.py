@@ -239,7 +239,9 @@ def test_bad_settings_are_one_line_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     command = ["eval", "--drafter", "prompt-lookup", "--max-new-tokens", "0"]
-    assert main([*command, "--out", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as stop:  # refused by the parser, before anything loads
+        main([*command, "--out", str(tmp_path)])
+    assert stop.value.code == 2
     assert "max-new-tokens" in capsys.readouterr().err
     assert main(["eval", "--drafter", "prompt-lookup", "--heads-only"]) == 2
     assert "--heads-only needs --heads" in capsys.readouterr().err

@@ -159,6 +159,7 @@ def run_heads_only(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     if args.heads_only:
         return run_heads_only(args)
+    from headway.decode.probe import check_tree_mask
     from headway.eval.run import DrafterSpec, evaluate, load_eval_drafter
     from headway.eval.speed import EvalSettings
     from headway.evalsets import load_prompts
@@ -184,6 +185,7 @@ def run_eval(args: argparse.Namespace) -> int:
         device=args.device,
         trust_remote_code=args.trust_remote_code,
     )
+    check_tree_mask(target.model)  # a model that ignores the 4-D tree mask is refused here
     drafter, info = load_eval_drafter(spec, target)
     report = evaluate(
         target,

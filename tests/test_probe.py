@@ -1,0 +1,60 @@
+"""The mask probe at load (issue #16): a stock model passes, one whose attention ignores the 4-D
+tree mask (a wrapper that drops it) is refused in one line before any decoding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from headway.api import generate
+from headway.decode import probe
+from headway.decode.probe import check_tree_mask
+from headway.errors import TargetError
+from headway.target import Target
+from tests.families import family_model
+from tests.tiny import TINY_FAMILIES, tiny_model
+from tests.tokenizers_fixture import smollm2_tokenizer
+
+
+def drop_4d_masks(model: Any) -> Any:
+    """Wrap ``model.forward`` so a 4-D attention mask never reaches the model (as a custom
+    kernel or a careless wrapper would): the tree is then attended as one causal sequence."""
+    stock = model.forward
+
+    def forward(*args: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = None
+        return stock(*args, attention_mask=attention_mask, **kwargs)
+
+    model.forward = forward
+    return model
+
+
+@pytest.mark.parametrize("family", [*TINY_FAMILIES, "mixtral"])
+def test_stock_models_pass(family: str) -> None:
+    model = tiny_model(family) if family in TINY_FAMILIES else family_model(family)
+    check_tree_mask(model)
+    assert model in probe._CHECKED  # checked once per model
+
+
+def test_a_model_that_drops_the_mask_is_refused_before_decoding() -> None:
+    model = drop_4d_masks(tiny_model("llama", vocab_size=400))
+    with pytest.raises(TargetError, match="ignores headway's 4-D tree attention mask") as caught:
+        check_tree_mask(model)
+    assert "\n" not in str(caught.value)
+    target = Target(model, smollm2_tokenizer(), "broken")
+    with pytest.raises(TargetError, match="ignores"):
+        generate(target, "hello", max_new_tokens=4)
+
+
+def test_the_probe_runs_once_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model("qwen2")
+    calls = []
+    real = probe.tree_forward
+    monkeypatch.setattr(probe, "tree_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        check_tree_mask(model)
+        check_tree_mask(model)
+    assert calls == [1]
