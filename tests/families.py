@@ -46,8 +46,17 @@ LLAMA3_SCALING = {
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
-def family_config(family: str) -> PretrainedConfig:
-    """A 2-layer config of ``family`` (see :data:`FAMILIES`)."""
+def family_config(family: str, *, layers: int = 2) -> PretrainedConfig:
+    """A config of ``family`` (see :data:`FAMILIES`) with ``layers`` decoder layers."""
+    config = _config(family)
+    config.num_hidden_layers = layers
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None and len(kinds) != layers:  # one attention type per layer
+        config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
+    return config
+
+
+def _config(family: str) -> PretrainedConfig:
     if family == "llama-llama3-rope":
         return LlamaConfig(**COMMON, rope_parameters=LLAMA3_SCALING)
     if family == "qwen3":
@@ -94,12 +103,12 @@ FAMILIES = (
 EAGER_ONLY = ("gemma2",)
 
 
-def family_model(family: str, *, seed: int = 0) -> Any:
+def family_model(family: str, *, seed: int = 0, layers: int = 2) -> Any:
     """A tiny random causal LM of ``family``, eval mode, fp32, deterministic in ``seed``."""
     torch.manual_seed(seed)
     attention = "eager" if family in EAGER_ONLY else "sdpa"
     model = AutoModelForCausalLM.from_config(
-        family_config(family), attn_implementation=attention, dtype=torch.float32
+        family_config(family, layers=layers), attn_implementation=attention, dtype=torch.float32
     ).eval()
     if family.startswith("gemma"):
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 30.0)

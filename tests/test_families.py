@@ -5,15 +5,23 @@ without sdpa is loaded with eager attention; decoding past a sliding window is r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.generate import generate
-from headway.errors import TargetError
+from headway.errors import HeadwayError, TargetError
+from headway.heads.drafter_eagle3 import Eagle3Drafter
+from headway.heads.drafter_medusa import MedusaDrafter, final_hidden_layer
+from headway.heads.eagle import TargetHead
+from headway.heads.eagle3 import Eagle3Config, Eagle3Model
+from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.heads.vocab import DraftVocab
 from headway.target import load_target
-from tests.families import FAMILIES, family_config, family_model
+from tests.families import FAMILIES, VOCAB, family_config, family_model
+from tests.test_eagle3 import TREE as EAGLE3_TREE
 from tests.test_generate import PROMPT, hf_greedy
 from tests.tokenizers_fixture import smollm2_tokenizer
 
@@ -35,6 +43,33 @@ def test_greedy_output_equals_transformers(family: str) -> None:
         )
         assert result.tokens == truth, name
     assert result.tau > 4  # the oracle tree was verified several tokens at a time
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trained_drafter_kinds_are_exact_or_refused_in_one_line(family: str) -> None:
+    """Medusa heads and an EAGLE-3 draft model (random weights) on a 4-layer target of each
+    family: the output is the target's own greedy output, or the drafter is refused at build
+    time with one of headway's one-line errors."""
+    model = family_model(family, layers=4)
+    truth = hf_greedy(model, PROMPT, NEW_TOKENS, eos=None)
+    built: dict[str, Any] = {}
+    try:
+        hidden = int(model.config.get_text_config().hidden_size)
+        torch.manual_seed(1)
+        heads = MedusaHeads(MedusaConfig(2, 1, hidden, VOCAB), model.get_output_embeddings().weight)
+        built["medusa"] = MedusaDrafter(heads.eval(), hidden_layer=final_hidden_layer(model))
+    except HeadwayError as error:
+        assert "\n" not in str(error)
+    torch.manual_seed(1)
+    vocab = DraftVocab.identity(64, VOCAB)
+    draft = Eagle3Model(Eagle3Config.from_target(model, draft_vocab_size=vocab.size))
+    draft.set_vocab(vocab)
+    built["eagle3"] = Eagle3Drafter(draft.eval(), TargetHead.of(model), **EAGLE3_TREE)
+    for name, drafter in built.items():
+        result = generate(
+            model, PROMPT, drafter=drafter, max_new_tokens=NEW_TOKENS, eos_token_ids=()
+        )
+        assert result.tokens == truth, name
 
 
 def test_a_model_without_sdpa_loads_with_eager_attention(tmp_path: Path) -> None:
