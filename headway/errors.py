@@ -30,3 +30,7 @@ class FolderBusyError(HeadwayError):
 
 class TrainingError(HeadwayError):
     """Training cannot go on (a non-finite loss, a missing checkpoint, a stale feature cache)."""
+
+
+class SlidingWindowError(TargetError, ValueError):
+    """Tree decoding would pass a sliding-window layer's window (a ValueError too, as before)."""

@@ -12,7 +12,7 @@ import torch
 
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.generate import generate
-from headway.errors import HeadwayError, TargetError
+from headway.errors import HeadwayError, SlidingWindowError, TargetError
 from headway.heads.drafter_eagle3 import Eagle3Drafter
 from headway.heads.drafter_medusa import MedusaDrafter, final_hidden_layer
 from headway.heads.eagle import TargetHead
@@ -87,5 +87,5 @@ def test_decoding_past_a_sliding_window_is_refused(family: str) -> None:
     config.sliding_window = 8
     torch.manual_seed(0)
     model = type(family_model(family))(config).eval()
-    with pytest.raises(ValueError, match="sliding window of 8 tokens"):
+    with pytest.raises(SlidingWindowError, match="sliding window of 8 tokens"):
         generate(model, PROMPT, drafter=PromptLookupDrafter(), max_new_tokens=4, eos_token_ids=())

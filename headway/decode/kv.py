@@ -21,6 +21,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from headway.decode.gemm import GemmChoice, routed_linears
 from headway.decode.tree import ancestor_mask, depths
+from headway.errors import SlidingWindowError
 
 __all__ = [
     "compact_cache",
@@ -66,9 +67,10 @@ def _check_window(cache: DynamicCache, length: int) -> None:
     for index, layer in enumerate(cache.layers):
         window = getattr(layer, "sliding_window", None)
         if window is not None and length >= window:
-            raise ValueError(
+            raise SlidingWindowError(
                 f"cache layer {index} has a sliding window of {window} tokens and the sequence "
-                f"would reach {length}; tree decoding past the window is not supported"
+                f"would reach {length}; tree decoding past the window is not supported: keep "
+                f"prompt + --max-new-tokens under {window}"
             )
 
 
