@@ -268,3 +268,15 @@ def test_weight_files_get_the_users_permissions(tmp_path: Path) -> None:
     finally:
         os.umask(before)
     assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_at_load(bad: float) -> None:
+    from headway.heads.io import check_tensors
+
+    tensors = {"w": torch.tensor([1.0, bad]), "ids": torch.tensor([1, 2])}
+    with pytest.raises(HeadsError, match="tensor w holds NaN or infinite values"):
+        check_tensors(tensors, {"w": (2,), "ids": (2,)}, Path("run"))
+    check_tensors(
+        {"w": torch.ones(2), "ids": torch.tensor([1, 2])}, {"w": (2,), "ids": (2,)}, Path("run")
+    )

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import safetensors
+import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -390,7 +391,8 @@ def _shapes(spec: MethodSpec, head_config: dict[str, Any], where: Path) -> dict[
 def check_tensors(
     tensors: Mapping[str, Tensor], expected: dict[str, tuple[int, ...]], where: Path
 ) -> None:
-    """Raise :class:`HeadsError` naming missing, unexpected or mis-shaped tensors."""
+    """Raise :class:`HeadsError` naming missing, unexpected or mis-shaped tensors, or a float
+    tensor holding NaN or infinite values."""
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
@@ -404,6 +406,12 @@ def check_tensors(
             raise HeadsError(
                 f"{where}: tensor {name} has shape {list(tensors[name].shape)}, the head_config "
                 f"needs {list(shape)}"
+            )
+        tensor = tensors[name]
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise HeadsError(
+                f"{where}: tensor {name} holds NaN or infinite values; these weights are broken "
+                "(a diverged run or a damaged file): retrain or re-export them"
             )
 
 
