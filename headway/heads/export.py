@@ -256,7 +256,9 @@ def _check_against_config(config: MedusaConfig, engine: dict[str, Any], path: Pa
         "num_layers": engine.get("medusa_num_layers", engine.get("num_hidden_layers")),
     }
     for field, value in declared.items():
-        if value is not None and int(value) != getattr(config, field):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value != getattr(config, field)
+        ):
             raise HeadsError(
                 f"{path}: config.json declares {field} = {value} but the tensors hold "
                 f"{getattr(config, field)}; fix the config or the weights"

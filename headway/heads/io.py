@@ -384,8 +384,10 @@ def _read_config(directory: Path) -> dict[str, Any]:
 def _shapes(spec: MethodSpec, head_config: dict[str, Any], where: Path) -> dict[str, Any]:
     try:
         return spec.tensor_shapes(head_config)
-    except (TypeError, ValueError) as error:
-        raise HeadsError(f"{where}: invalid head_config: {error}") from error
+    except (TypeError, ValueError, OverflowError, RuntimeError) as error:
+        # RuntimeError: sizes too large even for the meta device ("storage size overflowed")
+        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise HeadsError(f"{where}: invalid head_config: {detail}") from None
 
 
 def check_tensors(

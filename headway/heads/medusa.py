@@ -36,6 +36,10 @@ __all__ = [
 ]
 
 
+# Far above any published model, low enough that building the shapes stays instant.
+_MAXIMA = {"num_heads": 64, "num_layers": 64, "hidden_size": 1 << 17, "vocab_size": 1 << 22}
+
+
 @dataclass(frozen=True)
 class MedusaConfig:
     """Hyper-parameters of a set of Medusa heads.
@@ -56,9 +60,15 @@ class MedusaConfig:
         for field in fields(self):
             value = getattr(self, field.name)
             minimum = 0 if field.name == "num_layers" else 1
+            maximum = _MAXIMA[field.name]
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 raise ValueError(
                     f"MedusaConfig.{field.name} must be an integer >= {minimum}, got {value!r}"
+                )
+            if value > maximum:  # a config from a file must not make us build millions of heads
+                raise ValueError(
+                    f"MedusaConfig.{field.name}={value} is beyond any real model (at most "
+                    f"{maximum}); the file is damaged or not Medusa heads"
                 )
 
     def to_dict(self) -> dict[str, int]:
