@@ -80,14 +80,18 @@ def remove_stale(path: Path, kind: str) -> list[Path]:
         path: the final file or folder.
         kind: the temporary-name kind, e.g. ``"tmp"``, ``"staging"``, ``"saving"``.
     """
-    removed = []
-    for candidate in _stale(path, kind):
-        if candidate.is_dir() and not candidate.is_symlink():
-            shutil.rmtree(candidate, ignore_errors=True)
-        else:
-            candidate.unlink(missing_ok=True)
-        removed.append(candidate)
-    return removed
+    stale = _stale(path, kind)
+    for candidate in stale:
+        _remove(candidate)
+    return stale
+
+
+def _remove(candidate: Path) -> None:
+    """Delete a temporary file or folder (a link is removed, never followed)."""
+    if candidate.is_dir() and not candidate.is_symlink():
+        shutil.rmtree(candidate, ignore_errors=True)
+    else:
+        candidate.unlink(missing_ok=True)
 
 
 def _temporary_file(path: Path) -> tuple[int, str]:
@@ -196,9 +200,6 @@ def remove_dead_writers_leftovers(folder: Path) -> list[Path]:
         match = _TEMPORARY.match(candidate.name)
         if match is None or _running(int(match["pid"])):
             continue  # not a temporary, or its writer (this process included) is still at work
-        if candidate.is_dir() and not candidate.is_symlink():
-            shutil.rmtree(candidate, ignore_errors=True)
-        else:
-            candidate.unlink(missing_ok=True)
+        _remove(candidate)
         removed.append(candidate)
     return removed
