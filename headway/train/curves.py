@@ -18,6 +18,7 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter
 
 from headway.atomic import atomic_file
 
@@ -58,6 +59,7 @@ def write_learning_curve(eval_log: Path, out: Path) -> Path | None:
     FigureCanvasAgg(figure)  # no pyplot: no global state, no window
     axes = figure.add_subplot()
     axes.plot(tokens, taus, marker="o")
+    axes.xaxis.set_major_formatter(EngFormatter())  # 250k, 1M rather than an offset label
     axes.set_xlabel("trained tokens")
     axes.set_ylabel("simulated acceptance length (tau_sim)")
     axes.set_title(f"held-out tau_sim {taus[-1]:.2f} after step {steps[-1]}")
