@@ -15,6 +15,7 @@ from headway.decode.generate import generate
 from headway.decode.kv import new_cache, prefill, tree_forward
 from headway.decode.tree import root_to_leaf_paths
 from headway.train.batched_generation import ContinuousBatcher
+from tests.test_generate import hf_greedy as cpu_hf_greedy
 from tests.tiny import TINY_FAMILIES, tiny_model
 
 pytestmark = [
@@ -26,16 +27,8 @@ PROMPT = [1, 5, 17, 33, 8, 40, 41, 9]
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt], device=CUDA)
-    out = model.generate(  # type: ignore[operator]
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=new_tokens,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    return list(out[0, len(prompt) :].tolist())
+    """transformers' greedy decoding on CUDA (tests/test_generate.py's, given a CUDA prompt)."""
+    return cpu_hf_greedy(model, torch.tensor(prompt, device=CUDA), new_tokens, eos=None)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
