@@ -21,7 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,19 @@ class TargetFingerprint:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TargetFingerprint:
+        """Inverse of :meth:`to_dict`; raises TargetError for anything else (read from files)."""
+        names = {field.name: field.type for field in fields(cls)}
+        if not isinstance(data, dict) or set(data) != set(names):
+            raise TargetError(
+                f"not a target fingerprint: expected the keys {sorted(names)}, got "
+                f"{sorted(data) if isinstance(data, dict) else type(data).__name__}"
+            )
+        for name, value in data.items():
+            wanted = str if names[name] in (str, "str") else int
+            if not isinstance(value, wanted) or isinstance(value, bool):
+                raise TargetError(
+                    f"target fingerprint field {name}={value!r} is not {wanted.__name__}"
+                )
         return cls(**data)
 
     def differences(self, other: TargetFingerprint) -> list[str]:

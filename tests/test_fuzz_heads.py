@@ -15,14 +15,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from headway.errors import HeadwayError
+from headway.heads.eagle import EagleConfig, EagleModel
+from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.export import export_medusa, export_medusa_vllm
+from headway.heads.export_eagle import export_eagle1
+from headway.heads.export_eagle3 import export_eagle3
+from headway.heads.io import save_heads
 from headway.heads.loading import load_drafter
+from headway.heads.vocab import DraftVocab
+from headway.target import fingerprint
+from tests.test_eagle3 import tiny4
+from tests.test_export_eagle import save_run
 from tests.test_heads_io import save, trained_like_heads
-from tests.tiny import tiny_model
+from tests.tiny import TINY_VOCAB, tiny_model
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 values = st.one_of(
@@ -44,11 +54,34 @@ def folders() -> dict[str, Path]:
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     target = model()
     run = save(root / "run", target, trained_like_heads(target))
+    torch.manual_seed(0)
+    eagle_run = save_run(root / "eagle-run", target, EagleModel(EagleConfig.from_target(target)))
+    draft3 = Eagle3Model(Eagle3Config.from_target(target4(), draft_vocab_size=32))
+    draft3.set_vocab(DraftVocab.identity(32, TINY_VOCAB))
+    eagle3_run = save_heads(
+        root / "eagle3-run",
+        method="eagle3",
+        head_config=draft3.config.to_dict(),
+        state_dict=draft3.state_dict(),
+        target_fingerprint=fingerprint(target4()),
+        target_name="tiny",
+    )
     return {
         "run": run,
         "medusa": export_medusa(run, root / "medusa"),
         "medusa-vllm": export_medusa_vllm(run, root / "medusa-vllm"),
+        "eagle1": export_eagle1(eagle_run, root / "eagle1"),
+        "eagle3-hf": export_eagle3(eagle3_run, root / "eagle3-hf"),
     }
+
+
+@lru_cache(maxsize=1)
+def target4() -> Any:
+    return tiny4("llama")
+
+
+def target_for(layout: str) -> Any:
+    return target4() if layout == "eagle3-hf" else model()
 
 
 @lru_cache(maxsize=1)
@@ -93,7 +126,7 @@ def test_any_config_loads_or_fails_in_one_line(data: st.DataObject) -> None:
         (folder / "config.json").write_text(json.dumps(config))
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         try:
-            load_drafter(folder, model())
+            load_drafter(folder, target_for(layout))
         except HeadwayError as error:
             assert "\n" not in str(error), str(error)
         grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, LlamaConfig
+from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 __all__ = [
@@ -50,6 +51,18 @@ __all__ = [
     "causal_mask",
     "eagle_tensor_shapes",
 ]
+
+
+# Far above any published model, low enough that building the shapes on the meta device is safe.
+_MAXIMA = {
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20,
+    "num_attention_heads": 1 << 12,
+    "num_key_value_heads": 1 << 12,
+    "head_dim": 1 << 12,
+    "vocab_size": 1 << 22,
+    "max_position_embeddings": 1 << 26,
+}
 
 
 @dataclass(frozen=True)
@@ -99,14 +112,24 @@ class EagleConfig:
             )
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("EagleConfig: rms_norm_eps and rope_theta must be > 0")
-        if self.rope_scaling is not None:
-            try:  # transformers checks each rope type's parameters when it builds the config
-                self.llama_config()
-            except (KeyError, ValueError, TypeError, AttributeError) as error:
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
+            raise ValueError(
+                f"EagleConfig.hidden_act={self.hidden_act!r} is not an activation transformers "
+                "knows (e.g. 'silu', 'gelu')"
+            )
+        for name, maximum in _MAXIMA.items():  # a file must not make us build absurd shapes
+            if getattr(self, name) > maximum:
                 raise ValueError(
-                    f"EagleConfig.rope_scaling {self.rope_scaling!r} is not a RoPE scaling "
-                    f"transformers can build ({str(error).strip(chr(34))})"
-                ) from None
+                    f"EagleConfig.{name}={getattr(self, name)} is beyond any real model (at most "
+                    f"{maximum}); the file is damaged or not an EAGLE drafter"
+                )
+        try:  # transformers checks head sizes and each rope type's parameters in its config
+            self.llama_config()
+        except Exception as error:  # its validators raise several types, huggingface_hub's too
+            raise ValueError(
+                f"EagleConfig is not a layer transformers can build "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+            ) from None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict (what ``config.json`` stores as ``head_config``)."""

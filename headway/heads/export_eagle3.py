@@ -184,14 +184,19 @@ def _read_config(folder: Path) -> dict[str, Any]:
 def _feature_layers(engine: dict[str, Any], target_layers: int | None, where: Path) -> Any:
     """Feature layers in headway's convention: the headway block, vLLM's top-level ids, SGLang's
     ``eagle_config`` ids + 1, else the engines' default for the target's depth."""
-    block = engine.get("headway") or {}
-    nested = engine.get("eagle_config") or {}
-    if "feature_layers" in block:
-        return tuple(block["feature_layers"])
-    if engine.get("eagle_aux_hidden_state_layer_ids"):
-        return tuple(engine["eagle_aux_hidden_state_layer_ids"])
-    if nested.get("eagle_aux_hidden_state_layer_ids"):
-        return tuple(int(layer) + 1 for layer in nested["eagle_aux_hidden_state_layer_ids"])
+    block = engine.get("headway")
+    block = block if isinstance(block, dict) else {}
+    nested = engine.get("eagle_config")
+    nested = nested if isinstance(nested, dict) else {}
+    try:
+        if "feature_layers" in block:
+            return tuple(int(layer) for layer in block["feature_layers"])
+        if engine.get("eagle_aux_hidden_state_layer_ids"):
+            return tuple(int(layer) for layer in engine["eagle_aux_hidden_state_layer_ids"])
+        if nested.get("eagle_aux_hidden_state_layer_ids"):
+            return tuple(int(layer) + 1 for layer in nested["eagle_aux_hidden_state_layer_ids"])
+    except (TypeError, ValueError, OverflowError):
+        raise HeadsError(f"{where}: the feature layer ids are not a list of integers") from None
     if target_layers is None:
         raise HeadsError(f"{where} names no feature layers; pass the target's layer count")
     return default_feature_layers(target_layers)
