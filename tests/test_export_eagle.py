@@ -186,7 +186,7 @@ def test_errors_are_clear(run: Path, target: Any, tmp_path: Path) -> None:
     (out / "config.json").write_text(
         json.dumps({**config, "rope_scaling": {"rope_type": "llama3"}})
     )
-    with pytest.raises(HeadsError, match="not a layer transformers can build .*rope_parameters"):
+    with pytest.raises(HeadsError, match=r"not a layer transformers can build .*rope_parameters"):
         import_eagle1(out)
     (out / "config.json").write_text(json.dumps({**config, "rope_scaling": "llama3"}))
     with pytest.raises(HeadsError, match="rope_scaling 'llama3' is not an object"):
