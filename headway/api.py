@@ -3,6 +3,7 @@
     import headway
     target = headway.load_target("smollm2-135m")
     drafter = headway.load_drafter("runs/medusa1-smollm2", target)   # or "prompt-lookup"
+    # or a typed spec: headway.load_drafter(EagleSpec(heads="runs/eagle3", depth=5), target)
     out = headway.generate(target, "Name three rivers.", drafter=drafter, max_new_tokens=64)
     print(out.text, out.tau)
 
@@ -13,23 +14,22 @@ template, EOS ids from the target's generation config, stop strings) and timing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from headway.decode.costs import resolve_verify_costs
-from headway.decode.drafters import DEFAULT_MAX_NODES, PromptLookupDrafter
-from headway.decode.generate import Drafter
-from headway.decode.generate import generate as decode
+from headway.decode.gemm import GemmChoice
+from headway.decode.generate import Decoder, Drafter
+from headway.decode.options import DecodeOptions
 from headway.decode.probe import check_tree_mask
 from headway.decode.sampling import SamplingParams
-from headway.decode.verify import AcceptanceRule
+from headway.drafters.build import build_drafter, spec_for
+from headway.drafters.specs import DRAFTER_NAMES, SPEC_TYPES, DrafterSpec
 from headway.errors import HeadwayError
-from headway.heads.loading import load_drafter as load_heads_drafter
-from headway.target import Target
+from headway.target import Target, eos_token_ids
 
 
 @dataclass
@@ -57,29 +57,27 @@ class Generation:
 
 
 def load_drafter(
-    source: str | Path, target: Target, *, force: bool = False, **options: Any
+    source: str | Path | DrafterSpec,
+    target: Target,
+    *,
+    gemm: GemmChoice = "auto",
+    options: Mapping[str, object] | None = None,
 ) -> Drafter:
-    """``"prompt-lookup"`` or a folder of trained heads (checked against the target's
-    fingerprint; `force` accepts a mismatch). `options` go to the drafter (e.g. ``choices``).
+    """A drafter for ``target``: a spec (:mod:`headway.drafters.specs`), a drafter name
+    (``"prompt-lookup"``, ``"retrieval"``, ...) or a heads folder, with ``options`` checked
+    against that drafter's spec exactly as ``--draft-option`` values are (an unknown key gets
+    the nearest valid name), e.g. ``load_drafter("runs/eagle3", target, options={"depth": 5})``.
 
     A Medusa-2 run merges its LoRA adapter into ``target.model`` in place (logged): the output is
     then the merged model's, so compare it with plain decoding of this same ``target``."""
-    if str(source) == "prompt-lookup":
-        return prompt_lookup_drafter(target, **options)
-    return load_heads_drafter(source, target.model, force=force, **options)
-
-
-def prompt_lookup_drafter(
-    target: Target, *, sizing: str = "adaptive", **options: Any
-) -> PromptLookupDrafter:
-    """A :class:`PromptLookupDrafter`; ``sizing="cost"`` times ``target``'s verify forward once
-    and sizes every tree by it (``verify_costs``), ``"adaptive"`` (default) grows and shrinks
-    the draft length with acceptance. `options` go to the drafter."""
-    max_nodes = int(options.get("max_nodes", DEFAULT_MAX_NODES))
-    costs = resolve_verify_costs(sizing, max_nodes + 1, target.model, otherwise="adaptive")
-    if costs is not None:
-        options["verify_costs"] = costs
-    return PromptLookupDrafter(**options)
+    if isinstance(source, SPEC_TYPES):
+        if options:
+            raise HeadwayError("give options inside the spec, not beside it")
+        return build_drafter(source, target, gemm=gemm)
+    text, values = str(source), dict(options or {})
+    if text in DRAFTER_NAMES:
+        return build_drafter(spec_for(text, options=values), target, gemm=gemm)
+    return build_drafter(spec_for(heads=text, options=values), target, gemm=gemm)
 
 
 def prompt_ids(
@@ -99,22 +97,11 @@ def prompt_ids(
     return torch.as_tensor(encoded["input_ids"][0])
 
 
-def eos_token_ids(target: Target) -> list[int]:
-    """EOS ids from the target's generation config (several for some models), else the
-    tokenizer's."""
-    eos = target.model.generation_config.eos_token_id
-    if eos is None:
-        eos = target.tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
-
-
 def generate(
     target: Target,
     prompt: str | Sequence[dict[str, str]],
     *,
-    drafter: Drafter | str | None = "prompt-lookup",
+    drafter: Drafter | Decoder | str | None = "prompt-lookup",
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -123,36 +110,41 @@ def generate(
     chat: bool = True,
     stop: Sequence[str] = (),
     on_text: Callable[[str], None] | None = None,
-    acceptance: AcceptanceRule = "lossless",
+    options: DecodeOptions | None = None,
 ) -> Generation:
     """Generate from `prompt` with speculative decoding.
 
     At temperature 0 the output equals the target's own greedy decoding (exactly, in fp32); with
     sampling it follows the target's distribution. Generation stops right after the token that
     completes one of the `stop` strings in the decoded text (the match stays in the output).
-    `on_text` receives each newly committed piece of text. ``acceptance="typical"`` is Medusa's
-    typical acceptance: LOSSY when sampling (it accepts drafts the target would not have sampled
-    as often); at temperature 0 both rules are greedy.
+    `on_text` receives each newly committed piece of text. ``options`` are the
+    :class:`DecodeOptions` (cost sizing, GEMM order, acceptance rule: ``acceptance="typical"``
+    is Medusa's typical acceptance, LOSSY when sampling; at temperature 0 both rules are greedy).
+    Pass a :class:`~headway.decode.generate.Decoder` as ``drafter`` (it carries its own options)
+    to keep one cost calibration over many prompts.
     """
     if isinstance(drafter, str):
         drafter = load_drafter(drafter, target)
     model = target.model
+    if isinstance(drafter, Decoder):
+        if options is not None:
+            raise HeadwayError("a Decoder carries its own DecodeOptions; pass options to it")
+        decoder = drafter
+    else:
+        decoder = Decoder(model, drafter, options or DecodeOptions())
     check_tree_mask(model)  # once per model: refuses one that ignores the 4-D tree mask
     ids = prompt_ids(target, prompt, chat=chat).to(model.device)
     generator = torch.Generator(device=model.device).manual_seed(seed)
     streamer = _TextStreamer(target, on_text) if on_text else None
     start = time.perf_counter()
-    result = decode(
-        model,
+    result = decoder.generate(
         ids,
-        drafter=drafter,
         max_new_tokens=max_new_tokens,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         eos_token_ids=eos_token_ids(target),
         stop_check=_stop_strings(target, stop) if stop else None,
         generator=generator,
         on_tokens=streamer,
-        acceptance=acceptance,
     )
     seconds = time.perf_counter() - start
     if streamer is not None:
@@ -165,7 +157,7 @@ def generate(
         tau=result.tau,
         tokens_per_s=len(tokens) / seconds if seconds > 0 else 0.0,
         stop_reason=result.stop_reason,
-        acceptance=acceptance,
+        acceptance=decoder.options.acceptance,
     )
 
 

@@ -10,6 +10,8 @@ are rejected with the nearest valid name.
 Example::
 
     config = load_config(RunConfig, "configs/medusa1-smollm2.yaml", ["train.lr=3e-4"])
+
+The training run's sections live in :mod:`headway.run_config`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
@@ -34,262 +35,9 @@ T = TypeVar("T")
 _NULLS = {"null", "none", "~"}
 
 
-def _help(text: str, **metadata: Any) -> dict[str, Any]:
+def field_help(text: str, **metadata: Any) -> dict[str, Any]:
+    """A dataclass field's metadata with its help text (read by :func:`describe`)."""
     return {"help": text, **metadata}
-
-
-@dataclass
-class TargetConfig:
-    """The frozen model the drafter serves."""
-
-    name: str = field(
-        default="smollm2-135m",
-        metadata=_help("HF folder, model id in the local HF cache, .gguf file, or 'smollm2-135m'"),
-    )
-    dtype: Literal["float32", "bfloat16", "float16"] = field(
-        default="float32", metadata=_help("dtype of the frozen target's weights")
-    )
-    device: str = field(default="auto", metadata=_help("'auto' (CUDA if present), 'cpu', 'cuda:0'"))
-    attn_implementation: Literal["auto", "sdpa", "eager"] = field(
-        default="auto",
-        metadata=_help("attention kernel: auto (sdpa where supported, else eager), sdpa, eager"),
-    )
-    trust_remote_code: bool = field(
-        default=False, metadata=_help("run the model repository's own code (only if you trust it)")
-    )
-
-
-@dataclass
-class DataConfig:
-    """Where the chat data comes from and how it is tokenized."""
-
-    sources: list[str] = field(
-        default_factory=lambda: ["chitchat"],
-        metadata=_help(
-            "embedded corpora ('chitchat', 'sharegpt') and/or .jsonl/.jsonl.gz/.json/.parquet "
-            "files (ShareGPT, messages, text)"
-        ),
-    )
-    max_length: int = field(default=1024, metadata=_help("tokens per sample; the tail is dropped"))
-    limit: int | None = field(default=None, metadata=_help("use at most this many conversations"))
-    skip_bad_rows: bool = field(
-        default=False, metadata=_help("skip malformed rows and report them instead of stopping")
-    )
-    pack: bool = field(
-        default=False,
-        metadata=_help(
-            "pack whole samples into max_length blocks (positions restart and attention stays "
-            "inside each sample), so a step trains on tokens rather than padding; online only"
-        ),
-    )
-    eval_fraction: float = field(
-        default=0.02, metadata=_help("fraction of samples held out for evaluation")
-    )
-    features: Literal["online", "offline"] = field(
-        default="online",
-        metadata=_help("online: run the target in each step; offline: read features_dir"),
-    )
-    features_dir: str | None = field(
-        default=None, metadata=_help("feature cache from `headway data cache-features`")
-    )
-
-    def __post_init__(self) -> None:
-        if not self.sources:
-            raise ConfigError("data.sources is empty; name at least one dataset")
-        if self.max_length < 8:
-            raise ConfigError(f"data.max_length={self.max_length} is too small; use >= 8")
-        if self.limit is not None and self.limit < 1:
-            raise ConfigError(f"data.limit={self.limit} must be >= 1 (or null for all)")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
-        if self.features == "offline" and not self.features_dir:
-            raise ConfigError("data.features=offline needs data.features_dir (a feature cache)")
-        if self.features == "offline" and self.pack:
-            raise ConfigError(
-                "data.pack=true packs samples for the target's forward, but offline features "
-                "were cached per sample; set data.pack=false or data.features=online"
-            )
-
-
-@dataclass
-class TrainConfig:
-    """The optimisation loop (accelerate)."""
-
-    method: Literal["medusa1", "medusa2", "eagle1", "eagle3"] = field(
-        default="medusa1", metadata=_help("which drafter to train")
-    )
-    output_dir: str = field(default="runs/headway", metadata=_help("run directory"))
-    lr: float = field(default=1e-3, metadata=_help("peak learning rate (AdamW)"))
-    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
-    warmup_steps: int = field(default=50, metadata=_help("linear warm-up steps before cosine"))
-    max_steps: int = field(default=1000, metadata=_help("optimizer steps in total"))
-    batch_size: int = field(default=4, metadata=_help("samples per device per micro-batch"))
-    grad_accum: int = field(default=1, metadata=_help("micro-batches per optimizer step"))
-    max_grad_norm: float = field(default=1.0, metadata=_help("gradient clipping (0 = off)"))
-    mixed_precision: Literal["no", "bf16", "fp16"] = field(
-        default="no", metadata=_help("accelerate mixed precision")
-    )
-    seed: int = field(default=0, metadata=_help("seed for weights, data order and noise"))
-    eval_every: int = field(default=200, metadata=_help("steps between held-out evaluations"))
-    save_every: int = field(default=200, metadata=_help("steps between checkpoints"))
-    log_with: list[str] = field(
-        default_factory=list, metadata=_help("accelerate trackers: tensorboard, wandb")
-    )
-
-    def __post_init__(self) -> None:
-        positive = {
-            "lr": self.lr,
-            "max_steps": self.max_steps,
-            "batch_size": self.batch_size,
-            "grad_accum": self.grad_accum,
-            "eval_every": self.eval_every,
-            "save_every": self.save_every,
-        }
-        for name, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"train.{name}={value} must be > 0")
-        if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
-            raise ConfigError(
-                f"train.warmup_steps={self.warmup_steps} must be in [0, max_steps={self.max_steps}]"
-            )
-        if self.max_grad_norm < 0:
-            raise ConfigError(f"train.max_grad_norm={self.max_grad_norm} must be >= 0")
-        unknown = set(self.log_with) - {"tensorboard", "wandb"}
-        if unknown:
-            raise ConfigError(f"train.log_with has {sorted(unknown)}; use tensorboard and/or wandb")
-
-
-@dataclass
-class MedusaSection:
-    """Medusa heads (Cai et al. 2024): used when train.method is medusa1 or medusa2."""
-
-    num_heads: int = field(default=4, metadata=_help("heads; head k predicts token t+k+1"))
-    num_layers: int = field(default=1, metadata=_help("residual blocks per head"))
-    loss_decay: float = field(default=0.8, metadata=_help("head k's loss weight is decay^k"))
-    lora_r: int = field(default=16, metadata=_help("medusa2: LoRA rank on the target"))
-    lora_alpha: int = field(default=32, metadata=_help("medusa2: LoRA alpha"))
-    head_lr_multiplier: float = field(
-        default=4.0, metadata=_help("medusa2: heads' learning rate / backbone's")
-    )
-    heads_loss_weight: float = field(
-        default=0.2, metadata=_help("medusa2: weight of the heads' loss beside the backbone KL")
-    )
-    lora_dropout: float = field(
-        default=0.05, metadata=_help("medusa2: dropout on the LoRA branch's input")
-    )
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        metadata=_help("medusa2: names (suffixes) of the target's linear layers that get LoRA"),
-    )
-    backbone_weight: float = field(
-        default=1.0,
-        metadata=_help("medusa2: weight of KL(frozen target || LoRA-tuned target) in the loss"),
-    )
-
-    def __post_init__(self) -> None:
-        if self.num_heads < 1 or self.num_layers < 0:
-            raise ConfigError("medusa.num_heads must be >= 1 and medusa.num_layers >= 0")
-        if not 0 < self.loss_decay <= 1:
-            raise ConfigError(f"medusa.loss_decay={self.loss_decay} must be in (0, 1]")
-        if self.lora_r < 1 or self.head_lr_multiplier <= 0 or self.heads_loss_weight <= 0:
-            raise ConfigError("medusa.lora_r, head_lr_multiplier, heads_loss_weight must be > 0")
-        if self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1 or self.backbone_weight < 0:
-            raise ConfigError(
-                "medusa.lora_alpha must be > 0, medusa.lora_dropout in [0, 1) and "
-                "medusa.backbone_weight >= 0"
-            )
-        if not self.lora_target_modules:
-            raise ConfigError("medusa.lora_target_modules is empty; name e.g. q_proj,v_proj")
-
-
-@dataclass
-class EagleSection:
-    """EAGLE-1 drafter (Li et al. 2024): used when train.method is eagle1."""
-
-    fc_bias: bool = field(
-        default=True,
-        metadata=_help("bias in fc (reference default; vLLM's loader drops it, SGLang needs it)"),
-    )
-    feature_loss_weight: float = field(
-        default=1.0, metadata=_help("weight of SmoothL1(predicted feature, target feature)")
-    )
-    ce_loss_weight: float = field(
-        default=0.1, metadata=_help("weight of the soft cross-entropy to the target's next token")
-    )
-    feature_noise: float = field(
-        default=0.1,
-        metadata=_help("a: training adds U(-a, a) noise to the input features (0 = off)"),
-    )
-
-    def __post_init__(self) -> None:
-        if self.feature_loss_weight < 0 or self.ce_loss_weight < 0:
-            raise ConfigError("eagle.feature_loss_weight and eagle.ce_loss_weight must be >= 0")
-        if self.feature_loss_weight == 0 and self.ce_loss_weight == 0:
-            raise ConfigError("eagle.feature_loss_weight and eagle.ce_loss_weight are both 0")
-        if self.feature_noise < 0:
-            raise ConfigError(f"eagle.feature_noise={self.feature_noise} must be >= 0")
-
-
-@dataclass
-class Eagle3Section:
-    """EAGLE-3 drafter (Li et al. 2025): used when train.method is eagle3."""
-
-    draft_vocab_size: int = field(
-        default=8192,
-        metadata=_help(
-            "draft vocabulary: the most frequent trained tokens (capped at the target's); the "
-            "draft LM head is [this, H], one pass per draft level"
-        ),
-    )
-    feature_layers: list[int] = field(
-        default_factory=list,
-        metadata=_help(
-            "low,mid,high output_hidden_states indices (= inputs of those target layers); "
-            "empty = the reference's 2,L//2,L-3"
-        ),
-    )
-    ttt_steps: int = field(
-        default=7, metadata=_help("training-time test: draft steps unrolled per position")
-    )
-    loss_decay: float = field(default=0.8, metadata=_help("step j's loss weight is decay^j"))
-    lm_head_init: Literal["target", "random"] = field(
-        default="target",
-        metadata=_help("init the draft LM head from the target's rows, or randomly (reference)"),
-    )
-
-    def __post_init__(self) -> None:
-        if self.draft_vocab_size < 1 or self.ttt_steps < 1:
-            raise ConfigError("eagle3.draft_vocab_size and eagle3.ttt_steps must be >= 1")
-        if not 0 < self.loss_decay <= 1:
-            raise ConfigError(f"eagle3.loss_decay={self.loss_decay} must be in (0, 1]")
-        layers = self.feature_layers
-        if layers and (len(layers) != 3 or not 1 <= layers[0] < layers[1] < layers[2]):
-            raise ConfigError(
-                f"eagle3.feature_layers={layers} must be three increasing indices >= 1 "
-                "(low,mid,high), or empty for the default"
-            )
-
-
-MEDUSA2_NEEDS_ONLINE = (
-    "data.features=offline cannot train medusa2: its heads read the LoRA-tuned target's hidden "
-    "states, recomputed with gradients in every step; set data.features=online"
-)
-
-
-@dataclass
-class RunConfig:
-    """A training run: target, data, loop, and the drafter's own section."""
-
-    target: TargetConfig = field(default_factory=TargetConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    medusa: MedusaSection = field(default_factory=MedusaSection)
-    eagle: EagleSection = field(default_factory=EagleSection)
-    eagle3: Eagle3Section = field(default_factory=Eagle3Section)
-
-    def __post_init__(self) -> None:
-        if self.train.method == "medusa2" and self.data.features != "online":
-            raise ConfigError(MEDUSA2_NEEDS_ONLINE)
 
 
 class _SectionParser(HfArgumentParser):
@@ -329,7 +77,9 @@ def _is_optional(annotation: Any) -> bool:
     return is_union and type(None) in typing.get_args(annotation)
 
 
-def _unknown(kind: str, name: str, valid: Sequence[str], where: str) -> ConfigError:
+def unknown_name(kind: str, name: str, valid: Sequence[str], where: str) -> ConfigError:
+    """The error for an unknown ``name`` of ``kind`` (section, key, option), with the nearest
+    valid name, else every valid one."""
     close = difflib.get_close_matches(name, valid, n=1)
     hint = f"did you mean {close[0]!r}?" if close else f"valid: {', '.join(sorted(valid))}"
     return ConfigError(f"{where}: unknown {kind} {name!r}; {hint}")
@@ -362,7 +112,7 @@ def parse_section(section_type: type[T], values: Mapping[str, Any], *, where: st
     empties: list[str] = []
     for key, value in values.items():
         if key not in fields:
-            raise _unknown("key", f"{name}.{key}", [f"{name}.{f}" for f in fields], where)
+            raise unknown_name("key", f"{name}.{key}", [f"{name}.{f}" for f in fields], where)
         if value is None or (isinstance(value, str) and value.lower() in _NULLS):
             if not _is_optional(fields[key]):
                 raise ConfigError(f"{where}: {name}.{key} cannot be null")
@@ -476,7 +226,7 @@ def load_config(
     for where, source in ((where_file, from_file), ("command line", from_cli)):
         for section, values in source.items():
             if section not in sections:
-                raise _unknown("section", str(section), list(sections), where)
+                raise unknown_name("section", str(section), list(sections), where)
             if not isinstance(values, Mapping):
                 raise ConfigError(f"{where}: section {section!r} must be a mapping of keys")
     built: dict[str, Any] = {}

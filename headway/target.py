@@ -272,6 +272,17 @@ def load_target(
     return Target(model=model, tokenizer=tokenizer, source=str(name_or_path))
 
 
+def eos_token_ids(target: Target) -> list[int]:
+    """EOS ids from the target's generation config (several for some models), else the
+    tokenizer's."""
+    eos = target.model.generation_config.eos_token_id
+    if eos is None:
+        eos = target.tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+
 def fingerprint(model: PreTrainedModel) -> TargetFingerprint:
     """Architecture, sizes and a hash of the output embedding of `model`."""
     config = model.config.get_text_config()

@@ -36,14 +36,15 @@ from typing import Any
 
 import torch
 
-from headway.api import eos_token_ids, prompt_ids
+from headway.api import prompt_ids
 from headway.decode.bench import RunStats, forward_seconds, timed
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
-from headway.decode.gemm import GemmChoice, routed_linears
-from headway.decode.generate import Drafter, generate
+from headway.decode.gemm import GemmChoice, resolve_gemm, routed_linears
+from headway.decode.generate import Decoder, Drafter, generate
 from headway.decode.kv import new_cache, prefill
+from headway.decode.options import DecodeOptions
 from headway.evalsets import load_prompts
-from headway.target import Target, load_target
+from headway.target import Target, eos_token_ids, load_target
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,9 +68,10 @@ def hf_runner(
 ) -> Callable[[], Any]:
     model = target.model
     extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    route = resolve_gemm(model, gemm)
 
     def run() -> list[int]:
-        with torch.inference_mode(), routed_linears(model, gemm):
+        with torch.inference_mode(), routed_linears(model, route):
             out = model.generate(  # type: ignore[operator]
                 ids.unsqueeze(0),
                 attention_mask=torch.ones_like(ids).unsqueeze(0),
@@ -102,10 +104,10 @@ def headway_runner(
     eos: list[int],
     gemm: GemmChoice,
 ) -> Callable[[], list[int]]:
+    decoder = Decoder(target.model, drafter, DecodeOptions(gemm=gemm))
+
     def run() -> list[int]:
-        result = generate(
-            target.model, ids, drafter=drafter, max_new_tokens=new, eos_token_ids=eos, gemm=gemm
-        )
+        result = decoder.generate(ids, max_new_tokens=new, eos_token_ids=eos)
         stats.accept_lengths += result.accept_lengths[1:]
         return list(result.tokens)
 
@@ -118,6 +120,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
     encoded = [prompt_ids(target, p.text, chat=p.chat).to(device) for p in prompts]
     eos = eos_token_ids(target)
+    routed = resolve_gemm(target.model, "auto")
     depths = [int(d) for d in args.depths.split(",")]
     # Warm-up: one short generation of each kind.
     hf_runner(target, encoded[0], 8, None)()
@@ -139,10 +142,10 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         prefill_s.append(prefill_seconds(target, ids))
         context = torch.cat([ids, ids.new_tensor(reference[: len(reference) // 2])])
         for size in sizes:  # verify cost at the mean context of this prompt's generation
-            forward_ms[size].append(forward_seconds(target.model, context, size, repeats=3))
-            stock_ms[size].append(
-                forward_seconds(target.model, context, size, repeats=3, gemm="stock")
+            forward_ms[size].append(
+                forward_seconds(target.model, context, size, repeats=3, small_blocks=routed)
             )
+            stock_ms[size].append(forward_seconds(target.model, context, size, repeats=3))
         output, seconds = timed(
             hf_runner(target, ids, args.max_new_tokens, args.lookup_tokens), device
         )

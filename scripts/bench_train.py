@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from headway.config import RunConfig, load_config
+from headway.config import load_config
+from headway.run_config import RunConfig
 from headway.target import load_target
 from headway.train.features import OnlineFeatures
 from headway.train.loop_data import training_data

@@ -33,12 +33,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from headway.api import load_drafter, prompt_ids, prompt_lookup_drafter
+from headway.api import prompt_ids
 from headway.decode.bench import timed
-from headway.decode.drafters import PromptLookupDrafter
-from headway.decode.generate import Drafter
+from headway.decode.generate import Decoder, Drafter
+from headway.decode.options import DecodeOptions
+from headway.drafters.build import build_drafter, spec_for
+from headway.drafters.specs import EagleSpec, MedusaSpec, PromptLookupSpec, RetrievalSpec
 from headway.eval.acceptance import acceptance_stats
-from headway.eval.retrieval_drafter import build_retrieval_drafter
 from headway.eval.speed import EvalSettings, drafter_runner, plain_runner
 from headway.evalsets import load_prompts
 from headway.target import Target, load_target
@@ -110,14 +111,16 @@ def hf_runner(lookup: int | None) -> Runner:
     return make
 
 
-def headway_runner(drafter: Drafter) -> Runner:
-    """headway's loop with ``drafter`` (greedy); the result list collects accept lengths."""
+def headway_runner(target: Target, drafter: Drafter, sizing: str = "drafter") -> Runner:
+    """headway's loop with ``drafter`` (greedy), sized by the drafter or by cost through one
+    :class:`Decoder`; the result list collects accept lengths."""
     settings = EvalSettings()
+    decoder = Decoder(target.model, drafter, DecodeOptions(sizing=sizing))  # type: ignore[arg-type]
 
     def make(
         target: Target, ids: torch.Tensor, new: int
     ) -> tuple[Callable[[], list[int]], list[Any]]:
-        return drafter_runner(target, ids, drafter, settings, 0, new)
+        return drafter_runner(target, ids, decoder, settings, 0, new)
 
     return make
 
@@ -133,19 +136,25 @@ def run_method(run_dir: str) -> str:
 
 def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     """Every configuration to compare, baseline first."""
+    lookup = PromptLookupSpec(num_draft_tokens=args.lookup_tokens)
     rows = [
         Row("hf greedy", hf_runner(None)),
         Row("hf prompt lookup", hf_runner(args.lookup_tokens)),
-        Row(
-            "prompt lookup",
-            headway_runner(PromptLookupDrafter(num_draft_tokens=args.lookup_tokens)),
-        ),
+        Row("prompt lookup", headway_runner(target, build_drafter(lookup, target))),
     ]
-    lookup = prompt_lookup_drafter(target, sizing="cost", num_draft_tokens=args.lookup_tokens)
-    rows.append(Row("prompt lookup, cost-sized", headway_runner(lookup)))
+    # cost-sized: full-length continuations ranked by share (the sizer replaces adaptation)
+    sized_lookup = PromptLookupSpec(num_draft_tokens=args.lookup_tokens, adaptive=False)
+    rows.append(
+        Row(
+            "prompt lookup, cost-sized",
+            headway_runner(target, build_drafter(sized_lookup, target), "cost"),
+        )
+    )
     if args.retrieval_data:
-        retrieval = build_retrieval_drafter(target, data=args.retrieval_data)
-        rows.append(Row("retrieval (prompt lookup, then corpus)", headway_runner(retrieval)))
+        retrieval = build_drafter(RetrievalSpec(data=(args.retrieval_data,)), target)
+        rows.append(
+            Row("retrieval (prompt lookup, then corpus)", headway_runner(target, retrieval, "cost"))
+        )
     for run_dir in args.runs:
         method = run_method(run_dir)
         name = Path(run_dir).name
@@ -155,20 +164,21 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
                 "target, which would change every other row. Compare it on its own with "
                 f"`headway eval --heads {run_dir}` (its baseline is the merged target)."
             )
-        if method.startswith("medusa"):
-            medusa = load_drafter(run_dir, target, sizing="fixed")
-            sized_medusa = load_drafter(run_dir, target, sizing="cost")
-            rows.append(Row(f"{method} {name}", headway_runner(medusa)))
-            rows.append(Row(f"{method} cost-sized {name}", headway_runner(sized_medusa)))
-        elif method.startswith("eagle"):
-            chain = load_drafter(run_dir, target, top_k=1, depth=args.eagle_depth, sizing="fixed")
-            tree = load_drafter(run_dir, target, depth=args.eagle_depth, sizing="fixed")
-            sized = load_drafter(run_dir, target, depth=args.eagle_depth, sizing="cost")
-            rows.append(Row(f"{method} chain {name}", headway_runner(chain)))
-            rows.append(Row(f"{method} dynamic tree {name}", headway_runner(tree)))
-            rows.append(Row(f"{method} dynamic tree, cost-sized {name}", headway_runner(sized)))
-        else:
-            rows.append(Row(f"{method} {name}", headway_runner(load_drafter(run_dir, target))))
+        spec = spec_for(heads=run_dir)
+        if isinstance(spec, MedusaSpec):
+            medusa = build_drafter(spec, target)
+            rows.append(Row(f"{method} {name}", headway_runner(target, medusa)))
+            sized = headway_runner(target, build_drafter(spec, target), "cost")
+            rows.append(Row(f"{method} cost-sized {name}", sized))
+        elif isinstance(spec, EagleSpec):
+            depth = args.eagle_depth
+            chain = build_drafter(EagleSpec(heads=run_dir, top_k=1, depth=depth), target)
+            tree = EagleSpec(heads=run_dir, depth=depth)
+            rows.append(Row(f"{method} chain {name}", headway_runner(target, chain)))
+            dynamic = headway_runner(target, build_drafter(tree, target))
+            rows.append(Row(f"{method} dynamic tree {name}", dynamic))
+            sized = headway_runner(target, build_drafter(tree, target), "cost")
+            rows.append(Row(f"{method} dynamic tree, cost-sized {name}", sized))
     return rows
 
 

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from headway.decode import gemm
 from headway.target import Target, load_target
 from tests.tiny import TINY_FAMILIES, tiny_model
 
@@ -38,13 +37,3 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def routed_gemm_wherever_auto_considers_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``gemm="auto"`` routes fp32 CPU models only if timing their largest linear layer finds the
-    transposed product faster; on tiny test models that timing is noise. So every test takes the
-    routed path wherever "auto" considers it, as on the machine it was measured on, and no result
-    depends on a timing; tests/test_gemm.py covers both choices and the timing itself."""
-    monkeypatch.setattr(gemm, "transposed_is_faster", lambda weight: True)
-    monkeypatch.setattr(gemm, "_PREFERENCE", ["auto"])  # a --gemm flag a test passes ends with it

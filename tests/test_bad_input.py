@@ -20,15 +20,16 @@ import datasets
 import pytest
 from transformers import PreTrainedModel
 
-from headway.config import RunConfig, load_config
+from headway.config import load_config
 from headway.errors import ConfigError, DataError, HeadwayError
 from headway.heads.eagle import EagleConfig, EagleModel
 from headway.heads.io import HeadsError, load_heads, save_heads
-from headway.heads.loading import load_drafter
 from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.run_config import RunConfig
 from headway.target import fingerprint
 from headway.train.data import build_dataset
 from headway.train.features import CachedFeatureDataset, cache_features
+from tests.drafting import heads_drafter as load_drafter
 from tests.tiny import TINY_VOCAB, tiny_model
 from tests.tokenizers_fixture import byte_bpe_tokenizer, smollm2_tokenizer
 
@@ -248,7 +249,7 @@ CASES = {
     "infinite loss weight": Case(
         overriding("eagle.ce_loss_weight=inf"), ConfigError, "eagle.ce_loss_weight", "finite"
     ),
-    "EAGLE tree of depth 0": Case(eagle_depth_zero, HeadsError, "depth=0", r"need .*depth >= 1"),
+    "EAGLE tree of depth 0": Case(eagle_depth_zero, ConfigError, "depth=0", r"must be >= 1"),
     "Medusa tree top-k beyond the vocabulary": Case(
         medusa_rank_beyond_vocab, HeadsError, f"rank {TINY_VOCAB}", r"change the tree"
     ),

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from headway.config import RunConfig, describe, load_config, to_dict
+from headway.config import describe, load_config, to_dict
 from headway.errors import ConfigError
+from headway.run_config import RunConfig
 
 
 def write(tmp_path: Path, text: str) -> Path:

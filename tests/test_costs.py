@@ -11,6 +11,7 @@ import torch
 from headway.decode.costs import AcceptanceCalibration, TreeSizer, worth_threshold
 from headway.decode.generate import generate
 from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
+from tests.loop_sized import LoopSized
 from tests.test_generate import hf_greedy
 from tests.tiny import tiny_model
 
@@ -105,7 +106,7 @@ def test_a_corpus_that_is_always_rejected_stops_being_sent() -> None:
     falls with every rejected tree until no node pays for its forward."""
     store = NgramDatastore([[1, 2, 3, 4, 5, 6]] * 3)
     costs = [0.010, 0.013, 0.014, 0.015, 0.016, 0.017, 0.018, 0.019, 0.020]
-    drafter = RetrievalDrafter(store, min_hits=1, verify_costs=costs)
+    drafter = LoopSized(RetrievalDrafter(store, min_hits=1), costs)
     drafter.begin(torch.tensor([7]))
     sequence = torch.tensor([7, 1, 2])
     sizes = []
@@ -122,7 +123,7 @@ def test_a_corpus_that_is_right_keeps_being_sent_and_decoding_is_exact() -> None
     prompt = torch.tensor([5, 17, 42, 8, 91, 23])
     truth = hf_greedy(model, prompt, 32, eos=None)
     costs = [0.010, 0.013, 0.014, 0.015, 0.016, 0.017, 0.018, 0.019, 0.020]
-    drafter = RetrievalDrafter(NgramDatastore([truth] * 3), min_hits=1, verify_costs=costs)
+    drafter = LoopSized(RetrievalDrafter(NgramDatastore([truth] * 3), min_hits=1), costs)
     result = generate(model, prompt, drafter=drafter, max_new_tokens=32, eos_token_ids=())
     assert result.tokens == truth
     assert drafter.calibration.scale > 0.5 and result.tau > 1.5, result.accept_lengths

@@ -15,6 +15,7 @@ from headway.decode.drafters import (
     trie_tree,
 )
 from headway.decode.tree import DraftTree
+from tests.loop_sized import LoopSized
 
 
 def as_lists(tree: DraftTree) -> tuple[list[int], list[int]]:
@@ -133,14 +134,14 @@ def test_prompt_lookup_adapts_its_draft_length_to_acceptance() -> None:
 
 def test_cost_sized_prompt_lookup_sends_what_pays_and_learns_from_rejections() -> None:
     sequence = torch.tensor([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
-    flat = PromptLookupDrafter(num_draft_tokens=4, max_nodes=4, verify_costs=[0.01] * 5)
+    flat = LoopSized(PromptLookupDrafter(num_draft_tokens=4, max_nodes=4), [0.01] * 5)
     flat.begin(sequence[:1])
     assert as_lists(flat.propose(sequence)) == ([4, 5, 6, 7], [-1, 0, 1, 2])
-    steep = PromptLookupDrafter(num_draft_tokens=4, max_nodes=4, verify_costs=[0.01] + [1.0] * 4)
+    steep = LoopSized(PromptLookupDrafter(num_draft_tokens=4, max_nodes=4), [0.01] + [1.0] * 4)
     steep.begin(sequence[:1])
     assert steep.propose(sequence).size == 0
     costs = [0.010, 0.013, 0.014, 0.015, 0.016]
-    learning = PromptLookupDrafter(num_draft_tokens=4, max_nodes=4, verify_costs=costs)
+    learning = LoopSized(PromptLookupDrafter(num_draft_tokens=4, max_nodes=4), costs)
     learning.begin(sequence[:1])
     sizes = []
     for _ in range(10):
@@ -148,14 +149,14 @@ def test_cost_sized_prompt_lookup_sends_what_pays_and_learns_from_rejections() -
         learning.observe(torch.tensor([9]), ())  # nothing accepted, only the bonus token
     assert sizes[0] == 4 and sizes[-1] == 0 and learning.calibration.scale < 0.3
     with pytest.raises(ValueError, match="verify_costs has 2 entries"):
-        PromptLookupDrafter(max_nodes=4, verify_costs=[0.01, 0.02])
+        LoopSized(PromptLookupDrafter(max_nodes=4), [0.01, 0.02])
 
 
 def test_a_tree_never_verified_does_not_reach_the_next_prompts_calibration() -> None:
     """Generation can stop right after a proposal (max_new_tokens); the next prompt's first
     observe is the prefill (prompt + first token), which must not count as accepted drafts."""
     sequence = torch.tensor([1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
-    drafter = PromptLookupDrafter(num_draft_tokens=4, max_nodes=4, verify_costs=[0.01] * 5)
+    drafter = LoopSized(PromptLookupDrafter(num_draft_tokens=4, max_nodes=4), [0.01] * 5)
     drafter.begin(sequence[:1])
     assert drafter.propose(sequence).size == 4
     drafter.begin(sequence)

@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from headway.config import EagleSection, RunConfig, load_config
+from headway.config import load_config
 from headway.errors import ConfigError
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
+from headway.run_config import EagleSection, RunConfig
 from headway.target import load_target
 from headway.train import loop
 from headway.train.data import build_dataset, pad_collate, pad_id_of

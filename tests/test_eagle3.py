@@ -17,15 +17,15 @@ from safetensors.torch import load_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
-from headway.config import RunConfig, load_config
+from headway.config import load_config
 from headway.decode.generate import generate
 from headway.decode.sampling import SamplingParams
 from headway.errors import ConfigError
 from headway.heads.drafter_eagle3 import Eagle3Drafter
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model, default_feature_layers
-from headway.heads.loading import load_drafter
 from headway.heads.vocab import DraftVocab, choose_vocab, token_counts
+from headway.run_config import RunConfig
 from headway.target import Target, load_target
 from headway.train import loop
 from headway.train.batching import document_attention_mask
@@ -40,6 +40,7 @@ from headway.train.features import (
 from headway.train.losses_eagle import eagle3_loss, eagle3_loss_reference
 from headway.train.method_eagle3 import Eagle3, ttt_attention_mask, ttt_unroll, ttt_unroll_reference
 from headway.train.methods import build_method
+from tests.drafting import heads_drafter as load_drafter
 from tests.test_eagle_drafter import Recorder
 from tests.test_generate import chi_square, exact_two_token_probs, hf_greedy
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_config

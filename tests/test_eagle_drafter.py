@@ -6,6 +6,7 @@ fresh drafter; sampling stays the target's distribution."""
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,15 +17,19 @@ from headway.decode.costs import best_prefix, verify_cost_table
 from headway.decode.generate import generate
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree, ancestor_mask
+from headway.errors import ConfigError
 from headway.heads.drafter_eagle import (
     AUTO_CANDIDATES,
     EagleDrafter,
     auto_total_tokens,
-    build_eagle_drafter,
     select_nodes,
 )
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
+from headway.heads.io import save_heads
+from headway.target import fingerprint
 from headway.train.losses_eagle import eagle_loss
+from tests.drafting import heads_drafter
+from tests.loop_sized import LoopSized
 from tests.test_generate import chi_square, exact_two_token_probs, hf_greedy, sharp_gpt2
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model
 
@@ -244,8 +249,8 @@ class Recorder:
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         self.inner.observe(new_tokens, hidden)
 
-    def propose(self, sequence: Tensor) -> DraftTree:
-        tree = self.inner.propose(sequence)
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
+        tree = self.inner.propose(sequence, floor)
         self.proposals.append((sequence.clone(), tree))
         return tree
 
@@ -294,18 +299,33 @@ def test_tree_auto_times_the_target_and_weighs_the_assumed_gain() -> None:
     assert measured in AUTO_CANDIDATES
 
 
-def test_build_options_and_the_auto_hook() -> None:
-    model, _ = target_and_truth("llama")
+def _run_dir(tmp_path: Path, model: Any) -> Path:
     config = EagleConfig.from_target(model)
-    state = EagleModel(config).state_dict()
-    auto = build_eagle_drafter(config, state, model, hidden_layer=LAST, choices="auto")
-    assert auto.total_tokens in AUTO_CANDIDATES
-    sized = build_eagle_drafter(config, state, model, hidden_layer=LAST, top_k=2, depth=3)
-    assert (sized.top_k, sized.depth) == (2, 3)
-    with pytest.raises(ValueError, match="dynamic trees"):
-        build_eagle_drafter(config, state, model, hidden_layer=LAST, choices=[[0], [1]])
-    with pytest.raises(ValueError, match="total_tokens >= 2"):
-        build_eagle_drafter(config, state, model, hidden_layer=LAST, total_tokens=1)
+    return save_heads(
+        tmp_path / "eagle",
+        method="eagle1",
+        head_config=config.to_dict(),
+        state_dict=EagleModel(config).state_dict(),
+        target_fingerprint=fingerprint(model),
+        target_name="tiny",
+    )
+
+
+def test_spec_options_and_the_auto_tree(tmp_path: Path) -> None:
+    model, _ = target_and_truth("llama")
+    run = _run_dir(tmp_path, model)
+    auto = heads_drafter(run, model, tree="auto")
+    assert isinstance(auto, EagleDrafter) and auto.total_tokens in AUTO_CANDIDATES
+    sized = heads_drafter(run, model, top_k=2, depth=3)
+    assert isinstance(sized, EagleDrafter) and (sized.top_k, sized.depth) == (2, 3)
+    with pytest.raises(ConfigError, match=r"tree: .* is not 'default' or 'auto'"):
+        heads_drafter(run, model, tree=[[0], [1]])
+    with pytest.raises(ConfigError, match="total_tokens=1 must be >= 2"):
+        heads_drafter(run, model, total_tokens=1)
+    with pytest.raises(ConfigError, match="did you mean 'top_k'"):
+        heads_drafter(run, model, topk=2)
+    with pytest.raises(ConfigError, match=r"decoding option.*--sizing cost"):
+        heads_drafter(run, model, sizing="cost")
 
 
 # ------------------------------------------------------------------------------ sampling
@@ -398,8 +418,8 @@ def test_cost_sized_trees_stay_lossless_and_follow_the_costs(family: str) -> Non
     ).propose(sequence)
 
     def sized(costs: list[float]) -> EagleDrafter:
-        return EagleDrafter(
-            trained(family), TargetHead.of(model), hidden_layer=LAST, verify_costs=costs, **TREE
+        return LoopSized(
+            EagleDrafter(trained(family), TargetHead.of(model), hidden_layer=LAST, **TREE), costs
         )
 
     free = fed(sized([0.01] * budget), model, sequence).propose(sequence)
@@ -408,7 +428,7 @@ def test_cost_sized_trees_stay_lossless_and_follow_the_costs(family: str) -> Non
     unsure = fed(sized([0.01] + [1.0] * (budget - 1)), model, sequence)
     assert unsure.propose(sequence).size == 0
     # no node could pay, so the tree stopped after level 1: no frontier forward in the draft cache
-    assert unsure._cache.get_seq_length() == sequence.numel() - 1
+    assert unsure.drafter._cache.get_seq_length() == sequence.numel() - 1  # type: ignore[attr-defined]
     real = sized(verify_cost_table(model, budget))
     tree = fed(real, model, sequence).propose(sequence)
     if tree.size:
@@ -417,14 +437,3 @@ def test_cost_sized_trees_stay_lossless_and_follow_the_costs(family: str) -> Non
     assert result.tokens == truth
     with pytest.raises(ValueError, match="verify_costs has 2 entries"):
         sized([0.01, 0.02])
-
-
-def test_sizing_option_of_the_builders() -> None:
-    model, _ = target_and_truth("llama")
-    config = EagleConfig.from_target(model)
-    state = EagleModel(config).state_dict()
-    assert build_eagle_drafter(config, state, model, hidden_layer=LAST).verify_costs is None
-    cost = build_eagle_drafter(config, state, model, hidden_layer=LAST, sizing="cost")
-    assert cost.verify_costs is not None and len(cost.verify_costs) == cost.total_tokens
-    with pytest.raises(ValueError, match="sizing='some'"):
-        build_eagle_drafter(config, state, model, hidden_layer=LAST, sizing="some")

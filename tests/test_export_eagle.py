@@ -20,12 +20,11 @@ from headway.heads.eagle import EagleConfig, EagleModel
 from headway.heads.export_eagle import (
     export_eagle1,
     import_eagle1,
-    load_eagle1_drafter,
     reference_tensor_names,
 )
 from headway.heads.io import HeadsError, load_heads, save_heads
-from headway.heads.loading import load_drafter
 from headway.target import fingerprint
+from tests.drafting import heads_drafter as load_drafter
 from tests.test_eagle_drafter import PROMPT, TREE, fit_drafter, hf_greedy
 from tests.tiny import TINY_VOCAB, tiny_model
 
@@ -167,10 +166,10 @@ def test_reference_style_folder_loads(run: Path, target: Any, tmp_path: Path) ->
     assert imported.fingerprint is None and imported.config.fc_bias is True
     assert imported.config.head_dim == 8  # hidden / heads
     assert "embed_tokens.weight" not in imported.state_dict
-    drafter = load_eagle1_drafter(folder, target, **TREE)
+    drafter = load_drafter(folder, target, **TREE)
     assert drafter.propose(PROMPT).size == 0  # a working drafter, nothing observed yet
     with pytest.raises(HeadsError, match="not even with force"):
-        load_eagle1_drafter(folder, tiny_model("llama", vocab_size=64))
+        load_drafter(folder, tiny_model("llama", vocab_size=64))
 
 
 def test_errors_are_clear(run: Path, target: Any, tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ from headway.heads.export_eagle3 import (
     reference_tensor_names,
 )
 from headway.heads.io import HeadsError, load_heads, save_heads
-from headway.heads.loading import load_drafter
 from headway.target import fingerprint
+from tests.drafting import heads_drafter as load_drafter
 from tests.test_eagle3 import ENGINE_NAMES, PROMPT, TAPS, TREE, target_and_truth, tiny4, trained
 
 H, V = 32, 96

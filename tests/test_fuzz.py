@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
-from headway.config import RunConfig, load_config
+from headway.config import load_config
 from headway.errors import ConfigError, DataError, HeadwayError
+from headway.run_config import RunConfig
 from headway.train.chat_format import tokenize_sample
 from headway.train.data import build_dataset
 from headway.train.sources import load_conversations

@@ -26,9 +26,9 @@ from headway.heads.export import export_medusa, export_medusa_vllm
 from headway.heads.export_eagle import export_eagle1
 from headway.heads.export_eagle3 import export_eagle3
 from headway.heads.io import save_heads
-from headway.heads.loading import load_drafter
 from headway.heads.vocab import DraftVocab
 from headway.target import fingerprint
+from tests.drafting import heads_drafter as load_drafter
 from tests.test_eagle3 import tiny4
 from tests.test_export_eagle import save_run
 from tests.test_heads_io import save, trained_like_heads

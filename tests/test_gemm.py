@@ -12,13 +12,14 @@ from headway.decode import gemm
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.gemm import (
     MAX_ROWS,
+    resolve_gemm,
     routed_linears,
-    routes,
     small_block_linear,
     transposed_is_faster,
 )
 from headway.decode.generate import generate
 from headway.decode.kv import new_cache, prefill, tree_forward
+from headway.decode.options import DecodeOptions
 from tests.test_generate import hf_greedy
 from tests.tiny import TINY_FAMILIES, tiny_model
 
@@ -52,7 +53,7 @@ def test_routed_linear_equals_f_linear(rows: int, bias: bool, pad_single: bool) 
         assert torch.equal(routed, functional.linear(x, layer.weight, layer.bias))
 
 
-def test_routes_follows_device_dtype_choice_and_measurement(
+def test_resolve_gemm_follows_device_dtype_choice_and_measurement(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     measured: list[tuple[int, ...]] = []
@@ -63,42 +64,37 @@ def test_routes_follows_device_dtype_choice_and_measurement(
 
     monkeypatch.setattr(gemm, "transposed_is_faster", faster)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 16))
-    assert routes(model, "auto") and measured == [(16, 4)]  # fp32 on CPU: the largest is timed
+    assert resolve_gemm(model, "auto") and measured == [(16, 4)]  # fp32 CPU: the largest timed
     monkeypatch.setattr(gemm, "transposed_is_faster", lambda weight: False)
-    assert not routes(model, "auto")  # measured no faster here: stock
-    assert not routes(model, "stock")
-    assert routes(model.to(torch.bfloat16), "transposed")
+    assert not resolve_gemm(model, "auto")  # measured no faster here: stock
+    assert not resolve_gemm(model, "stock")
+    assert resolve_gemm(model.to(torch.bfloat16), "transposed")
     monkeypatch.setattr(gemm, "transposed_is_faster", faster)
-    assert not routes(model, "auto") and len(measured) == 1  # bf16: never considered
-    assert not routes(nn.ReLU(), "auto")  # no linear layer at all
+    assert not resolve_gemm(model, "auto") and len(measured) == 1  # bf16: never considered
+    assert not resolve_gemm(nn.ReLU(), "auto")  # no linear layer at all
     with pytest.raises(ValueError, match="gemm must be"):
-        routes(model, "fast")  # type: ignore[arg-type]
+        resolve_gemm(model, "fast")  # type: ignore[arg-type]
 
 
-def test_set_preference_decides_what_auto_means() -> None:
-    model = nn.Linear(4, 4)
-    assert routes(model, "auto")  # the measured choice (fixed to "faster" in conftest)
-    gemm.set_preference("stock")
-    assert not routes(model, "auto") and routes(model, "transposed")
-    gemm.set_preference("transposed")
-    assert routes(model.to(torch.bfloat16), "auto") and not routes(model, "stock")
-    gemm.set_preference("auto")
-    assert not routes(model, "auto")  # bf16: back to the measured choice, which skips it
-    with pytest.raises(ValueError, match="gemm must be"):
-        gemm.set_preference("fast")  # type: ignore[arg-type]
+def test_gemm_module_keeps_no_state() -> None:
+    """Nothing a call decides is remembered: no process-wide preference, no measurement memo."""
+    state = {
+        name: value
+        for name, value in vars(gemm).items()
+        if not name.startswith("__") and isinstance(value, dict | list | set)
+    }
+    assert state == {}
 
 
-def test_transposed_is_faster_times_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemm, "_MEASURED", {})
-    timings = iter([1.0, 0.5, 1.0, 0.9])  # (stock, transposed) per timed shape
+def test_transposed_is_faster_compares_the_two_timings() -> None:
+    timings = iter([1.0, 0.5, 1.0, 0.9])  # (stock, transposed) per call
 
     def seconds(function: object) -> float:
         return next(timings)
 
     assert transposed_is_faster(torch.zeros(8, 4), seconds=seconds)  # 0.5 <= 0.8 x 1.0
-    assert transposed_is_faster(torch.zeros(8, 4), seconds=seconds)  # remembered, not timed
     assert not transposed_is_faster(torch.zeros(8, 5), seconds=seconds)  # 0.9: not enough
-    assert next(timings, None) is None  # exactly two shapes were timed
+    assert next(timings, None) is None
 
 
 class _Quantized(nn.Linear):
@@ -110,20 +106,20 @@ def test_routing_is_scoped_and_leaves_other_layers_alone() -> None:
     own_forward = wrapped.forward
     wrapped.__dict__["forward"] = own_forward  # as accelerate's hooks install one
     model = nn.Sequential(plain, subclass, wrapped)
-    with routed_linears(model, "transposed"):
+    with routed_linears(model, True):
         assert "forward" in plain.__dict__
         assert "forward" not in subclass.__dict__
         assert wrapped.__dict__["forward"] is own_forward
-        with routed_linears(model, "transposed"):  # nested: the outer one owns the install
+        with routed_linears(model, True):  # nested: the outer one owns the install
             pass
         assert "forward" in plain.__dict__
     assert "forward" not in plain.__dict__ and wrapped.__dict__["forward"] is own_forward
-    with pytest.raises(RuntimeError), routed_linears(model, "transposed"):
+    with pytest.raises(RuntimeError), routed_linears(model, True):
         raise RuntimeError("a failing forward")
     assert "forward" not in plain.__dict__  # removed on error too
 
 
-def _routed_flags(model: nn.Module, block: int, gemm: str) -> tuple[torch.Tensor, list[bool]]:
+def _routed_flags(model: nn.Module, block: int, route: bool) -> tuple[torch.Tensor, list[bool]]:
     """Logits of one tree forward over a chain of ``block`` tokens after PROMPT, and whether the
     LM head ran with the routed forward installed."""
     cache = new_cache(model)
@@ -133,7 +129,7 @@ def _routed_flags(model: nn.Module, block: int, gemm: str) -> tuple[torch.Tensor
     handle = head.register_forward_pre_hook(lambda m, _: flags.append("forward" in m.__dict__))
     tokens = torch.arange(20, 20 + block)[None]
     parents = torch.arange(-1, block - 2)
-    logits, _ = tree_forward(model, cache, tokens, parents, PROMPT.numel(), gemm=gemm)  # type: ignore[arg-type]
+    logits, _ = tree_forward(model, cache, tokens, parents, PROMPT.numel(), small_blocks=route)
     handle.remove()
     return logits, flags
 
@@ -142,11 +138,11 @@ def _routed_flags(model: nn.Module, block: int, gemm: str) -> tuple[torch.Tensor
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_tree_forward_routes_blocks_of_two_or_more_only(family: str) -> None:
     model = tiny_model(family)
-    single, single_flags = _routed_flags(model, 1, "transposed")
-    stock_single, _ = _routed_flags(model, 1, "stock")
+    single, single_flags = _routed_flags(model, 1, True)
+    stock_single, _ = _routed_flags(model, 1, False)
     assert single_flags == [False] and torch.equal(single, stock_single)  # 1 token: stock, exact
-    block, flags = _routed_flags(model, 4, "transposed")
-    stock_block, stock_flags = _routed_flags(model, 4, "stock")
+    block, flags = _routed_flags(model, 4, True)
+    stock_block, stock_flags = _routed_flags(model, 4, False)
     assert flags == [True] and stock_flags == [False]
     torch.testing.assert_close(block, stock_block, atol=1e-5, rtol=0)
     assert "forward" not in model.get_output_embeddings().__dict__
@@ -165,6 +161,6 @@ def test_greedy_output_is_identical_with_either_gemm(family: str, gemm: str) -> 
             drafter=drafter,
             max_new_tokens=24,
             eos_token_ids=[],
-            gemm=gemm,  # type: ignore[arg-type]
+            options=DecodeOptions(gemm=gemm),  # type: ignore[arg-type]
         )
         assert result.tokens == expected

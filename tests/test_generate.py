@@ -13,8 +13,10 @@ from torch import Tensor
 
 from headway.decode.drafters import AdversarialDrafter, OracleDrafter, PromptLookupDrafter
 from headway.decode.generate import Drafter, generate
+from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams, probs_from_logits
 from headway.decode.tree import DraftTree
+from tests.loop_sized import LoopSized
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model
 
 PROMPT = torch.tensor([1, 5, 17, 33, 8, 40, 41, 9])
@@ -45,8 +47,9 @@ DRAFTERS: dict[str, Callable[[list[int]], Drafter | None]] = {
     "oracle-tree": lambda truth: OracleDrafter(truth, DEPTH, width=3),
     "adversarial": lambda truth: AdversarialDrafter(TINY_VOCAB, 3, 2, truth),
     "prompt-lookup": lambda truth: PromptLookupDrafter(num_draft_tokens=5, max_nodes=12),
-    "prompt-lookup-cost-sized": lambda truth: PromptLookupDrafter(
-        num_draft_tokens=5, max_nodes=12, verify_costs=[0.010 + 0.001 * m for m in range(13)]
+    "prompt-lookup-cost-sized": lambda truth: LoopSized(
+        PromptLookupDrafter(num_draft_tokens=5, max_nodes=12),
+        [0.010 + 0.001 * m for m in range(13)],
     ),
 }
 
@@ -183,9 +186,9 @@ class RecordingDrafter:
     def begin(self, prompt_ids: Tensor) -> None:
         self.inner.begin(prompt_ids)
 
-    def propose(self, sequence: Tensor) -> DraftTree:
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         self.sequences.append(sequence.clone())
-        return self.inner.propose(sequence)
+        return self.inner.propose(sequence, floor)
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         self.tokens.append(new_tokens.clone())
@@ -223,7 +226,7 @@ def test_sampling_is_reproducible_and_typical_acceptance_runs() -> None:
             sampling=hot,
             eos_token_ids=(),
             generator=torch.Generator().manual_seed(seed),
-            acceptance=acceptance,  # type: ignore[arg-type]
+            options=DecodeOptions(acceptance=acceptance),  # type: ignore[arg-type]
         ).tokens
 
     assert run(3) == run(3)
@@ -235,7 +238,7 @@ def test_sampling_is_reproducible_and_typical_acceptance_runs() -> None:
         drafter=OracleDrafter(truth, 3),
         max_new_tokens=12,
         eos_token_ids=(),
-        acceptance="typical",
+        options=DecodeOptions(acceptance="typical"),
     )
     assert greedy_typical.tokens == truth  # temperature 0: typical falls back to greedy
 
@@ -282,7 +285,7 @@ class TableDrafter:
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         return None
 
-    def propose(self, sequence: Tensor) -> DraftTree:
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         uniform = torch.full((TINY_VOCAB,), 1.0 / TINY_VOCAB)
         q = 0.6 * self.table[int(sequence[self.prompt_len])] + 0.4 * uniform
         if self.random:

@@ -12,20 +12,16 @@ import torch
 from torch import Tensor
 
 import headway.heads.io as heads_io
-from headway.decode.tree import DraftTree, chain
 from headway.errors import HeadwayError, TargetError
 from headway.heads.drafter_medusa import MedusaDrafter
 from headway.heads.io import (
-    DRAFTER_METHODS,
     HeadsError,
-    LoadedHeads,
-    MethodSpec,
     load_heads,
     save_heads,
 )
-from headway.heads.loading import load_drafter
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.target import fingerprint
+from tests.drafting import heads_drafter as load_drafter
 from tests.tiny import TINY_VOCAB, tiny_model
 
 CONFIG = MedusaConfig(num_heads=2, num_layers=1, hidden_size=32, vocab_size=TINY_VOCAB)
@@ -227,34 +223,6 @@ def test_load_drafter_checks_the_target_fingerprint(
     smaller = tiny_model("llama", vocab_size=64)
     with pytest.raises(HeadsError, match="not even with force"):
         load_drafter(run, smaller, force=True)
-
-
-def test_new_methods_register_without_touching_the_loader(
-    tmp_path: Path, target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    class FixedDrafter:
-        hidden_layers: tuple[int, ...] = ()
-
-        def __init__(self, loaded: LoadedHeads, depth: int) -> None:
-            self.token = int(loaded.state_dict["token"])
-            self.depth = depth
-
-        def begin(self, prompt_ids: Tensor) -> None: ...
-
-        def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None: ...
-
-        def propose(self, sequence: Tensor) -> DraftTree:
-            return chain([self.token] * self.depth)
-
-    spec = MethodSpec(
-        tensor_shapes=lambda config: {"token": ()},
-        build=lambda loaded, model, **options: FixedDrafter(loaded, **options),
-    )
-    monkeypatch.setitem(DRAFTER_METHODS, "fixed", spec)
-    run = save(tmp_path / "run", target, {"token": torch.tensor(5)}, method="fixed", head_config={})
-    drafter = load_drafter(run, target, depth=2)
-    assert isinstance(drafter, FixedDrafter)
-    assert drafter.propose(torch.tensor([1])).tokens.tolist() == [5, 5]
 
 
 def test_weight_files_get_the_users_permissions(tmp_path: Path) -> None:

@@ -17,14 +17,16 @@ from torch import Tensor, nn
 
 import headway
 from headway.cli import main
-from headway.config import RunConfig, load_config
+from headway.config import load_config
 from headway.decode.generate import generate
+from headway.drafters.build import build_drafter, spec_for
 from headway.errors import ConfigError, TargetError
 from headway.eval.heads_only import heads_only
-from headway.eval.run import DrafterSpec, load_eval_drafter
+from headway.eval.run import describe_drafter
 from headway.heads.export_medusa2 import export_medusa2_target
 from headway.heads.io import HeadsError, load_heads, save_heads
 from headway.heads.medusa2 import ADAPTER_DIR, MERGED_ATTRIBUTE
+from headway.run_config import RunConfig
 from headway.target import Target, fingerprint, load_target
 from headway.train import loop
 from headway.train.method_medusa2 import Medusa2
@@ -315,7 +317,8 @@ def test_loop_saves_heads_and_adapter_and_eval_decodes_the_merged_target(
     target = load_target(workspace / "target", device="cpu")
     base = copy.deepcopy(target.model)
     with caplog.at_level(logging.INFO, logger="headway.heads.medusa2"):
-        drafter, info = load_eval_drafter(DrafterSpec(heads=loop_run), target)
+        spec = spec_for(heads=loop_run)
+        drafter, info = build_drafter(spec, target), describe_drafter(spec)
     assert info["method"] == "medusa2"
     assert [r for r in caplog.records if "merged the Medusa-2 LoRA adapter" in r.message]
     # `headway eval` then decodes both ways with this target: the baseline is the merged model.

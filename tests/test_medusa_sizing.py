@@ -13,11 +13,13 @@ import torch
 from torch import Tensor
 
 from headway.decode.costs import best_prefix
-from headway.decode.generate import generate
+from headway.decode.generate import Decoder, generate
+from headway.decode.options import DecodeOptions
 from headway.heads.drafter_medusa import DEFAULT_CHOICES, MedusaDrafter, final_hidden_layer
 from headway.heads.io import HeadsError
-from headway.heads.loading import load_drafter
 from headway.heads.medusa import MedusaConfig, MedusaHeads
+from tests.drafting import heads_drafter as load_drafter
+from tests.loop_sized import LoopSized
 from tests.test_generate import hf_greedy
 from tests.test_heads_io import save, trained_like_heads
 from tests.test_medusa import train_heads
@@ -44,9 +46,13 @@ def small_heads(seed: int = 0, scale: float = 3.0) -> MedusaHeads:
     return heads
 
 
-def observed(heads: MedusaHeads, verify_costs: list[float] | None) -> tuple[MedusaDrafter, Tensor]:
-    """A drafter on ``heads`` that has observed one step; also the state ``[H]`` it keeps."""
-    drafter = MedusaDrafter(heads, hidden_layer=2, verify_costs=verify_costs)
+def observed(
+    heads: MedusaHeads, verify_costs: list[float] | None
+) -> tuple[MedusaDrafter | LoopSized, Tensor]:
+    """A drafter on ``heads`` (sized as the loop sizes it with ``verify_costs``) that has
+    observed one step; also the state ``[H]`` it keeps."""
+    plain = MedusaDrafter(heads, hidden_layer=2)
+    drafter = plain if verify_costs is None else LoopSized(plain, verify_costs)
     drafter.begin(PROMPT)
     hidden = torch.randn(3, 8, generator=torch.Generator().manual_seed(7))
     drafter.observe(torch.tensor([4, 5, 6]), (hidden,))
@@ -87,7 +93,7 @@ def test_flat_costs_send_the_whole_tree_and_steep_costs_nothing() -> None:
 def test_the_kept_nodes_are_the_best_estimated_ones_and_a_tree() -> None:
     costs = [0.010 * (1 + 0.15 * m) for m in range(NODES + 1)]
     drafter, hidden = observed(small_heads(), costs)
-    nodes = reference_nodes(drafter.heads, hidden)
+    nodes = reference_nodes(drafter.drafter.heads, hidden)  # type: ignore[union-attr]
     best_first = sorted(nodes, key=lambda path: -nodes[path][1])  # stable: parents first on ties
     count = best_prefix(torch.tensor([nodes[path][1] for path in best_first]), costs)
     assert 0 < count < NODES  # the costs cut the tree somewhere inside
@@ -107,7 +113,7 @@ def test_heads_that_are_always_rejected_stop_being_sent() -> None:
     calibration falls with every rejected tree until no node pays for its forward."""
     costs = [0.010, 0.013, 0.014, 0.015, 0.016, 0.017, 0.018, 0.019, 0.020]
     costs += [0.021 + 0.001 * m for m in range(NODES + 1 - len(costs))]
-    drafter = MedusaDrafter(small_heads(scale=10.0), hidden_layer=2, verify_costs=costs)
+    drafter = LoopSized(MedusaDrafter(small_heads(scale=10.0), hidden_layer=2), costs)
     drafter.begin(PROMPT)
     hidden = (torch.randn(1, 8, generator=torch.Generator().manual_seed(3)),)
     sizes = []
@@ -130,7 +136,7 @@ def test_cost_sized_medusa_keeps_greedy_output(tiny_target: torch.nn.Module) -> 
     layer = final_hidden_layer(tiny_target)
 
     def run(costs: list[float]) -> tuple[list[int], float]:
-        drafter = MedusaDrafter(heads, hidden_layer=layer, verify_costs=costs)
+        drafter = LoopSized(MedusaDrafter(heads, hidden_layer=layer), costs)
         result = generate(
             tiny_target, PROMPT, drafter=drafter, max_new_tokens=NEW_TOKENS, eos_token_ids=()
         )
@@ -145,15 +151,19 @@ def test_cost_sized_medusa_keeps_greedy_output(tiny_target: torch.nn.Module) -> 
     assert tau > 2.5  # fitted heads: sure, and right, so whole paths are sent and accepted
 
 
-def test_the_loader_times_the_target_for_sizing_cost(tmp_path: Path) -> None:
+def test_the_decoder_times_the_target_once_for_sizing_cost(tmp_path: Path) -> None:
     target = tiny_model("llama")
     run = save(tmp_path / "run", target, trained_like_heads(target))
-    fixed = load_drafter(run, target)
-    assert isinstance(fixed, MedusaDrafter) and fixed.verify_costs is None
-    sized = load_drafter(run, target, sizing="cost", choices=[[0], [1], [0, 0]])
+    sized = load_drafter(run, target, choices=[[0], [1], [0, 0]])
     assert isinstance(sized, MedusaDrafter) and sized.tree.choices == ((0,), (1,), (0, 0))
-    assert sized.verify_costs is not None and len(sized.verify_costs) == 4
-    with pytest.raises(HeadsError, match="sizing='some': choose 'fixed' or 'cost'"):
-        load_drafter(run, target, sizing="some")
+    decoder = Decoder(target, sized, DecodeOptions(sizing="cost"))
+    truth = hf_greedy(target, PROMPT, 8, eos=None)
+    for _ in range(2):  # one table, one calibration over both prompts
+        result = decoder.generate(PROMPT, max_new_tokens=8, eos_token_ids=())
+        assert result.tokens == truth
+    assert decoder.sizer is not None and len(decoder.sizer.costs) == 4
+    assert Decoder(target, sized).sizer is None
+    with pytest.raises(ValueError, match="sizing='some'"):
+        DecodeOptions(sizing="some")  # type: ignore[arg-type]
     with pytest.raises(HeadsError, match="change the tree"):
-        load_drafter(run, target, sizing="cost", choices=[[0], [TINY_VOCAB]])
+        load_drafter(run, target, choices=[[0], [TINY_VOCAB]])

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from headway.config import RunConfig, load_config
+from headway.config import load_config
 from headway.errors import ConfigError
+from headway.run_config import RunConfig
 from headway.target import Target, load_target
 from headway.train.batching import pack, pad_collate
 from headway.train.data import build_dataset, pad_id_of

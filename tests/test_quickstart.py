@@ -12,9 +12,9 @@ from headway.cli import main
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.merged import MergedDrafter, tree_paths
 from headway.decode.tree import chain
-from headway.eval.calibrate import choose_threshold
 from headway.heads.drafter_confident import ConfidentMedusaDrafter
 from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.quickstart.calibrate import choose_threshold
 
 
 def test_tiny_quickstart_runs_every_stage_then_resumes(

@@ -15,9 +15,11 @@ from headway.decode.generate import generate
 from headway.decode.merged import FirstDrafter
 from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
 from headway.decode.tree import ancestor_mask
+from headway.drafters.build import build_drafter
+from headway.drafters.specs import RetrievalSpec
 from headway.errors import HeadwayError
-from headway.eval.retrieval_drafter import build_retrieval_drafter
 from headway.target import load_target
+from tests.loop_sized import LoopSized
 from tests.test_eval import _tiny_target
 from tests.test_generate import hf_greedy
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model
@@ -59,13 +61,13 @@ def test_retrieval_drafter_sends_what_the_corpus_or_the_costs_justify() -> None:
     sequence = torch.tensor([5, 2, 3])
     by_share = RetrievalDrafter(store, num_draft_tokens=2, min_hits=1, min_share=0.5)
     assert as_lists(by_share.propose(sequence)) == ([4, 5], [-1, 0])
-    free = RetrievalDrafter(store, num_draft_tokens=2, min_hits=1, verify_costs=[0.01] * 9)
+    free = LoopSized(RetrievalDrafter(store, num_draft_tokens=2, min_hits=1), [0.01] * 9)
     tree = free.propose(sequence)
     assert tree.size == 4 and bool(ancestor_mask(tree.parents)[:, 0].all())
-    steep = RetrievalDrafter(store, min_hits=1, verify_costs=[0.01] + [1.0] * 8)
+    steep = LoopSized(RetrievalDrafter(store, min_hits=1), [0.01] + [1.0] * 8)
     assert steep.propose(sequence).size == 0
     with pytest.raises(ValueError, match="verify_costs has 3 entries"):
-        RetrievalDrafter(store, verify_costs=[0.01, 0.02, 0.03])
+        LoopSized(RetrievalDrafter(store), [0.01, 0.02, 0.03])
 
 
 def test_first_drafter_takes_the_first_non_empty_tree() -> None:
@@ -119,12 +121,12 @@ def test_built_from_a_chat_corpus_and_run_from_the_cli(
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     target = load_target(folder, device="cpu")
-    drafter = build_retrieval_drafter(target, data=str(data), sizing="share", min_hits=1)
+    drafter = build_drafter(RetrievalSpec(data=(str(data),), min_hits=1), target)
     store = drafter.drafters[1].datastore  # type: ignore[attr-defined]
     expected = target.tokenizer(answer, add_special_tokens=False)["input_ids"]
     assert len(store.sequences) == 3 and store.sequences[0][:-1] == expected
     with pytest.raises(HeadwayError, match="needs a corpus"):
-        build_retrieval_drafter(target)
+        RetrievalSpec()
     command = ["generate", "--target", str(folder), "--device", "cpu", "--drafter", "retrieval"]
     assert main([*command, "--max-new-tokens", "4", "hello"]) == 2
     assert "needs a corpus" in capsys.readouterr().err

@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from headway.config import RunConfig, load_config
+from headway.config import load_config
+from headway.run_config import RunConfig
 from headway.target import load_target
 from headway.train import loop
 from headway.train.data import build_dataset, pad_collate, pad_id_of

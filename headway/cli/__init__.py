@@ -18,8 +18,9 @@ from headway.cli.eval import add_eval
 from headway.cli.export import add_export
 from headway.cli.quickstart import add_quickstart
 from headway.cli.values import OneLineParser
-from headway.config import RunConfig, describe
+from headway.config import describe
 from headway.errors import HeadwayError
+from headway.run_config import RunConfig
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -65,6 +66,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         help="generate text with speculative decoding (lossless)",
         description="Generate from one or more prompts. Output is identical to plain greedy "
         "decoding at temperature 0 (fp32) and follows the target's distribution when sampling.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_target_flags(parser)
     add_generate_flags(parser)

@@ -6,6 +6,9 @@ import argparse
 import json
 from typing import Any
 
+from headway.decode.generate import Drafter
+from headway.decode.options import DecodeOptions
+from headway.drafters.specs import DrafterSpec, describe_specs
 from headway.errors import HeadwayError
 from headway.target import Target, load_target, resolve_device
 
@@ -54,8 +57,18 @@ def target_from_flags(args: argparse.Namespace) -> Target:
     )
 
 
-def add_gemm_flag(parser: argparse.ArgumentParser) -> None:
-    """``--gemm``, applied with :func:`apply_gemm_flag`."""
+def add_decode_flags(parser: argparse.ArgumentParser) -> None:
+    """``--sizing``, ``--gemm``, ``--acceptance``: the :class:`DecodeOptions`
+    (:func:`decode_options`)."""
+    parser.add_argument(
+        "--sizing",
+        default="drafter",
+        choices=["drafter", "cost"],
+        help="drafter (default): each drafter sizes its own trees (a fixed Medusa tree, EAGLE's "
+        "total_tokens, prompt lookup's adaptive length, retrieval's min_share); cost: time the "
+        "target's verify forward once and send, every step, only the drafted nodes that pay for "
+        "it, ranked by the drafter's acceptance estimates",
+    )
     parser.add_argument(
         "--gemm",
         default="auto",
@@ -64,13 +77,19 @@ def add_gemm_flag(parser: argparse.ArgumentParser) -> None:
         "(default) takes the (W x^T)^T order for fp32 on CPU when a one-time timing on this "
         "machine finds it faster, stock never does, transposed always does",
     )
+    parser.add_argument(
+        "--acceptance",
+        default="lossless",
+        choices=["lossless", "typical"],
+        help="lossless (default): the output is the target's own (greedy: identical; sampling: "
+        "its distribution). typical: Medusa's typical acceptance, LOSSY when sampling (accepts "
+        "more drafts; the output no longer follows the target's distribution)",
+    )
 
 
-def apply_gemm_flag(args: argparse.Namespace) -> None:
-    """Make ``--gemm`` the process-wide meaning of ``gemm="auto"``."""
-    from headway.decode.gemm import set_preference
-
-    set_preference(args.gemm)
+def decode_options(args: argparse.Namespace) -> DecodeOptions:
+    """The :class:`DecodeOptions` of :func:`add_decode_flags`."""
+    return DecodeOptions(sizing=args.sizing, gemm=args.gemm, acceptance=args.acceptance)
 
 
 def option_value(text: str) -> Any:
@@ -93,15 +112,67 @@ def parse_draft_options(pairs: list[str]) -> dict[str, Any]:
 
 
 def add_draft_option_flag(parser: argparse.ArgumentParser) -> None:
-    """``--draft-option KEY=VALUE`` (repeatable), read with :func:`parse_draft_options`."""
+    """``--draft-option KEY=VALUE`` (repeatable), read with :func:`parse_draft_options` and
+    checked against the drafter's spec (:mod:`headway.drafters.specs`)."""
     parser.add_argument(
         "--draft-option",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="drafter constructor option, repeatable: EAGLE top_k / depth / total_tokens "
-        "(e.g. depth=5); prompt lookup num_draft_tokens / max_nodes / min_ngram / max_ngram; "
-        "retrieval data=PATH / min_hits / num_draft_tokens / max_nodes; sizing=cost (EAGLE, "
-        "Medusa, prompt lookup, retrieval) sizes each step's tree by the target's measured "
-        "verify cost",
+        help="a drafter option, repeatable (e.g. depth=5); each drafter's options are listed below",
     )
+
+
+def add_drafter_flags(parser: argparse.ArgumentParser, *, allow_none: bool) -> None:
+    """``--drafter``, ``--heads``, ``--tree``, ``--force`` and ``--draft-option``, read with
+    :func:`drafter_from_flags`; every drafter's options are listed in the epilog."""
+    names = ["prompt-lookup", "retrieval", "lookup-medusa"] + (["none"] if allow_none else [])
+    parser.add_argument(
+        "--drafter",
+        choices=names,
+        help="prompt-lookup (n-gram copy from the context; the default without --heads), "
+        "retrieval (prompt lookup, then n-grams of a corpus of the target's own answers: "
+        "--draft-option data=PATH), lookup-medusa (prompt lookup merged with confidence-gated "
+        "Medusa heads: needs --heads)"
+        + (", or none (plain decoding through the same loop)" if allow_none else ""),
+    )
+    parser.add_argument(
+        "--heads",
+        help="trained heads: a run directory or an export (medusa, medusa-vllm, eagle1, "
+        "eagle3-hf); its method picks the Medusa or EAGLE drafter unless --drafter names one",
+    )
+    parser.add_argument(
+        "--tree",
+        default="default",
+        help="the draft option 'tree': Medusa a named tree (default, mc_sim_7b_63) or a JSON "
+        "list of rank paths such as [[0],[0,0],[1]]; EAGLE default or auto (total_tokens chosen "
+        "by timing the target)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="use heads trained for a different target anyway"
+    )
+    add_draft_option_flag(parser)
+    parser.epilog = "drafter options (--draft-option KEY=VALUE):\n" + describe_specs()
+
+
+def drafter_from_flags(
+    args: argparse.Namespace, target: Target, *, default: str | None = "prompt-lookup"
+) -> tuple[Drafter | None, DrafterSpec | None]:
+    """The drafter of :func:`add_drafter_flags`' flags (``None`` for ``--drafter none``), built by
+    :func:`headway.drafters.build.build_drafter`, and its spec."""
+    from headway.drafters.build import build_drafter, spec_for
+
+    if args.drafter == "none":
+        if args.heads:
+            raise HeadwayError("--drafter none decodes without heads; drop --heads")
+        return None, None
+    name = args.drafter if args.drafter or args.heads else default
+    if name is None and not args.heads:
+        raise HeadwayError("name what to decode with: --heads DIR or --drafter NAME")
+    options = parse_draft_options(args.draft_option)
+    if args.tree != "default":
+        options.setdefault("tree", args.tree)
+    if args.force:
+        options.setdefault("force", True)
+    spec = spec_for(name, heads=args.heads, options=options)
+    return build_drafter(spec, target, gemm=args.gemm), spec

@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from headway.cli.common import (
-    add_draft_option_flag,
-    add_gemm_flag,
+    add_decode_flags,
+    add_drafter_flags,
     add_target_flags,
-    apply_gemm_flag,
+    decode_options,
+    drafter_from_flags,
     dtype_for,
-    option_value,
-    parse_draft_options,
 )
 from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P
 from headway.errors import HeadwayError
@@ -56,13 +55,6 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         "are identical to plain decoding in float32; in bfloat16 the report counts how many "
         "are), or the run's own dtype with --heads-only",
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--heads", help="trained heads: a run directory or an eagle1 export")
-    source.add_argument(
-        "--drafter",
-        choices=["prompt-lookup", "retrieval"],
-        help="a drafter that needs no training (retrieval needs --draft-option data=PATH)",
-    )
     parser.add_argument(
         "--prompts", default="mt-bench", help="mt-bench (default), humaneval, or a .jsonl file"
     )
@@ -79,23 +71,14 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         "--top-k", type=NON_NEGATIVE, default=0, help="sample among the k best (0 = off)"
     )
     parser.add_argument("--seed", type=SEED, default=0, help="prompt i samples with seed + i")
-    parser.add_argument(
-        "--tree",
-        default="default",
-        help="Medusa heads: a named tree (default, mc_sim_7b_63) or a JSON list of rank paths "
-        "such as [[0],[0,0],[1]]; EAGLE: default or auto",
-    )
-    add_draft_option_flag(parser)
-    add_gemm_flag(parser)
+    add_drafter_flags(parser, allow_none=False)
+    add_decode_flags(parser)
     parser.add_argument(
         "--baseline",
         default="hf",
         choices=["hf", "headway"],
         help="plain decoding to compare with: hf = model.generate (default), headway = the "
         "same decoding loop without a drafter",
-    )
-    parser.add_argument(
-        "--force", action="store_true", help="use heads trained for a different target anyway"
     )
     parser.add_argument("--out", default="eval-out", help="folder for report.json, summary, plots")
     parser.add_argument(
@@ -160,16 +143,11 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.heads_only:
         return run_heads_only(args)
     from headway.decode.probe import check_tree_mask
-    from headway.eval.run import DrafterSpec, evaluate, load_eval_drafter
+    from headway.eval.run import describe_drafter, evaluate
     from headway.eval.speed import EvalSettings
     from headway.evalsets import load_prompts
     from headway.target import load_target
 
-    apply_gemm_flag(args)
-    options = parse_draft_options(args.draft_option)
-    if args.heads and args.tree != "default":
-        options["choices"] = option_value(args.tree) if args.tree.startswith("[") else args.tree
-    spec = DrafterSpec(name=args.drafter, heads=args.heads, options=options, force=args.force)
     settings = EvalSettings(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -186,15 +164,17 @@ def run_eval(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
     )
     check_tree_mask(target.model)  # a model that ignores the 4-D tree mask is refused here
-    drafter, info = load_eval_drafter(spec, target)
+    drafter, spec = drafter_from_flags(args, target, default=None)
+    assert drafter is not None and spec is not None  # eval has no --drafter none
     report = evaluate(
         target,
         drafter,
         prompts,
         settings,
         Path(args.out),
-        drafter_info=info,
+        drafter_info=describe_drafter(spec),
         prompt_set=args.prompts,
+        options=decode_options(args),
     )
     print(format_headline(report))
     print(f"report, summary and plots in {args.out}/")

@@ -13,28 +13,17 @@ import json
 import sys
 
 from headway.cli.common import (
-    add_draft_option_flag,
-    add_gemm_flag,
-    apply_gemm_flag,
-    parse_draft_options,
+    add_decode_flags,
+    add_drafter_flags,
+    decode_options,
+    drafter_from_flags,
     target_from_flags,
 )
 from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P
-from headway.errors import HeadwayError
 
 
 def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument(
-        "--drafter",
-        default="prompt-lookup",
-        choices=["none", "prompt-lookup", "retrieval"],
-        help="a drafter that needs no training: prompt-lookup (n-gram copy from the context), "
-        "retrieval (prompt lookup, then n-grams of a corpus of the target's own answers: "
-        "--draft-option data=PATH) or none (plain decoding through the same loop)",
-    )
-    source.add_argument("--heads", help="trained heads folder (headway run dir or an export)")
     parser.add_argument(
         "--max-new-tokens", type=POSITIVE, default=128, help="stop after this many generated tokens"
     )
@@ -58,58 +47,26 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         help="wrap each prompt as one user message through the target's chat template",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    parser.add_argument(
-        "--tree",
-        default="default",
-        help="Medusa heads: tree of top-k choices, a name (default, mc_sim_7b_63) or a JSON list "
-        "of rank paths such as [[0],[0,0],[1]]",
-    )
-    parser.add_argument(
-        "--force", action="store_true", help="use heads trained for a different target anyway"
-    )
-    parser.add_argument(
-        "--acceptance",
-        default="lossless",
-        choices=["lossless", "typical"],
-        help="lossless (default): the output is the target's own (greedy: identical; sampling: "
-        "its distribution). typical: Medusa's typical acceptance, LOSSY when sampling (accepts "
-        "more drafts; the output no longer follows the target's distribution)",
-    )
-    add_draft_option_flag(parser)
-    add_gemm_flag(parser)
+    add_drafter_flags(parser, allow_none=True)
+    add_decode_flags(parser)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from headway.api import generate, load_drafter
+    from headway.api import generate
+    from headway.decode.generate import Decoder
 
-    apply_gemm_flag(args)
     target = target_from_flags(args)
-    options = parse_draft_options(args.draft_option)
-    drafter = None
-    try:  # loaded once: every generation starts with the drafter's begin()
-        if args.heads:
-            tree = json.loads(args.tree) if args.tree.lstrip().startswith("[") else args.tree
-            drafter = load_drafter(args.heads, target, force=args.force, choices=tree, **options)
-        elif args.drafter == "prompt-lookup":
-            options.setdefault("num_draft_tokens", args.draft_length)
-            drafter = load_drafter("prompt-lookup", target, **options)
-        elif args.drafter == "retrieval":
-            from headway.eval.retrieval_drafter import build_retrieval_drafter
-
-            drafter = build_retrieval_drafter(target, **options)
-    except TypeError as error:
-        if not args.draft_option:  # not the user's option: a real bug, keep its traceback
-            raise
-        # the user passed an option this drafter does not take
-        raise HeadwayError(
-            f"--draft-option: {error}; see --help for each drafter's options"
-        ) from None
+    if args.drafter in (None, "prompt-lookup") and not args.heads:
+        args.draft_option = [f"num_draft_tokens={args.draft_length}", *args.draft_option]
+    drafter, _ = drafter_from_flags(args, target)
+    # one decoder for every prompt: cost sizing times the target and calibrates only once
+    decoder = Decoder(target.model, drafter, decode_options(args))
     for prompt in args.prompts:
         stream = None if args.json else (lambda text: print(text, end="", flush=True))
         result = generate(
             target,
             prompt,
-            drafter=drafter,
+            drafter=decoder,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -118,7 +75,6 @@ def run_generate(args: argparse.Namespace) -> int:
             chat=args.chat,
             stop=args.stop,
             on_text=stream,
-            acceptance=args.acceptance,
         )
         if args.json:
             print(json.dumps({"prompt": prompt, **result.to_dict()}), flush=True)

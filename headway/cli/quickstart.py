@@ -22,7 +22,7 @@ not a speed measurement).
 def run_quickstart(args: argparse.Namespace) -> int:
     import torch
 
-    from headway.eval.quickstart import run_quickstart as run
+    from headway.quickstart.run import run_quickstart as run
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from headway.decode.gemm import GemmChoice
 from headway.decode.kv import crop_cache, new_cache, prefill, tree_forward
 
 T = TypeVar("T")
@@ -70,14 +69,15 @@ def forward_seconds(
     *,
     repeats: int = 5,
     tree: bool = False,
-    gemm: GemmChoice = "auto",
+    small_blocks: bool = False,
 ) -> float:
     """Median time of one forward over `new_tokens` tokens on a cache of `prefix`: a chain, or
     with ``tree`` a one-level tree (every drafted node a child of the root, so the 4-D tree mask
     is used as in real tree verification).
 
     This is the cost of verifying a tree of ``new_tokens`` nodes after a prompt like `prefix`,
-    with the linear layers routed as ``gemm`` says (:mod:`headway.decode.gemm`).
+    with blocks of 2..8 tokens multiplied as ``(W · xᵀ)ᵀ`` if ``small_blocks``
+    (:mod:`headway.decode.gemm`).
     """
     cache = new_cache(model)
     prefill(model, cache, prefix.unsqueeze(0))
@@ -90,7 +90,7 @@ def forward_seconds(
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        tree_forward(model, cache, tokens, parents, prefix_len, gemm=gemm)
+        tree_forward(model, cache, tokens, parents, prefix_len, small_blocks=small_blocks)
         if prefix.device.type == "cuda":
             torch.cuda.synchronize(prefix.device)
         times.append(time.perf_counter() - start)

@@ -7,7 +7,8 @@ products of :mod:`headway.decode.gemm`, 63-88 ms without; 65-100 ms for 9-32; se
 ``scripts/bench_decode.py``). A drafter that knows t and an acceptance estimate per node can
 send, at every step, only the nodes that pay for their share of the forward
 (:func:`best_prefix`), and none when it is unsure; :class:`TreeSizer` is that decision with its
-online calibration, shared by every cost-sized drafter.
+online calibration. The decoding loop owns the one sizer of a generation
+(``DecodeOptions(sizing="cost")``): drafters only score their nodes (``DraftTree.scores``).
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import torch
 from torch import Tensor
 
 from headway.decode.bench import forward_seconds
+from headway.decode.tree import DraftTree, subtree
 
 __all__ = [
     "AcceptanceCalibration",
-    "CostSized",
     "TreeSizer",
     "best_prefix",
-    "resolve_verify_costs",
+    "monotone_scores",
     "verify_cost_table",
     "verify_timer",
     "worth_threshold",
@@ -36,17 +37,22 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def verify_timer(target_model: Any, prefix_tokens: int) -> Callable[[int], float]:
+def verify_timer(
+    target_model: Any, prefix_tokens: int, *, small_blocks: bool = False
+) -> Callable[[int], float]:
     """``N -> seconds`` of one verify forward of ``target_model`` over N block tokens (a
     one-level tree, :func:`~headway.decode.bench.forward_seconds`, median of 3) after a random
-    committed prefix of ``prefix_tokens`` tokens."""
+    committed prefix of ``prefix_tokens`` tokens, multiplied as real verify forwards will be
+    (``small_blocks``, :mod:`headway.decode.gemm`)."""
     weight = target_model.get_output_embeddings().weight
     generator = torch.Generator().manual_seed(0)
     vocab = int(weight.shape[0])
     prefix = torch.randint(0, vocab, (prefix_tokens,), generator=generator).to(weight.device)
 
     def seconds(size: int) -> float:
-        return forward_seconds(target_model, prefix, size, repeats=3, tree=True)
+        return forward_seconds(
+            target_model, prefix, size, repeats=3, tree=True, small_blocks=small_blocks
+        )
 
     return seconds
 
@@ -57,13 +63,15 @@ def verify_cost_table(
     *,
     prefix_tokens: int = 128,
     seconds: Callable[[int], float] | None = None,
+    small_blocks: bool = False,
 ) -> list[float]:
     """Seconds of one verify forward over m block tokens (the root and m - 1 tree nodes), for
     m = 1 .. ``max_tokens`` (entry m - 1): timed at m = 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to
-    ``max_tokens`` (with :func:`~headway.decode.bench.forward_seconds` on a one-level tree, or
-    ``seconds`` if given) and linearly interpolated in between."""
+    ``max_tokens`` (with :func:`~headway.decode.bench.forward_seconds` on a one-level tree,
+    ``small_blocks`` as the loop will run, or ``seconds`` if given) and linearly interpolated in
+    between."""
     if seconds is None:
-        seconds = verify_timer(target_model, prefix_tokens)
+        seconds = verify_timer(target_model, prefix_tokens, small_blocks=small_blocks)
 
     grid = [m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if m < max_tokens]
     grid.append(max_tokens)
@@ -79,26 +87,6 @@ def verify_cost_table(
         ", ".join(f"{m}: {timed[m] * 1000:.1f}" for m in grid),
     )
     return table
-
-
-def resolve_verify_costs(
-    sizing: str, block_size: int, target_model: Any, *, otherwise: str = "fixed"
-) -> list[float] | None:
-    """The ``sizing`` option of every drafter builder. ``"cost"``: time the target's verify
-    forward once (:func:`verify_cost_table`, blocks of 1 .. ``block_size`` tokens, i.e. the root
-    and the largest tree) so each step verifies only the nodes that pay for themselves
-    (:class:`TreeSizer`). ``otherwise``, the drafter's own sizing without a cost table (the trained
-    drafters' ``"fixed"``, as in the references: every step verifies the whole tree; prompt
-    lookup's ``"adaptive"``; retrieval's ``"share"``): ``None``.
-
-    Raises:
-        ValueError: ``sizing`` is neither.
-    """
-    if sizing == otherwise:
-        return None
-    if sizing == "cost":
-        return verify_cost_table(target_model, block_size)
-    raise ValueError(f"sizing={sizing!r}: choose {otherwise!r} or 'cost'")
 
 
 def best_prefix(probabilities: Tensor, costs: list[float]) -> int:
@@ -152,6 +140,17 @@ class AcceptanceCalibration:
         drafted tokens were accepted."""
         self.predicted += predicted
         self.accepted += accepted
+
+
+def monotone_scores(parents: Tensor, scores: Tensor) -> Tensor:
+    """``scores`` ``[n]`` with no node above its parent: ``min(score, parent's)`` down every
+    path (acceptance cannot exceed the parent's, as a node is only accepted after it). E.g.
+    ``parents=[-1, 0]``, ``scores=[0.5, 0.7]`` -> ``[0.5, 0.5]``."""
+    fixed = scores.clone()
+    for node, parent in enumerate(parents.tolist()):  # topological: the parent is final
+        if parent >= 0 and fixed[node] > fixed[parent]:
+            fixed[node] = fixed[parent]
+    return fixed
 
 
 class TreeSizer:
@@ -228,6 +227,24 @@ class TreeSizer:
         carries over, it is about the drafter and the target)."""
         self._pending = None
 
+    def trim(self, tree: DraftTree) -> DraftTree:
+        """The nodes of ``tree`` worth sending: ranked by :func:`monotone_scores` (best first,
+        ties to the earlier node, so every prefix of the ranking is a tree), the first
+        :meth:`keep` of them, in their original order. A tree without ``scores``, or one of
+        sampled drafts (``draft_probs``, whose siblings must stay together), is sent whole."""
+        if tree.scores is None or tree.draft_probs is not None:
+            self._pending = None
+            return tree
+        if tree.size == 0:
+            self.keep(torch.zeros(0))
+            return tree
+        scores = monotone_scores(tree.parents.cpu(), tree.scores.detach().float().cpu())
+        ranking = torch.sort(scores, descending=True, stable=True).indices
+        count = self.keep(scores[ranking])
+        if count == tree.size:
+            return tree
+        return subtree(tree.tokens, tree.parents, ranking[:count].to(tree.parents.device))
+
     def score_floor(self) -> float:
         """The log acceptance estimate (e.g. EAGLE-2's cumulative draft log-probability) below
         which a node cannot pay for its share of a verify forward, even alone: ``log`` of the
@@ -237,20 +254,3 @@ class TreeSizer:
         if threshold <= 0:
             return -math.inf
         return math.log(min(1.0, threshold / self.calibration.scale))
-
-
-class CostSized:
-    """For drafters holding an optional :class:`TreeSizer` as ``sizer``: its cost table and
-    calibration as ``verify_costs`` and ``calibration`` (``None`` without cost sizing)."""
-
-    sizer: TreeSizer | None
-
-    @property
-    def verify_costs(self) -> list[float] | None:
-        """The verify cost table steps are sized by (``None``: fixed-size trees)."""
-        return None if self.sizer is None else self.sizer.costs
-
-    @property
-    def calibration(self) -> AcceptanceCalibration | None:
-        """The online scale of the acceptance estimates (``None`` without cost sizing)."""
-        return None if self.sizer is None else self.sizer.calibration

@@ -10,7 +10,6 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from headway.decode.costs import CostSized, TreeSizer
 from headway.decode.tree import DraftTree, chain, empty_tree
 
 __all__ = [
@@ -105,7 +104,7 @@ def ranked_trie(
     return tree, shares
 
 
-class PromptLookupDrafter(CostSized):
+class PromptLookupDrafter:
     """Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
 
     Finds the longest n-gram (``max_ngram`` down to ``min_ngram``) ending at the root that occurred
@@ -122,12 +121,10 @@ class PromptLookupDrafter(CostSized):
     ``num_draft_tokens``). A verify forward over k tokens costs more than over one on a CPU, so
     drafts that keep failing should shrink.
 
-    With ``verify_costs`` (the target's :func:`~headway.decode.costs.verify_cost_table`, at
-    least ``max_nodes + 1`` entries) the tree is sized by cost instead: every match proposes
-    ``num_draft_tokens`` tokens, nodes are ranked by the share of matches through them, those
-    shares are scaled by how much of what was sent so far was accepted, and only the best nodes
-    that pay for their verify forward are sent, none if none do (``sizer``, a
-    :class:`~headway.decode.costs.TreeSizer`).
+    When the decoding loop sizes trees by cost (``propose`` gets a ``floor``), every match
+    proposes ``num_draft_tokens`` tokens instead, each node scored by the share of matches
+    through it, and the loop sends the best nodes that pay for their verify forward
+    (:class:`~headway.decode.costs.TreeSizer`).
 
     The n-gram index (n-gram → end positions) is updated incrementally with the tokens committed
     since the last call, so a proposal costs O(new tokens · n-gram sizes + tree size), not a scan
@@ -145,7 +142,6 @@ class PromptLookupDrafter(CostSized):
         num_draft_tokens: int = 8,
         max_nodes: int = DEFAULT_MAX_NODES,
         adaptive: bool = True,
-        verify_costs: list[float] | None = None,
     ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
@@ -155,8 +151,7 @@ class PromptLookupDrafter(CostSized):
             )
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_draft_tokens, self.max_nodes = num_draft_tokens, max_nodes
-        self.sizer = None if verify_costs is None else TreeSizer(verify_costs, max_nodes)
-        self.adaptive = adaptive and self.sizer is None
+        self.adaptive = adaptive
         self._length = num_draft_tokens  # current continuation length
         self._proposed_depth = 0  # depth of the last proposed tree (0: nothing proposed)
         self._tokens: list[int] = []
@@ -164,18 +159,13 @@ class PromptLookupDrafter(CostSized):
         self._indexed_until = 0  # n-grams ending before this position are in the index
 
     def begin(self, prompt_ids: Tensor) -> None:
-        """Forget the previous sequence (the calibration carries over: it is about the model)."""
+        """Forget the previous sequence."""
         self._tokens, self._index, self._indexed_until = [], {}, 0
         self._length, self._proposed_depth = self.num_draft_tokens, 0
-        if self.sizer is not None:  # a tree the last generation stopped after is never observed
-            self.sizer.forget()
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
-        """Adapt the draft length (or, cost-sized, the calibration) to how much of the last draft
-        was accepted."""
+        """Adapt the draft length to how much of the last draft was accepted."""
         accepted = new_tokens.numel() - 1  # the last committed token is the bonus
-        if self.sizer is not None:
-            self.sizer.observed(accepted)
         if not self.adaptive or self._proposed_depth == 0:
             return
         if accepted >= self._proposed_depth:
@@ -197,29 +187,29 @@ class PromptLookupDrafter(CostSized):
             self._index.setdefault(ngram, []).append(end)
         self._indexed_until = max(self._indexed_until, len(tokens) - 1)
 
-    def propose(self, sequence: Tensor) -> DraftTree:
-        """A tree of the continuations that followed the longest matching n-gram."""
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
+        """A tree of the continuations that followed the longest matching n-gram; with a
+        ``floor`` (cost sizing by the loop) full-length and scored, without adaptation."""
         self._sync(sequence)
         tokens = self._tokens
         for size in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
             ends = self._index.get(tuple(tokens[-size:]))
             if ends:
                 recent_first = list(reversed(ends[-self.max_nodes :]))
-                if self.sizer is not None:
-                    return self._sized(recent_first, self.sizer)
+                if floor is not None:
+                    return self._scored(recent_first)
                 continuations = (tokens[end + 1 : end + 1 + self._length] for end in recent_first)
                 tree = trie_tree(continuations, self.max_nodes)
                 self._proposed_depth = int(tree.depths.max()) if tree.size else 0
                 return tree
         return empty_tree()
 
-    def _sized(self, ends: list[int], sizer: TreeSizer) -> DraftTree:
-        """The cost-sized tree of the continuations after ``ends`` (most recent first)."""
+    def _scored(self, ends: list[int]) -> DraftTree:
+        """The continuations after ``ends`` (most recent first), each node scored by its share."""
         length = self.num_draft_tokens
         found = [(tuple(self._tokens[end + 1 : end + 1 + length]), 1) for end in ends]
         tree, shares = ranked_trie(found, self.max_nodes)
-        keep = sizer.keep(shares)  # a prefix of the ranking is a tree (ranked_trie)
-        return DraftTree(tree.tokens[:keep], tree.parents[:keep])
+        return DraftTree(tree.tokens, tree.parents, scores=shares)
 
 
 def prompt_lookup_reference(
@@ -263,6 +253,7 @@ class OracleDrafter:
             raise ValueError(f"depth and width must be >= 1, got {depth} and {width}")
         self.continuation = [int(token) for token in continuation]
         self.depth, self.width = depth, width
+        self.max_nodes = depth * (2 * width - 1)
         self._prompt_len = 0
         self._pool: list[int] = []
 
@@ -276,7 +267,7 @@ class OracleDrafter:
     def _wrong(self, correct: int) -> list[int]:
         return [token for token in self._pool if token != correct][: self.width - 1]
 
-    def propose(self, sequence: Tensor) -> DraftTree:
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         produced = sequence.numel() - self._prompt_len
         upcoming = self.continuation[produced : produced + self.depth]
         if self.width == 1 or not upcoming:
@@ -315,6 +306,7 @@ class AdversarialDrafter:
                 f"need depth >= 1 and 1 <= width < vocab_size, got {depth}, {width}, {vocab_size}"
             )
         self.vocab_size, self.depth, self.width = vocab_size, depth, width
+        self.max_nodes = depth * width
         self.continuation = [int(token) for token in continuation]
         self._prompt_len = 0
 
@@ -324,7 +316,7 @@ class AdversarialDrafter:
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         """Nothing to learn."""
 
-    def propose(self, sequence: Tensor) -> DraftTree:
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         produced = sequence.numel() - self._prompt_len
         upcoming = self.continuation[produced : produced + self.depth]
         correct = upcoming[0] if upcoming else int(sequence[-1])

@@ -10,7 +10,9 @@ bf16 showed no gap (its 2-8-token forwards got slower routed), and CUDA is not t
 ``"auto"`` considers fp32 models on CPU only, and routes them only if a one-time timing of the
 largest linear layer on this machine finds the transposed order clearly faster
 (:func:`transposed_is_faster`): other CPUs and BLAS builds may not share this one's gap.
-``"stock"`` turns it off, per call or process-wide (:func:`set_preference`).
+``"stock"`` turns it off. The choice is resolved once (:func:`resolve_gemm`, by whoever runs the
+forwards: a :class:`~headway.decode.generate.Decoder` for the target, a drafter for its own
+layers) and handed on as a boolean; this module keeps no state between calls.
 
 Nothing in the modeling code changes. While a verify forward runs, every plain ``nn.Linear`` of
 the model (exact type; quantized or adapter layers keep their own forward) gets an instance-level
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import statistics
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
@@ -38,9 +39,8 @@ __all__ = [
     "FASTER_BY",
     "MAX_ROWS",
     "GemmChoice",
+    "resolve_gemm",
     "routed_linears",
-    "routes",
-    "set_preference",
     "small_block_linear",
     "transposed_is_faster",
 ]
@@ -60,10 +60,6 @@ MAX_ROWS = 8
 every measurement here; from 9 on the margin shrank to nothing, so larger blocks (and prefill)
 keep the stock path."""
 
-_LINEARS: weakref.WeakKeyDictionary[nn.Module, tuple[nn.Linear, ...]] = weakref.WeakKeyDictionary()
-_MEASURED: dict[tuple[str, torch.dtype, tuple[int, ...]], bool] = {}
-_PREFERENCE: list[GemmChoice] = ["auto"]
-
 
 def _checked(choice: GemmChoice) -> GemmChoice:
     if choice not in ("auto", "stock", "transposed"):
@@ -71,19 +67,12 @@ def _checked(choice: GemmChoice) -> GemmChoice:
     return choice
 
 
-def set_preference(choice: GemmChoice) -> None:
-    """Process-wide, what ``"auto"`` means from now on (``"auto"`` restores the measured
-    choice), like ``torch.backends`` flags: one setting reaches every verify forward, cost-table
-    timing and drafter of the process. ``headway generate|eval --gemm`` sets it."""
-    _PREFERENCE[0] = _checked(choice)
-
-
-def routes(model: nn.Module, choice: GemmChoice) -> bool:
-    """Whether a verify forward of ``model`` takes the transposed product under ``choice``."""
+def resolve_gemm(model: nn.Module, choice: GemmChoice) -> bool:
+    """Whether forwards of ``model`` take the transposed product under ``choice``; ``"auto"``
+    times the model's largest linear layer now (a few milliseconds), so resolve once per model
+    and pass the answer on."""
     if _checked(choice) != "auto":
         return choice == "transposed"
-    if _PREFERENCE[0] != "auto":
-        return _PREFERENCE[0] == "transposed"
     largest = _largest_linear(model)
     if largest is None:
         return False
@@ -107,16 +96,12 @@ def transposed_is_faster(
     weight: Tensor, *, seconds: Callable[[Callable[[], object]], float] = _median_seconds
 ) -> bool:
     """Whether ``(W · xᵀ)ᵀ`` on 4 rows takes at most :data:`FASTER_BY` of ``F.linear``'s time for
-    ``weight`` ``[out, in]``; timed once per device, dtype and shape (``seconds`` times a call),
-    then remembered for the process."""
-    key = (str(weight.device), weight.dtype, tuple(weight.shape))
-    if key not in _MEASURED:
-        with torch.inference_mode():
-            x = torch.randn(4, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            stock = seconds(lambda: functional.linear(x, weight))
-            transposed = seconds(lambda: torch.mm(weight, x.t()).t().contiguous())
-        _MEASURED[key] = transposed <= FASTER_BY * stock
-    return _MEASURED[key]
+    ``weight`` ``[out, in]``, timed now (``seconds`` times a call)."""
+    with torch.inference_mode():
+        x = torch.randn(4, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        stock = seconds(lambda: functional.linear(x, weight))
+        transposed = seconds(lambda: torch.mm(weight, x.t()).t().contiguous())
+    return transposed <= FASTER_BY * stock
 
 
 def small_block_linear(
@@ -147,14 +132,10 @@ def small_block_linear(
     return forward
 
 
-def _plain_linears(model: nn.Module) -> tuple[nn.Linear, ...]:
-    """``model``'s exact-type ``nn.Linear`` layers, largest weight first (found once per model)."""
-    cached = _LINEARS.get(model)
-    if cached is None:
-        found = [module for module in model.modules() if type(module) is nn.Linear]
-        cached = tuple(sorted(found, key=lambda module: -module.weight.numel()))
-        _LINEARS[model] = cached
-    return cached
+def _plain_linears(model: nn.Module) -> list[nn.Linear]:
+    """``model``'s exact-type ``nn.Linear`` layers, largest weight first."""
+    found = [module for module in model.modules() if type(module) is nn.Linear]
+    return sorted(found, key=lambda module: -module.weight.numel())
 
 
 def _largest_linear(model: nn.Module) -> nn.Linear | None:
@@ -163,15 +144,13 @@ def _largest_linear(model: nn.Module) -> nn.Linear | None:
 
 
 @contextmanager
-def routed_linears(
-    model: nn.Module, choice: GemmChoice = "auto", *, pad_single: bool = False
-) -> Iterator[None]:
+def routed_linears(model: nn.Module, route: bool, *, pad_single: bool = False) -> Iterator[None]:
     """Within the block, ``model``'s plain ``nn.Linear`` layers use :func:`small_block_linear`
-    (with ``pad_single``) if :func:`routes` says so. Layers that already carry an instance-level
-    ``forward`` (another wrapper, or an enclosing ``routed_linears``) are left alone; every
-    forward installed here is removed on exit, also on error. Not thread-safe: one forward of a
-    model at a time."""
-    if not routes(model, choice):
+    (with ``pad_single``) if ``route`` (:func:`resolve_gemm`). Layers that already carry an
+    instance-level ``forward`` (another wrapper, or an enclosing ``routed_linears``) are left
+    alone; every forward installed here is removed on exit, also on error. Not thread-safe: one
+    forward of a model at a time."""
+    if not route:
         yield
         return
     installed = []

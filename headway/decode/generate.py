@@ -18,6 +18,7 @@ papers (1.0 for plain decoding; NaN if no draft step ran).
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -28,16 +29,21 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from headway.decode.gemm import GemmChoice
+from headway.decode.costs import TreeSizer, verify_cost_table
+from headway.decode.gemm import resolve_gemm
 from headway.decode.kv import compact_cache, new_cache, prefill, tree_forward
+from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams, probs_from_logits, sample
 from headway.decode.tree import DraftTree, empty_tree, limit_depth
-from headway.decode.verify import AcceptanceRule, verify
+from headway.decode.verify import verify
 
-__all__ = ["Drafter", "GenerationResult", "StopReason", "generate"]
+__all__ = ["Decoder", "Drafter", "GenerationResult", "StopReason", "generate"]
+
+logger = logging.getLogger(__name__)
 
 StopReason = Literal["eos", "max_new_tokens", "stop_sequence", "context_limit"]
 GREEDY = SamplingParams()
+DEFAULT_OPTIONS = DecodeOptions()
 
 
 class Drafter(Protocol):
@@ -47,16 +53,23 @@ class Drafter(Protocol):
     Attributes:
         hidden_layers: target hidden states the drafter needs, as indices into the target's
             ``output_hidden_states``; () for none.
+        max_nodes: the most nodes one proposal holds (the loop's cost table covers that many).
     """
 
     hidden_layers: tuple[int, ...]
+    max_nodes: int
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Start a new generation from ``prompt_ids`` LongTensor ``[P]``."""
 
-    def propose(self, sequence: Tensor) -> DraftTree:
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         """Draft a tree continuing ``sequence`` LongTensor ``[T]`` (CPU, read-only): every
-        committed id, ending with the root (the last token, not yet in the target cache)."""
+        committed id, ending with the root (the last token, not yet in the target cache).
+
+        ``floor`` is ``None`` when the drafter sizes its own tree (``DecodeOptions(sizing=
+        "drafter")``). Otherwise the loop sizes it: propose every node worth ranking, with
+        ``scores``; nodes whose log acceptance estimate is below ``floor`` cannot pay for
+        their share of the verify forward and need not be drafted at all."""
         ...
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
@@ -70,11 +83,12 @@ class _NoDrafter:
     """Plain decoding: always proposes the empty tree."""
 
     hidden_layers: tuple[int, ...] = ()
+    max_nodes = 0
 
     def begin(self, prompt_ids: Tensor) -> None:
         return None
 
-    def propose(self, sequence: Tensor) -> DraftTree:
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         return empty_tree()
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
@@ -112,7 +126,9 @@ class _Session:
     drafter: Drafter
     cache: DynamicCache
     sampling: SamplingParams
-    acceptance: AcceptanceRule
+    options: DecodeOptions
+    small_blocks: bool
+    sizer: TreeSizer | None
     generator: torch.Generator | None
     max_new_tokens: int
     context_limit: int
@@ -120,7 +136,6 @@ class _Session:
     stop_sequences: tuple[tuple[int, ...], ...]
     stop_check: Callable[[list[int]], bool] | None
     on_tokens: Callable[[list[int]], None] | None
-    gemm: GemmChoice
     sequence: Tensor  # LongTensor [prompt + max_new_tokens] buffer; the first `length` are valid
     length: int
     generated: list[int] = field(default_factory=list)
@@ -190,7 +205,10 @@ def _fit(tree: DraftTree, session: _Session) -> DraftTree:
 def draft_step(session: _Session) -> None:
     """One speculative step: propose, verify the tree in one forward, keep the accepted path."""
     root = session.sequence[session.length - 1 : session.length]
-    tree = _fit(session.drafter.propose(session.sequence[: session.length]), session)
+    sizer = session.sizer
+    floor = None if sizer is None else sizer.score_floor()
+    tree = session.drafter.propose(session.sequence[: session.length], floor)
+    tree = _fit(tree if sizer is None else sizer.trim(tree), session)
     prefix_len = session.length - 1
     block = torch.cat([root, tree.tokens.cpu()])[None]
     logits, hidden = tree_forward(
@@ -200,11 +218,14 @@ def draft_step(session: _Session) -> None:
         tree.parents,
         prefix_len,
         session.drafter.hidden_layers,
-        gemm=session.gemm,
+        small_blocks=session.small_blocks,
     )
-    accepted = verify(tree, logits, session.sampling, session.generator, session.acceptance)
+    rule = session.options.acceptance
+    accepted = verify(tree, logits, session.sampling, session.generator, rule)
     compact_cache(session.cache, prefix_len, accepted.path)
     committed = commit(session, accepted.tokens.tolist())
+    if sizer is not None:  # the bonus token is not a drafted one
+        sizer.observed(len(committed) - 1)
     path = accepted.path[: len(committed)]
     observed_hidden = tuple(layer[path.to(layer.device)] for layer in hidden)
     session.drafter.observe(torch.tensor(committed), observed_hidden)
@@ -229,6 +250,98 @@ def _prompt(prompt_ids: Tensor | Sequence[int]) -> Tensor:
     return prompt
 
 
+class Decoder:
+    """Speculative decoding of one ``model`` with one ``drafter`` under ``options``, for any number
+    of prompts. What it works out once lives as long as it: the GEMM routing of verify forwards
+    and, with ``options.sizing == "cost"``, the verify cost table (timed on the first
+    :meth:`generate`) and the acceptance calibration of the one :class:`TreeSizer` every step is
+    sized by. ``drafter=None`` is plain decoding through the same loop. ``verify_costs``, a
+    :func:`~headway.decode.costs.verify_cost_table` timed elsewhere, is used instead of timing.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        drafter: Drafter | None = None,
+        options: DecodeOptions = DEFAULT_OPTIONS,
+        *,
+        verify_costs: Sequence[float] | None = None,
+    ) -> None:
+        self.model = model
+        self.drafter: Drafter = drafter if drafter is not None else _NoDrafter()
+        self.options = options
+        self.small_blocks = resolve_gemm(model, options.gemm)
+        self.sizer: TreeSizer | None = None
+        self._costs = None if verify_costs is None else list(verify_costs)
+
+    def _tree_sizer(self) -> TreeSizer | None:
+        """The cost sizer, built on first use (timing the verify forward takes a second or so)."""
+        if self.options.sizing != "cost" or self.drafter.max_nodes < 1:
+            return None
+        if self.sizer is None:
+            nodes = self.drafter.max_nodes
+            costs = self._costs or verify_cost_table(
+                self.model, nodes + 1, small_blocks=self.small_blocks
+            )
+            self.sizer = TreeSizer(costs, nodes, budget=f"a drafter of max_nodes={nodes}")
+        self.sizer.forget()  # a tree the last generation stopped after is never verified
+        return self.sizer
+
+    def generate(
+        self,
+        prompt_ids: Tensor | Sequence[int],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams = GREEDY,
+        eos_token_ids: Sequence[int],
+        stop_sequences: Sequence[Sequence[int]] = (),
+        stop_check: Callable[[list[int]], bool] | None = None,
+        generator: torch.Generator | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> GenerationResult:
+        """Decode up to ``max_new_tokens`` after ``prompt_ids`` (``[P]`` or ``[1, P]``).
+
+        Stops after an EOS in ``eos_token_ids`` (also one inside an accepted draft), after a
+        completed stop sequence (matched on the generated tokens; included in the output), at
+        ``max_new_tokens``, when ``stop_check(generated_ids)`` turns true after a token (e.g. a
+        stop *string* found in the decoded text; the token stays in the output), or when prompt +
+        output fill the model's ``max_position_embeddings`` (drafts are trimmed to fit).
+        Committed tokens are streamed to ``on_tokens`` after every forward. ``sampling``
+        defaults to greedy.
+        """
+        model = self.model
+        prompt = _prompt(prompt_ids)
+        _check_request(prompt, max_new_tokens, stop_sequences, _context_limit(model))
+        if max_new_tokens == 0:
+            return GenerationResult([], [], 0, "max_new_tokens")
+        session = _Session(
+            model=model,
+            drafter=self.drafter,
+            cache=new_cache(model),
+            sampling=sampling,
+            options=self.options,
+            small_blocks=self.small_blocks,
+            sizer=self._tree_sizer(),
+            generator=generator,
+            max_new_tokens=max_new_tokens,
+            context_limit=_context_limit(model),
+            eos=frozenset(int(token) for token in eos_token_ids),
+            stop_sequences=tuple(tuple(int(t) for t in stop) for stop in stop_sequences),
+            stop_check=stop_check,
+            on_tokens=on_tokens,
+            sequence=torch.cat([prompt, prompt.new_zeros(max_new_tokens)]),
+            length=prompt.numel(),
+        )
+        _run(session, prompt)
+        assert session.stop_reason is not None  # _run only returns once a stop reason is set
+        return GenerationResult(
+            tokens=session.generated,
+            accept_lengths=session.accept_lengths,
+            num_forwards=len(session.accept_lengths),
+            stop_reason=session.stop_reason,
+        )
+
+
 def generate(
     model: PreTrainedModel,
     prompt_ids: Tensor | Sequence[int],
@@ -241,50 +354,20 @@ def generate(
     stop_check: Callable[[list[int]], bool] | None = None,
     generator: torch.Generator | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
-    acceptance: AcceptanceRule = "lossless",
-    gemm: GemmChoice = "auto",
+    options: DecodeOptions = DEFAULT_OPTIONS,
 ) -> GenerationResult:
-    """Decode up to ``max_new_tokens`` after ``prompt_ids`` (``[P]`` or ``[1, P]``) with ``model``,
-    speculatively if a ``drafter`` is given.
-
-    Stops after an EOS in ``eos_token_ids`` (also one inside an accepted draft), after a completed
-    stop sequence (matched on the generated tokens; included in the output), at
-    ``max_new_tokens``, when ``stop_check(generated_ids)`` turns true after a token (e.g. a stop
-    *string* found in the decoded text; the token stays in the output), or when prompt + output
-    fill the model's ``max_position_embeddings``
-    (drafts are trimmed to fit). Committed tokens are streamed to ``on_tokens`` after every forward.
-    ``sampling`` defaults to greedy. ``acceptance="typical"`` is Medusa's LOSSY rule
-    (:func:`headway.decode.verify.verify_typical`); with greedy sampling both rules are greedy.
-    ``gemm`` picks how verify forwards of 2+ tokens multiply (:mod:`headway.decode.gemm`).
-    """
-    prompt = _prompt(prompt_ids)
-    _check_request(prompt, max_new_tokens, stop_sequences, _context_limit(model))
-    session = _Session(
-        model=model,
-        drafter=drafter if drafter is not None else _NoDrafter(),
-        cache=new_cache(model),
-        sampling=sampling,
-        acceptance=acceptance,
-        generator=generator,
+    """One generation with a fresh :class:`Decoder` (see :meth:`Decoder.generate`); keep a
+    ``Decoder`` instead to decode several prompts under cost sizing without re-timing the
+    target and re-learning the calibration each time."""
+    return Decoder(model, drafter, options).generate(
+        prompt_ids,
         max_new_tokens=max_new_tokens,
-        context_limit=_context_limit(model),
-        eos=frozenset(int(token) for token in eos_token_ids),
-        stop_sequences=tuple(tuple(int(t) for t in stop) for stop in stop_sequences),
+        sampling=sampling,
+        eos_token_ids=eos_token_ids,
+        stop_sequences=stop_sequences,
         stop_check=stop_check,
+        generator=generator,
         on_tokens=on_tokens,
-        gemm=gemm,
-        sequence=torch.cat([prompt, prompt.new_zeros(max_new_tokens)]),
-        length=prompt.numel(),
-    )
-    if max_new_tokens == 0:
-        return GenerationResult([], [], 0, "max_new_tokens")
-    _run(session, prompt)
-    assert session.stop_reason is not None  # _run only returns once a stop reason is set
-    return GenerationResult(
-        tokens=session.generated,
-        accept_lengths=session.accept_lengths,
-        num_forwards=len(session.accept_lengths),
-        stop_reason=session.stop_reason,
     )
 
 

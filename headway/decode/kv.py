@@ -19,7 +19,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from headway.decode.gemm import GemmChoice, routed_linears
+from headway.decode.gemm import routed_linears
 from headway.decode.tree import ancestor_mask, depths
 from headway.errors import SlidingWindowError
 
@@ -116,7 +116,7 @@ def tree_forward(
     parents: Tensor,
     prefix_len: int,
     hidden_layers: tuple[int, ...] = (),
-    gemm: GemmChoice = "auto",
+    small_blocks: bool = False,
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """Verify a whole draft tree in ONE forward.
 
@@ -125,9 +125,9 @@ def tree_forward(
         parents: LongTensor ``[n]``, the tree's parent array (see :mod:`headway.decode.tree`).
         prefix_len: tokens already in ``cache``; must equal ``cache.get_seq_length()``.
         hidden_layers: indices into ``output_hidden_states``; () skips collecting them.
-        gemm: how the linear layers multiply a block of 2+ tokens
-            (:mod:`headway.decode.gemm`; ``"auto"`` routes fp32 on CPU). A 1-token block always
-            takes the stock path.
+        small_blocks: multiply blocks of 2..8 tokens as ``(W · xᵀ)ᵀ``
+            (:func:`headway.decode.gemm.resolve_gemm` decides); a 1-token block always takes
+            the stock path.
 
     Returns:
         logits ``[n + 1, V]`` (row b predicts the token after block entry b) and one
@@ -155,7 +155,7 @@ def tree_forward(
     else:
         mask = tree_attention_mask(parents, prefix_len, dtype=model.dtype, device=device)
         position_ids = (depths(parents) + prefix_len).to(device)[None]
-    with routed_linears(model, gemm if size > 1 else "stock"):
+    with routed_linears(model, small_blocks and size > 1):
         outputs = model(
             input_ids=root_and_tree_tokens.to(device),
             attention_mask=mask,

@@ -58,7 +58,9 @@ class MergedDrafter:
             own = tuple(hidden[self.hidden_layers.index(layer)] for layer in drafter.hidden_layers)
             drafter.observe(new_tokens, own)
 
-    def propose(self, sequence: Tensor) -> DraftTree:
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
+        """The union of every drafter's own tree (each sizes its own; the merge has no scores,
+        so a cost-sizing loop sends it whole)."""
         self._proposed = [tree_paths(drafter.propose(sequence)) for drafter in self.drafters]
         return trie_tree([path for paths in self._proposed for path in paths], self.max_nodes)
 
@@ -81,12 +83,18 @@ class FirstDrafter:
 
     Args:
         drafters: the drafters, best evidence first.
+        self_sized: how many of the leading drafters always size their own trees, even when
+            the loop sizes by cost (their ``propose`` gets no ``floor``; the loop sends their
+            unscored trees whole). Retrieval keeps prompt lookup's exact matches so, and lets
+            the loop size only the corpus's guesses, whose calibration is their own.
     """
 
-    def __init__(self, drafters: Sequence[Drafter]) -> None:
+    def __init__(self, drafters: Sequence[Drafter], *, self_sized: int = 0) -> None:
         if not drafters:
             raise ValueError("FirstDrafter needs at least one drafter")
         self.drafters = list(drafters)
+        self.self_sized = self_sized
+        self.max_nodes = max(drafter.max_nodes for drafter in self.drafters)
         self.hidden_layers: tuple[int, ...] = tuple(
             sorted({layer for drafter in drafters for layer in drafter.hidden_layers})
         )
@@ -100,10 +108,10 @@ class FirstDrafter:
             own = tuple(hidden[self.hidden_layers.index(layer)] for layer in drafter.hidden_layers)
             drafter.observe(new_tokens, own)
 
-    def propose(self, sequence: Tensor) -> DraftTree:
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         tree = empty_tree()
-        for drafter in self.drafters:
-            tree = drafter.propose(sequence)
+        for index, drafter in enumerate(self.drafters):
+            tree = drafter.propose(sequence, None if index < self.self_sized else floor)
             if tree.size:
                 break
         return tree

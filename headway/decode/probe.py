@@ -54,7 +54,7 @@ def check_tree_mask(model: PreTrainedModel) -> None:
     except ValueError as error:
         raise TargetError(f"this target cannot be tree-decoded: {error}") from None
     prefill(model, cache, prefix)
-    logits, _ = tree_forward(model, cache, block, parents, prefix.shape[1], gemm="stock")
+    logits, _ = tree_forward(model, cache, block, parents, prefix.shape[1])
     worst = 0.0
     for path in root_to_leaf_paths(parents):
         sequence = torch.cat([prefix[0], block[0, torch.tensor(path, device=device)]])[None]

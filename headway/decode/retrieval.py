@@ -23,7 +23,6 @@ from collections.abc import Iterable, Sequence
 
 from torch import Tensor
 
-from headway.decode.costs import CostSized, TreeSizer
 from headway.decode.drafters import DEFAULT_MAX_NODES, ngrams_ending, ranked_trie
 from headway.decode.tree import DraftTree, empty_tree
 
@@ -94,7 +93,7 @@ class NgramDatastore:
         return []
 
 
-class RetrievalDrafter(CostSized):
+class RetrievalDrafter:
     """Drafts from an :class:`NgramDatastore` (module docstring); no model, no training.
 
     Args:
@@ -102,13 +101,10 @@ class RetrievalDrafter(CostSized):
         num_draft_tokens: longest continuation drafted.
         max_nodes: most tree nodes per step.
         min_hits: ignore n-grams seen fewer times than this in the corpus.
-        verify_costs: the target's verify cost table
-            (:func:`~headway.decode.costs.verify_cost_table`, at least ``max_nodes + 1``
-            entries): send the best nodes that pay for themselves, their shares scaled by how
-            much of what was sent so far was accepted (``sizer``, a
-            :class:`~headway.decode.costs.TreeSizer`). Without it: every node whose share is at
-            least ``min_share``.
-        min_share: the share threshold used without ``verify_costs``.
+        min_share: the drafter's own sizing: send every node whose share (of the corpus
+            continuations through it) is at least this. When the loop sizes trees by cost
+            (``propose`` gets a ``floor``), every ranked node is proposed with its share as
+            its score instead, and the loop sends those that pay.
     """
 
     hidden_layers: tuple[int, ...] = ()
@@ -120,7 +116,6 @@ class RetrievalDrafter(CostSized):
         num_draft_tokens: int = 6,
         max_nodes: int = DEFAULT_MAX_NODES,
         min_hits: int = 2,
-        verify_costs: list[float] | None = None,
         min_share: float = 0.3,
     ) -> None:
         if num_draft_tokens < 1 or max_nodes < 1 or min_hits < 1:
@@ -128,30 +123,24 @@ class RetrievalDrafter(CostSized):
                 "num_draft_tokens, max_nodes and min_hits must be >= 1, got "
                 f"{num_draft_tokens}, {max_nodes}, {min_hits}"
             )
-        self.sizer = None if verify_costs is None else TreeSizer(verify_costs, max_nodes)
         self.datastore = datastore
         self.num_draft_tokens, self.max_nodes, self.min_hits = num_draft_tokens, max_nodes, min_hits
         self.min_share = min_share
 
     def begin(self, prompt_ids: Tensor) -> None:
-        """Forget an unverified tree; the corpus and the calibration carry over between prompts."""
-        if self.sizer is not None:
-            self.sizer.forget()
+        """Nothing to forget: the corpus carries over between prompts."""
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
-        """Calibrate: how many of the last tree's tokens were accepted (the last is the bonus)."""
-        if self.sizer is not None:
-            self.sizer.observed(new_tokens.numel() - 1)
+        """Nothing to learn."""
 
-    def propose(self, sequence: Tensor) -> DraftTree:
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         """The best-ranked nodes of the corpus continuations of ``sequence``'s last n-gram."""
         context = sequence[-self.datastore.max_ngram :].tolist()
         found = self.datastore.continuations(context, self.num_draft_tokens, min_hits=self.min_hits)
         tree, shares = ranked_trie(found, self.max_nodes)
-        if self.sizer is not None:
-            keep = self.sizer.keep(shares)
-        else:
-            keep = int((shares >= self.min_share).sum())
+        if floor is not None:  # the loop sizes it
+            return DraftTree(tree.tokens, tree.parents, scores=shares)
+        keep = int((shares >= self.min_share).sum())
         if keep == 0:
             return empty_tree()
         return DraftTree(tree.tokens[:keep], tree.parents[:keep])

@@ -136,11 +136,16 @@ class DraftTree:
             parent, from which node i and its siblings were drawn *without replacement*, in node
             order (siblings share the row). ``None`` means the nodes are deterministic candidates
             (top-k heads, tree search, prompt lookup); see :mod:`headway.decode.verify`.
+        scores: optional fp32 ``[n]``, each node's estimated acceptance probability (EAGLE-2's
+            cumulative draft probability, a product of Medusa head probabilities, a corpus
+            share), on any device. A loop that sizes trees by cost ranks the nodes by it
+            (:class:`~headway.decode.costs.TreeSizer`); ``None``: the tree is sent whole.
     """
 
     tokens: Tensor
     parents: Tensor
     draft_probs: Tensor | None = field(default=None)
+    scores: Tensor | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 1 or self.tokens.dtype != torch.long:
@@ -160,6 +165,11 @@ class DraftTree:
             raise ValueError(
                 f"draft_probs must be [n, V] with n = {self.tokens.numel()} drafted tokens, "
                 f"got {tuple(self.draft_probs.shape)}"
+            )
+        if self.scores is not None and self.scores.shape != self.tokens.shape:
+            raise ValueError(
+                f"scores must be [n] with n = {self.tokens.numel()} drafted tokens, "
+                f"got {tuple(self.scores.shape)}"
             )
 
     @property

@@ -6,8 +6,8 @@
 - :mod:`headway.eval.run` — ``headway eval`` end to end (:func:`~headway.eval.run.evaluate`);
 - :mod:`headway.eval.heads_only` — ``headway eval --heads-only``: per-head accuracy on held-out
   data through the training method's own metrics, without decoding;
-- :mod:`headway.eval.quickstart` — ``headway quickstart``: data → training → export → eval;
-- :mod:`headway.eval.retrieval_drafter` — the ``retrieval`` drafter built from a chat corpus.
+
+Drafters are built by :mod:`headway.drafters`; the quickstart lives in :mod:`headway.quickstart`.
 
 Layer: above ``train`` (it reuses training methods and data), below ``cli``.
 """

@@ -26,9 +26,10 @@ from torch.utils.data import DataLoader, Subset
 from tqdm.auto import tqdm
 
 from headway.atomic import write_text_atomic
-from headway.config import RunConfig, load_config
+from headway.config import load_config
 from headway.errors import HeadwayError
 from headway.heads.io import load_heads
+from headway.run_config import RunConfig
 from headway.target import Target, check_fingerprint, fingerprint, load_target
 from headway.train.features import OnlineFeatures
 from headway.train.loop_data import training_data

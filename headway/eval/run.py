@@ -11,15 +11,17 @@ the warm-up, and reported as ``overhead_fraction``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from headway.api import load_drafter, prompt_lookup_drafter
 from headway.decode.generate import Drafter
-from headway.errors import HeadwayError
+from headway.decode.options import DecodeOptions
+from headway.drafters.build import describe_spec
+from headway.drafters.specs import DrafterSpec
 from headway.eval.plots import write_plots
 from headway.eval.report import (
     REPORT_NAME,
@@ -28,72 +30,21 @@ from headway.eval.report import (
     write_report,
     write_summary,
 )
-from headway.eval.retrieval_drafter import build_retrieval_drafter
 from headway.eval.speed import EvalSettings, SpeedRun, run_speed_eval
 from headway.evalsets import EvalPrompt
 from headway.target import Target
 
-__all__ = ["DrafterSpec", "describe_heads", "evaluate", "load_eval_drafter", "timing"]
-
-PROMPT_LOOKUP = "prompt-lookup"
-RETRIEVAL = "retrieval"
+__all__ = ["describe_drafter", "describe_heads", "evaluate", "timing"]
 
 
-class DrafterSpec:
-    """What to decode with: a drafter that needs no training (``name``) or a heads folder
-    (``heads``), plus options for its constructor (Medusa ``choices``, EAGLE ``top_k`` /
-    ``depth`` / ``total_tokens``, prompt lookup ``num_draft_tokens`` / ``max_nodes``, ...)."""
-
-    def __init__(
-        self,
-        *,
-        name: str | None = None,
-        heads: str | Path | None = None,
-        options: Mapping[str, Any] | None = None,
-        force: bool = False,
-    ) -> None:
-        if (name is None) == (heads is None):
-            raise HeadwayError("give exactly one of --heads DIR and --drafter NAME")
-        if name is not None and name not in (PROMPT_LOOKUP, RETRIEVAL):
-            raise HeadwayError(
-                f"unknown --drafter {name!r}; use {PROMPT_LOOKUP}, {RETRIEVAL} or --heads DIR"
-            )
-        self.name, self.heads = name, heads
-        self.options = dict(options or {})
-        self.force = force
-
-    @property
-    def label(self) -> str:
-        return self.name if self.name is not None else str(self.heads)
-
-
-def load_eval_drafter(spec: DrafterSpec, target: Target) -> tuple[Drafter, dict[str, Any]]:
-    """Build the drafter of ``spec`` for ``target`` and describe it for the report."""
-    if spec.name == PROMPT_LOOKUP:
-        try:
-            lookup = prompt_lookup_drafter(target, **spec.options)
-        except (TypeError, ValueError) as error:
-            raise HeadwayError(f"--draft-option for prompt lookup: {error}") from error
-        info = {
-            "name": PROMPT_LOOKUP,
-            "max_ngram": lookup.max_ngram,
-            "min_ngram": lookup.min_ngram,
-            "num_draft_tokens": lookup.num_draft_tokens,
-            "max_nodes": lookup.max_nodes,
-        }
-        return lookup, info
-    if spec.name == RETRIEVAL:
-        try:
-            retrieval = build_retrieval_drafter(target, **spec.options)
-        except (TypeError, ValueError) as error:
-            raise HeadwayError(f"--draft-option for retrieval: {error}") from error
-        return retrieval, {"name": RETRIEVAL, **spec.options}
-    assert spec.heads is not None  # DrafterSpec holds exactly one of the two
-    try:
-        drafter = load_drafter(spec.heads, target, force=spec.force, **spec.options)
-    except (TypeError, ValueError) as error:
-        raise HeadwayError(f"cannot build the drafter of {spec.heads}: {error}") from error
-    return drafter, {"name": str(spec.heads), **describe_heads(Path(spec.heads)), **spec.options}
+def describe_drafter(spec: DrafterSpec) -> dict[str, Any]:
+    """The report's ``drafter`` block: the spec's name and options, and for heads their method
+    and head config."""
+    info = describe_spec(spec)
+    heads = getattr(spec, "heads", None)
+    if heads:
+        info.update(describe_heads(Path(heads)))
+    return info
 
 
 def describe_heads(directory: Path) -> dict[str, Any]:
@@ -129,14 +80,17 @@ def evaluate(
     *,
     drafter_info: dict[str, Any],
     prompt_set: str,
+    options: DecodeOptions | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Decode ``prompts`` with ``drafter`` and plainly (interleaved, warm-up first), then write
-    ``report.json``, ``summary.md`` and the plots into ``out_dir``; returns the report (schema:
-    :mod:`headway.eval.report`)."""
+    """Decode ``prompts`` with ``drafter`` under ``options`` and plainly (interleaved, warm-up
+    first), then write ``report.json``, ``summary.md`` and the plots into ``out_dir``; returns
+    the report (schema: :mod:`headway.eval.report`)."""
     started = time.perf_counter()
-    run = run_speed_eval(target, drafter, prompts, settings, progress=progress)
+    options = options or DecodeOptions()
+    run = run_speed_eval(target, drafter, prompts, settings, options=options, progress=progress)
     report = build_report(run, target, drafter=drafter_info, prompt_set=prompt_set)
+    report["decode"] = dataclasses.asdict(options)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(report, out_dir)
     report["files"] = {

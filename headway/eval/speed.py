@@ -29,14 +29,15 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from headway.api import eos_token_ids, prompt_ids
+from headway.api import prompt_ids
 from headway.decode.bench import timed
-from headway.decode.generate import Drafter, GenerationResult, generate
+from headway.decode.generate import Decoder, Drafter, GenerationResult, generate
+from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree
 from headway.errors import HeadwayError
 from headway.evalsets import EvalPrompt
-from headway.target import Target
+from headway.target import Target, eos_token_ids
 
 __all__ = ["EvalSettings", "PromptRecord", "RecordingDrafter", "SpeedRun", "run_speed_eval"]
 
@@ -128,14 +129,15 @@ class RecordingDrafter:
     def __init__(self, inner: Drafter) -> None:
         self.inner = inner
         self.hidden_layers: tuple[int, ...] = tuple(inner.hidden_layers)
+        self.max_nodes = inner.max_nodes
         self.trees: list[DraftTree] = []
 
     def begin(self, prompt_ids: Tensor) -> None:
         self.trees = []
         self.inner.begin(prompt_ids)
 
-    def propose(self, sequence: Tensor) -> DraftTree:
-        tree = self.inner.propose(sequence)
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
+        tree = self.inner.propose(sequence, floor)
         self.trees.append(tree)
         return tree
 
@@ -211,21 +213,19 @@ def plain_runner(
 def drafter_runner(
     target: Target,
     ids: Tensor,
-    drafter: Drafter,
+    decoder: Decoder,
     settings: EvalSettings,
     seed: int,
     max_new_tokens: int,
 ) -> tuple[Callable[[], list[int]], list[GenerationResult]]:
-    """A call that decodes ``ids [P]`` with ``drafter``, and the list its result lands in."""
+    """A call that decodes ``ids [P]`` with ``decoder``, and the list its result lands in."""
     results: list[GenerationResult] = []
     model = target.model
 
     def run() -> list[int]:
         generator = torch.Generator(device=model.device).manual_seed(seed)
-        result = generate(
-            model,
+        result = decoder.generate(
             ids,
-            drafter=drafter,
             max_new_tokens=max_new_tokens,
             sampling=_sampling(settings),
             eos_token_ids=eos_token_ids(target),
@@ -237,10 +237,10 @@ def drafter_runner(
     return run, results
 
 
-def _warm_up(target: Target, ids: Tensor, drafter: Drafter, settings: EvalSettings) -> float:
+def _warm_up(target: Target, ids: Tensor, decoder: Decoder, settings: EvalSettings) -> float:
     """One short uncounted generation of each mode; returns the time it took."""
     started = time.perf_counter()
-    drafter_runner(target, ids, drafter, settings, settings.seed, settings.warmup_tokens)[0]()
+    drafter_runner(target, ids, decoder, settings, settings.seed, settings.warmup_tokens)[0]()
     plain_runner(target, ids, settings, settings.seed, settings.warmup_tokens)()
     return time.perf_counter() - started
 
@@ -249,6 +249,7 @@ def _decode_prompt(
     target: Target,
     prompt: EvalPrompt,
     ids: Tensor,
+    decoder: Decoder,
     drafter: RecordingDrafter,
     settings: EvalSettings,
     index: int,
@@ -257,7 +258,7 @@ def _decode_prompt(
     device = target.model.device
     seed = settings.seed + index
     run_drafter, results = drafter_runner(
-        target, ids, drafter, settings, seed, settings.max_new_tokens
+        target, ids, decoder, settings, seed, settings.max_new_tokens
     )
     run_plain = plain_runner(target, ids, settings, seed, settings.max_new_tokens)
     if index % 2 == 0:
@@ -287,9 +288,12 @@ def run_speed_eval(
     prompts: Sequence[EvalPrompt],
     settings: EvalSettings,
     *,
+    options: DecodeOptions | None = None,
     progress: bool = True,
 ) -> SpeedRun:
-    """Decode every prompt with ``drafter`` and plainly, interleaved (see the module docstring).
+    """Decode every prompt with ``drafter`` (under ``options``, through one
+    :class:`~headway.decode.generate.Decoder`) and plainly, interleaved (see the module
+    docstring).
 
     Raises:
         HeadwayError: for an empty prompt list.
@@ -298,12 +302,14 @@ def run_speed_eval(
         raise HeadwayError("no prompts to evaluate")
     encoded = [prompt_ids(target, prompt.text, chat=prompt.chat) for prompt in prompts]
     recording = RecordingDrafter(drafter)
+    decoder = Decoder(target.model, recording, options or DecodeOptions())
     run = SpeedRun(settings)
-    run.warmup_seconds = _warm_up(target, encoded[0], recording, settings)
+    run.warmup_seconds = _warm_up(target, encoded[0], decoder, settings)
     bar = tqdm(total=len(prompts), desc="eval", unit="prompt", disable=not progress)
     with bar:
         for index, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
-            run.records.append(_decode_prompt(target, prompt, ids, recording, settings, index))
+            record = _decode_prompt(target, prompt, ids, decoder, recording, settings, index)
+            run.records.append(record)
             bar.update(1)
             bar.set_postfix(_running_figures(run.records))
     return run

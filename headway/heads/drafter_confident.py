@@ -50,6 +50,7 @@ class ConfidentMedusaDrafter:
             )
         self.hidden_layers: tuple[int, ...] = (hidden_layer,)
         self.threshold, self.vocab = threshold, vocab
+        self.max_nodes = max_depth
         used = [cast(MedusaHead, head) for head in list(heads.heads)[:max_depth]]
         self.blocks = [head.blocks for head in used]
         weights = [head.lm_head.weight for head in used]
@@ -65,7 +66,7 @@ class ConfidentMedusaDrafter:
         self._last_hidden = hidden[0][-1]
 
     @torch.inference_mode()
-    def propose(self, sequence: Tensor) -> DraftTree:
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         """Top-1 tokens of heads 1, 2, ... while their cumulative probability >= threshold."""
         if self._last_hidden is None:
             return empty_tree()

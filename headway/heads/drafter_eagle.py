@@ -37,14 +37,14 @@ import logging
 import math
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from headway.decode.costs import CostSized, TreeSizer, resolve_verify_costs, verify_timer
-from headway.decode.gemm import routed_linears
+from headway.decode.costs import verify_timer
+from headway.decode.gemm import GemmChoice, resolve_gemm, routed_linears
 from headway.decode.kv import crop_cache
 from headway.decode.tree import DraftTree, empty_tree, subtree
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
@@ -58,9 +58,7 @@ __all__ = [
     "EagleDrafter",
     "FeatureDraftModel",
     "auto_total_tokens",
-    "build_eagle_drafter",
-    "resolve_total_tokens",
-    "resolve_verify_costs",
+    "eagle_model",
     "select_nodes",
 ]
 
@@ -87,6 +85,7 @@ def auto_total_tokens(
     *,
     prefix_tokens: int = 128,
     seconds: Callable[[int], float] | None = None,
+    small_blocks: bool = False,
 ) -> int:
     """``--tree auto``: choose the tree budget N by timing the target's verify forward on this
     hardware (EAGLE-2 reference, ``total_token=-1``): the N of :data:`AUTO_CANDIDATES` with the
@@ -96,10 +95,11 @@ def auto_total_tokens(
         target_model: the target the trees will be verified on.
         prefix_tokens: length of the random committed prefix the forwards are timed after.
         seconds: ``N -> seconds`` of one verify forward over N tree tokens; default: measured
-            with :func:`headway.decode.bench.forward_seconds` on a one-level tree.
+            with :func:`headway.decode.bench.forward_seconds` on a one-level tree, multiplied as
+            the loop will (``small_blocks``, :mod:`headway.decode.gemm`).
     """
     if seconds is None:
-        seconds = verify_timer(target_model, prefix_tokens)
+        seconds = verify_timer(target_model, prefix_tokens, small_blocks=small_blocks)
 
     costs = [seconds(size) / gain for size, gain in zip(AUTO_CANDIDATES, AUTO_GAIN, strict=True)]
     best = AUTO_CANDIDATES[min(range(len(costs)), key=costs.__getitem__)]
@@ -140,7 +140,7 @@ class FeatureDraftModel(Protocol):
     ) -> Tensor: ...
 
 
-class EagleDrafter(CostSized):
+class EagleDrafter:
     """An EAGLE draft model as a :class:`~headway.decode.generate.Drafter` with EAGLE-2 trees.
 
     EAGLE-1 as it stands; EAGLE-3 (:class:`~headway.heads.drafter_eagle3.Eagle3Drafter`) reuses
@@ -157,14 +157,13 @@ class EagleDrafter(CostSized):
         top_k: children per expanded node and frontier width (1 = chain drafting).
         depth: deepest tree level (tokens on the longest drafted path).
         total_tokens: N, the tree budget counting the root: at most N - 1 drafted nodes.
-        verify_costs: if given (:func:`~headway.decode.costs.verify_cost_table` of the target,
-            at least ``total_tokens`` entries), each step verifies only as many of the best nodes
-            as pay for their forward (the nodes' draft probabilities, scaled by how much of what
-            was sent so far was accepted; none when the drafter is unsure), instead of always
-            ``total_tokens - 1``; and the tree stops growing once no frontier node could pay for
-            itself (:meth:`~headway.decode.costs.TreeSizer.score_floor`), which saves draft
-            forwards on unsure steps. Held as ``sizer``, a
-            :class:`~headway.decode.costs.TreeSizer`.
+        gemm: how the draft model and LM head multiply their few-row inputs
+            (:mod:`headway.decode.gemm`), resolved once here.
+
+    When the decoding loop sizes trees by cost (``propose`` gets a ``floor``), every node is
+    scored by its cumulative draft probability and the loop sends the best that pay for their
+    share of the verify forward; the tree also stops growing once no frontier node reaches the
+    floor, which saves draft forwards on unsure steps.
     """
 
     def __init__(
@@ -176,7 +175,7 @@ class EagleDrafter(CostSized):
         top_k: int = DEFAULT_TOP_K,
         depth: int = DEFAULT_DEPTH,
         total_tokens: int = DEFAULT_TOTAL_TOKENS,
-        verify_costs: list[float] | None = None,
+        gemm: GemmChoice = "auto",
     ) -> None:
         if top_k < 1 or depth < 1 or total_tokens < 2:
             raise ValueError(
@@ -189,10 +188,8 @@ class EagleDrafter(CostSized):
         self.hidden_layers: tuple[int, ...] = layers
         self.top_k = min(top_k, self._vocabulary_size())
         self.depth, self.total_tokens = depth, total_tokens
-        self.sizer = None
-        if verify_costs is not None:
-            budget = f"a tree of total_tokens={total_tokens}"
-            self.sizer = TreeSizer(verify_costs, total_tokens - 1, budget=budget)
+        self.max_nodes = total_tokens - 1
+        self._small_blocks = resolve_gemm(cast(nn.Module, model), gemm)
         weight = model.fc.weight
         self._device, self._dtype = weight.device, weight.dtype
         self.begin(torch.empty(0, dtype=torch.long))
@@ -213,20 +210,18 @@ class EagleDrafter(CostSized):
         return best.values, best.indices
 
     def begin(self, prompt_ids: Tensor) -> None:
-        """Forget the previous sequence: empty draft cache, no root feature (the acceptance
-        calibration carries over)."""
+        """Forget the previous sequence: empty draft cache, no root feature."""
         self._cache = self.model.new_cache()
         self._committed = 0  # pairs (f_t, x_{t+1}) in the cache
         self._root_feature: Tensor | None = None  # [H], f̂ at the root's position
-        if self.sizer is not None:  # a tree the last generation stopped after is never observed
-            self.sizer.forget()
 
     def _routed(self) -> ExitStack:
         """The draft model's and the LM head's linear layers on small-block products
         (:func:`~headway.decode.gemm.routed_linears`; draft forwards have a few rows)."""
         stack = ExitStack()
-        stack.enter_context(routed_linears(self.model, pad_single=True))
-        stack.enter_context(routed_linears(self.head.lm_head, pad_single=True))
+        route = self._small_blocks
+        stack.enter_context(routed_linears(cast(nn.Module, self.model), route, pad_single=True))
+        stack.enter_context(routed_linears(self.head.lm_head, route, pad_single=True))
         return stack
 
     @torch.inference_mode()
@@ -237,8 +232,6 @@ class EagleDrafter(CostSized):
             self._observe(new_tokens, hidden)
 
     def _observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
-        if self.sizer is not None:  # the last tree's accepted tokens (the last one is the bonus)
-            self.sizer.observed(new_tokens.numel() - 1)
         crop_cache(self._cache, self._committed)
         count = new_tokens.numel()
         features = self._pair_features(hidden)[None]  # [1, k, H]
@@ -285,10 +278,13 @@ class EagleDrafter(CostSized):
         )
         return predicted[0]
 
-    def _expand(self, root_feature: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _expand(
+        self, root_feature: Tensor, floor: float = -math.inf
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Grow the EAGLE-2 candidate tree; returns tokens, parents and cumulative scores of
         every expanded node ``[n]``, parents listed before their children. Starts by dropping the
-        previous tree's entries from the draft cache."""
+        previous tree's entries from the draft cache; stops early (on a CPU) once no frontier
+        node's score reaches ``floor``."""
         crop_cache(self._cache, self._committed)
         k = self.top_k
         root_scores, root_tokens = self._top_children(root_feature[None], k)
@@ -301,10 +297,9 @@ class EagleDrafter(CostSized):
         ancestors = torch.zeros(k, 0, dtype=torch.bool, device=self._device)
         # A fixed-size tree always grows to `depth`; a cost-sized one stops once no frontier node
         # could pay for itself. The check reads a score on the host, so it runs on a CPU only: on
-        # a GPU a sync per level costs more than the small forwards it saves, and `sizer.keep`
-        # still trims what does not pay in `propose` (the one sync of a step). Either way the
-        # output is the target's: sizing only decides how much is drafted.
-        floor = -math.inf if self.sizer is None else self.sizer.score_floor()
+        # a GPU a sync per level costs more than the small forwards it saves, and the loop's
+        # sizer still trims what does not pay (the one sync of a step). Either way the output
+        # is the target's: sizing only decides how much is drafted.
         check_floor = floor > -math.inf and self._device.type == "cpu"
         for level in range(1, self.depth):
             if check_floor and float(frontier_scores.max()) < floor:  # no descendant can pay
@@ -328,63 +323,43 @@ class EagleDrafter(CostSized):
         return torch.cat(tokens), torch.cat(parents), torch.cat(scores)
 
     @torch.inference_mode()
-    def propose(self, sequence: Tensor) -> DraftTree:
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         """The best ``total_tokens - 1`` nodes of an EAGLE-2 tree below the root (the last id
-        of ``sequence``, whose pair is already in the draft cache); empty before any observe."""
+        of ``sequence``, whose pair is already in the draft cache); empty before any observe.
+        With a ``floor`` (the loop sizes the tree), each node scored by its cumulative draft
+        probability."""
         if self._root_feature is None:
             return empty_tree()
         with self._routed():
-            tokens, parents, scores = self._expand(self._root_feature)
+            tokens, parents, scores = self._expand(
+                self._root_feature, -math.inf if floor is None else floor
+            )
         best = select_nodes(scores, self.total_tokens - 1)
-        if self.sizer is not None:  # a prefix of the ranking is ancestor-closed too
-            best = best[: self.sizer.keep(scores[best].exp())]
-            if best.numel() == 0:
-                return empty_tree()
-        return subtree(tokens.cpu(), parents.cpu(), best.cpu())
+        tree = subtree(tokens.cpu(), parents.cpu(), best.cpu())
+        if floor is None:
+            return tree
+        kept_scores = scores[best.sort().values].exp().float().cpu()  # in node order
+        return DraftTree(tree.tokens, tree.parents, scores=kept_scores)
 
 
-def build_eagle_drafter(
-    config: EagleConfig,
-    state_dict: dict[str, Tensor],
-    target_model: Any,
-    *,
-    hidden_layer: int,
-    choices: Any = "default",
-    total_tokens: int | str = DEFAULT_TOTAL_TOKENS,
-    sizing: str = "fixed",
-    **options: Any,
-) -> EagleDrafter:
-    """An :class:`EagleDrafter` for ``target_model`` from trained weights (any dtype/device).
+def eagle_model(
+    config: EagleConfig, state_dict: dict[str, Tensor], target_model: Any
+) -> EagleModel:
+    """An :class:`~headway.heads.eagle.EagleModel` of trained weights on ``target_model``'s
+    device and dtype.
 
-    ``choices`` exists because ``headway generate --tree`` passes it to every drafter (see
-    :func:`resolve_total_tokens`); ``sizing`` see :func:`resolve_verify_costs`.
+    Raises:
+        ValueError: the target's LM head or embedding does not have the drafter's sizes.
     """
-    weight = target_model.get_output_embeddings().weight
+    embed = target_model.get_input_embeddings().weight
+    lm_head = target_model.get_output_embeddings().weight
+    expected = (config.vocab_size, config.hidden_size)
+    if tuple(lm_head.shape) != expected or embed.shape[1] != config.hidden_size:
+        raise ValueError(
+            f"an EAGLE drafter of hidden size {config.hidden_size} and vocabulary "
+            f"{config.vocab_size} cannot run on a target whose LM head is {list(lm_head.shape)} "
+            f"and embedding {list(embed.shape)}, not even with force"
+        )
     model = EagleModel(config)
     model.load_state_dict(state_dict)
-    model.to(device=weight.device, dtype=weight.dtype)
-    budget = resolve_total_tokens(choices, total_tokens, target_model)
-    return EagleDrafter(
-        model,
-        TargetHead.of(target_model),
-        hidden_layer=hidden_layer,
-        total_tokens=budget,
-        verify_costs=resolve_verify_costs(sizing, budget, target_model),
-        **options,
-    )
-
-
-def resolve_total_tokens(choices: Any, total_tokens: int | str, target_model: Any) -> int:
-    """The tree budget from ``--tree`` (``choices``) and ``total_tokens``: EAGLE-2 trees are
-    dynamic, so only ``"default"`` and ``"auto"`` (= ``total_tokens="auto"``, see
-    :func:`auto_total_tokens`) are meaningful; a Medusa choices list is refused."""
-    if choices == "auto":
-        total_tokens = "auto"
-    elif choices not in (None, "default"):
-        raise ValueError(
-            f"EAGLE drafters build dynamic trees; --tree/choices={choices!r} is a Medusa tree. "
-            "Use 'default' or 'auto', and top_k / depth / total_tokens to size the tree"
-        )
-    if total_tokens == "auto":
-        return auto_total_tokens(target_model)
-    return int(total_tokens)
+    return model.to(device=lm_head.device, dtype=lm_head.dtype)

@@ -24,19 +24,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from headway.decode.gemm import GemmChoice
 from headway.heads.drafter_eagle import (
     DEFAULT_DEPTH,
     DEFAULT_TOP_K,
     DEFAULT_TOTAL_TOKENS,
     EagleDrafter,
-    resolve_total_tokens,
-    resolve_verify_costs,
 )
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.vocab import check_vocab
 
-__all__ = ["Eagle3Drafter", "build_eagle3_drafter", "check_target"]
+__all__ = ["Eagle3Drafter", "check_target", "eagle3_model"]
 
 
 class Eagle3Drafter(EagleDrafter):
@@ -49,7 +48,7 @@ class Eagle3Drafter(EagleDrafter):
         top_k: children per expanded node and frontier width (1 = chain drafting).
         depth: deepest tree level (tokens on the longest drafted path).
         total_tokens: the tree budget counting the root: at most ``total_tokens - 1`` nodes.
-        verify_costs: per-step tree sizing, as for :class:`EagleDrafter`.
+        gemm: how the draft model multiplies its few-row inputs, as for :class:`EagleDrafter`.
     """
 
     def __init__(
@@ -60,7 +59,7 @@ class Eagle3Drafter(EagleDrafter):
         top_k: int = DEFAULT_TOP_K,
         depth: int = DEFAULT_DEPTH,
         total_tokens: int = DEFAULT_TOTAL_TOKENS,
-        verify_costs: list[float] | None = None,
+        gemm: GemmChoice = "auto",
     ) -> None:
         self.draft3 = model
         super().__init__(
@@ -70,7 +69,7 @@ class Eagle3Drafter(EagleDrafter):
             top_k=top_k,
             depth=depth,
             total_tokens=total_tokens,
-            verify_costs=verify_costs,
+            gemm=gemm,
         )
 
     def _vocabulary_size(self) -> int:
@@ -107,19 +106,11 @@ def check_target(config: Eagle3Config, target_model: Any) -> None:
         )
 
 
-def build_eagle3_drafter(
-    config: Eagle3Config,
-    state_dict: dict[str, Tensor],
-    target_model: Any,
-    *,
-    choices: Any = "default",
-    total_tokens: int | str = DEFAULT_TOTAL_TOKENS,
-    sizing: str = "fixed",
-    **options: Any,
-) -> Eagle3Drafter:
-    """An :class:`Eagle3Drafter` for ``target_model`` from trained weights (any dtype/device);
-    ``choices`` as for EAGLE-1 (:func:`~headway.heads.drafter_eagle.resolve_total_tokens`),
-    ``sizing`` too (:func:`~headway.heads.drafter_eagle.resolve_verify_costs`).
+def eagle3_model(
+    config: Eagle3Config, state_dict: dict[str, Tensor], target_model: Any
+) -> Eagle3Model:
+    """An :class:`~headway.heads.eagle3.Eagle3Model` of trained weights on ``target_model``'s
+    device and dtype (``d2t`` / ``t2d`` stay integer).
 
     Raises:
         ValueError: the target lacks the drafter's sizes, vocabulary or feature layers, or
@@ -130,12 +121,4 @@ def build_eagle3_drafter(
     weight = target_model.get_input_embeddings().weight
     model = Eagle3Model(config)
     model.load_state_dict(state_dict)
-    model.to(device=weight.device, dtype=weight.dtype)  # floating tensors only: d2t/t2d keep
-    budget = resolve_total_tokens(choices, total_tokens, target_model)
-    return Eagle3Drafter(
-        model,
-        TargetHead.of(target_model),
-        total_tokens=budget,
-        verify_costs=resolve_verify_costs(sizing, budget, target_model),
-        **options,
-    )
+    return model.to(device=weight.device, dtype=weight.dtype)

@@ -18,12 +18,12 @@ depth-3 nodes are worth ~0.03 expected tokens per step, less than the third head
 2 deep (its order is by estimated acceptance gain); pass ``choices="mc_sim_7b_63"`` or any list
 for stronger heads. Re-tune once heads trained on the full recipe exist.
 
-With ``verify_costs`` (``sizing="cost"`` when loading), the choices list is the most a step may
-send: each node's acceptance is estimated as the product along its path of the heads'
-probabilities of the chosen ranks, and each step sends only the best nodes that pay for their
-share of the verify forward (:class:`~headway.decode.costs.TreeSizer`), none when the heads are
-unsure. Since verify forwards of 2-8 tokens got cheaper than one-token forwards on CPU
-(:mod:`headway.decode.gemm`), that is the mode that pays there: with the recipes' heads on
+When the decoding loop sizes trees by cost (``DecodeOptions(sizing="cost")``), the choices list is
+the most a step may send: each node's acceptance is estimated as the product along its path of the
+heads' probabilities of the chosen ranks, and each step sends only the best nodes that pay for
+their share of the verify forward (the loop's :class:`~headway.decode.costs.TreeSizer`), none when
+the heads are unsure. Since verify forwards of 2-8 tokens got cheaper than one-token forwards on
+CPU (:mod:`headway.decode.gemm`), that is the mode that pays there: with the recipes' heads on
 MT-bench, Medusa-1 0.69x → 1.32x and Medusa-2 0.81x → 1.51x HF greedy (README, "Measured"). The
 fixed 16-node tree above (17 verified tokens, beyond the routed sizes) predates that change.
 """
@@ -37,9 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headway.decode.costs import CostSized, TreeSizer
-from headway.decode.gemm import routed_linears
-from headway.decode.tree import DraftTree, StaticTree, empty_tree, static_tree, subtree
+from headway.decode.gemm import GemmChoice, resolve_gemm, routed_linears
+from headway.decode.tree import DraftTree, StaticTree, empty_tree, static_tree
 from headway.errors import TargetError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 
@@ -165,7 +164,7 @@ def check_final_hidden(model: Any, layer: int) -> None:
         )
 
 
-class MedusaDrafter(CostSized):
+class MedusaDrafter:
     """Medusa heads as a :class:`~headway.decode.generate.Drafter` (Cai et al. 2024).
 
     Args:
@@ -175,10 +174,8 @@ class MedusaDrafter(CostSized):
             see :func:`final_hidden_layer`.
         choices: a Medusa choices list (e.g. the reference's ``mc_sim_7b_63``) or the name of one
             in :data:`MEDUSA_CHOICES`; paths deeper than the number of heads are dropped.
-        verify_costs: if given (the target's :func:`~headway.decode.costs.verify_cost_table`,
-            at least tree size + 1 entries), each step sends only the best nodes of the tree
-            that pay for their verify forward (module docstring; held as ``sizer``, a
-            :class:`~headway.decode.costs.TreeSizer`); without it, the whole tree.
+        gemm: how the heads multiply their one-row inputs (:mod:`headway.decode.gemm`),
+            resolved once here.
     """
 
     def __init__(
@@ -187,37 +184,32 @@ class MedusaDrafter(CostSized):
         *,
         hidden_layer: int,
         choices: str | Sequence[Sequence[int]] = "default",
-        verify_costs: list[float] | None = None,
+        gemm: GemmChoice = "auto",
     ) -> None:
         self.heads = heads.eval()
         self.hidden_layers: tuple[int, ...] = (hidden_layer,)
         self.tree = medusa_tree(choices, heads.config)
-        nodes = len(self.tree.choices)
-        self.sizer = None
-        if verify_costs is not None:
-            self.sizer = TreeSizer(verify_costs, nodes, budget=f"a tree of {nodes} nodes")
+        self.max_nodes = len(self.tree.choices)
+        self._small_blocks = resolve_gemm(self.heads, gemm)
         self._last_hidden: Tensor | None = None  # [H], the state that predicted the root
 
     def begin(self, prompt_ids: Tensor) -> None:
-        """Forget the previous generation (the acceptance calibration carries over)."""
+        """Forget the previous generation."""
         self._last_hidden = None
-        if self.sizer is not None:  # a tree the last generation stopped after is never observed
-            self.sizer.forget()
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         """Keep ``hidden[0][-1]`` ``[H]``: its LM-head output was the last committed token (the
         next tree's root), so head k on it predicts the token k + 1 places after that state,
-        i.e. depth k of the next tree. Cost-sized: calibrate on how many of the last tree's
-        tokens were accepted (the last committed one is the bonus)."""
+        i.e. depth k of the next tree."""
         self._last_hidden = hidden[0][-1]
-        if self.sizer is not None:
-            self.sizer.observed(new_tokens.numel() - 1)
 
     def _head_logits(self, hidden: Tensor) -> Tensor:
         """Logits ``[depth, V]`` of the heads the tree uses, on the state ``hidden`` ``[H]``."""
         weight = next(self.heads.parameters())
         hidden = hidden.to(device=weight.device, dtype=weight.dtype)
-        with routed_linears(self.heads, pad_single=True):  # one row per head: pad it (gemm.py)
+        with routed_linears(
+            self.heads, self._small_blocks, pad_single=True
+        ):  # one row per head: pad it (gemm.py)
             return self.heads(hidden, num_heads=self.tree.depth)
 
     @torch.inference_mode()
@@ -229,22 +221,17 @@ class MedusaDrafter(CostSized):
         return self._head_logits(self._last_hidden).topk(self.tree.width, dim=-1).indices
 
     @torch.inference_mode()
-    def propose(self, sequence: Tensor) -> DraftTree:
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         """The static tree filled with the heads' top-k tokens (empty before any observation);
-        cost-sized, only its best nodes that pay for their verify forward."""
+        when the loop sizes it (``floor`` given), each node scored by the product of the heads'
+        probabilities along its path."""
         if self._last_hidden is None:
             return empty_tree()
-        if self.sizer is None:
+        if floor is None:
             return self.tree.instantiate(self.candidates())
         logits = self._head_logits(self._last_hidden)
         candidates = logits.topk(self.tree.width, dim=-1).indices  # the same as candidates()
         probabilities = torch.softmax(logits.float(), dim=-1).gather(-1, candidates)
-        estimates = self.tree.path_products(probabilities)  # [n], never above the parent's
-        # static_tree lists parents first, so a stable sort ranks a parent before a tied child
-        # and every prefix of the ranking is ancestor-closed
-        ranking = torch.sort(estimates, descending=True, stable=True).indices
-        keep = self.sizer.keep(estimates[ranking])
-        if keep == 0:
-            return empty_tree()
         full = self.tree.instantiate(candidates)
-        return subtree(full.tokens, full.parents, ranking[:keep])
+        scores = self.tree.path_products(probabilities)  # [n], never above the parent's
+        return DraftTree(full.tokens, full.parents, scores=scores)

@@ -41,28 +41,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headway.heads.drafter_eagle import EagleDrafter
 from headway.heads.eagle import EagleConfig, eagle_tensor_shapes, rope_scaling_of
 from headway.heads.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     HeadsError,
     LoadedHeads,
-    build_eagle,
     check_tensors,
     load_heads,
     provenance,
     read_safetensors,
     write_export,
 )
-from headway.target import TargetFingerprint, check_fingerprint, fingerprint
+from headway.target import TargetFingerprint
 
 __all__ = [
     "ImportedEagle",
     "eagle1_config",
     "export_eagle1",
     "import_eagle1",
-    "load_eagle1_drafter",
     "reference_tensor_names",
 ]
 
@@ -235,19 +232,3 @@ def import_eagle1(path: str | Path) -> ImportedEagle:
     target = TargetFingerprint.from_dict(block["target"]) if "target" in block else None
     name = block.get("target_name")
     return ImportedEagle(config, tensors, target, str(name) if name is not None else None)
-
-
-def load_eagle1_drafter(
-    path: str | Path, target_model: Any, *, force: bool = False, **options: Any
-) -> EagleDrafter:
-    """Decode with an EAGLE-1 reference-layout folder on ``target_model``.
-
-    A headway export records its target's fingerprint, checked like a run directory's (``force``
-    accepts a mismatch); a foreign folder has none, so only the sizes are checked.
-    """
-    imported = import_eagle1(path)
-    if imported.fingerprint is not None:
-        check_fingerprint(imported.fingerprint, fingerprint(target_model), force=force)
-    else:
-        logger.warning("%s records no target fingerprint; only sizes are checked", path)
-    return build_eagle(imported.config, imported.state_dict, target_model, **options)

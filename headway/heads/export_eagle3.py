@@ -47,7 +47,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headway.heads.drafter_eagle3 import Eagle3Drafter
 from headway.heads.eagle import rope_scaling_of
 from headway.heads.eagle3 import Eagle3Config, default_feature_layers, eagle3_tensor_shapes
 from headway.heads.export_eagle import _read_tensors
@@ -55,21 +54,19 @@ from headway.heads.io import (
     CONFIG_NAME,
     HeadsError,
     LoadedHeads,
-    build_eagle3,
     check_tensors,
     load_heads,
     provenance,
     write_export,
 )
 from headway.heads.vocab import DraftVocab
-from headway.target import TargetFingerprint, check_fingerprint, fingerprint
+from headway.target import TargetFingerprint
 
 __all__ = [
     "ImportedEagle3",
     "eagle3_hf_config",
     "export_eagle3",
     "import_eagle3",
-    "load_eagle3_drafter",
     "reference_tensor_names",
 ]
 
@@ -272,18 +269,3 @@ def import_eagle3(path: str | Path, *, target_layers: int | None = None) -> Impo
     target = TargetFingerprint.from_dict(block["target"]) if "target" in block else None
     name = block.get("target_name")
     return ImportedEagle3(config, tensors, target, str(name) if name is not None else None)
-
-
-def load_eagle3_drafter(
-    path: str | Path, target_model: Any, *, force: bool = False, **options: Any
-) -> Eagle3Drafter:
-    """Decode with an ``eagle3-hf`` folder on ``target_model``: a headway export's fingerprint is
-    checked like a run directory's (``force`` accepts a mismatch); a foreign folder has none, so
-    only the sizes are checked."""
-    layers = int(target_model.config.get_text_config().num_hidden_layers)
-    imported = import_eagle3(path, target_layers=layers)
-    if imported.fingerprint is not None:
-        check_fingerprint(imported.fingerprint, fingerprint(target_model), force=force)
-    else:
-        logger.warning("%s records no target fingerprint; only sizes are checked", path)
-    return build_eagle3(imported.config, imported.state_dict, target_model, **options)

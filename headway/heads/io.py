@@ -14,10 +14,9 @@ the new ones, never a half-written file. ``config.json`` moves last and names th
 stored in the safetensors metadata, so a kill between the two moves is detected on load instead
 of pairing a config with weights from another save. Nothing is ever unpickled.
 
-Drafters are built through :data:`DRAFTER_METHODS`, a registry ``method -> MethodSpec``
-(``medusa1``, ``medusa2``, ``eagle1``, ``eagle3``). :func:`load_drafter` also accepts an EAGLE-1
-reference-layout folder (an ``eagle1`` export or a published EAGLE-1/2 drafter) and an
-``eagle3-hf`` folder (``LlamaForCausalLMEagle3``, an export or a published EAGLE-3 drafter).
+:data:`DRAFTER_METHODS` is the one registry of methods (``medusa1``, ``medusa2``, ``eagle1``,
+``eagle3``), shared by training and loading: it says which tensors each method's weights hold.
+Drafters are built from heads by :func:`headway.drafters.build.build_drafter`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,23 +36,13 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-import headway
 from headway.atomic import remove_stale, temporary_name
-from headway.decode.costs import resolve_verify_costs
-from headway.decode.generate import Drafter
 from headway.errors import HeadwayError
-from headway.heads.drafter_eagle import EagleDrafter, build_eagle_drafter
-from headway.heads.drafter_eagle3 import Eagle3Drafter, build_eagle3_drafter
-from headway.heads.drafter_medusa import (
-    MedusaDrafter,
-    check_final_hidden,
-    final_hidden_layer,
-    medusa_tree,
-)
 from headway.heads.eagle import EagleConfig, eagle_tensor_shapes
 from headway.heads.eagle3 import Eagle3Config, eagle3_tensor_shapes
-from headway.heads.medusa import MedusaConfig, MedusaHeads, medusa_tensor_shapes
+from headway.heads.medusa import MedusaConfig, medusa_tensor_shapes
 from headway.target import TargetFingerprint
+from headway.version import __version__
 
 __all__ = [
     "CONFIG_NAME",
@@ -62,10 +51,8 @@ __all__ = [
     "HeadsError",
     "LoadedHeads",
     "MethodSpec",
-    "build_eagle",
-    "build_eagle3",
-    "build_medusa",
     "check_tensors",
+    "head_config_of",
     "load_heads",
     "read_safetensors",
     "save_heads",
@@ -103,136 +90,52 @@ class LoadedHeads:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """How to check and use the weights of one method.
+    """What the weights of one method must hold.
 
     Attributes:
         tensor_shapes: ``head_config -> {key: shape}``, every tensor the weights file must hold
             (raises ``ValueError`` for a bad config).
-        build: ``(loaded, target_model, **options) -> Drafter`` on the target's device and dtype.
-        adapt_target: ``(run_dir, target_model) -> None`` for methods that change the target
-            itself (Medusa-2 merges its LoRA adapter into it, in place); :func:`load_drafter`
-            runs it after the fingerprint check (against the unchanged target) and after
-            ``build`` succeeded, so a refused drafter leaves the target as it was.
+        family: ``"medusa"`` or ``"eagle"``: which drafter spec decodes with it.
     """
 
     tensor_shapes: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]]
-    build: Callable[..., Drafter]
-    adapt_target: Callable[[Path, Any], None] | None = None
+    family: str
 
 
 def _medusa_shapes(head_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return medusa_tensor_shapes(MedusaConfig.from_dict(head_config))
 
 
-def build_medusa(
-    loaded: LoadedHeads,
-    model: Any,
-    *,
-    choices: str | Sequence[Sequence[int]] = "default",
-    sizing: str = "fixed",
-    **options: Any,
-) -> MedusaDrafter:
-    """Medusa heads on the target's device and dtype, reading its last hidden state. Medusa-2
-    heads load the same way, onto the target their adapter is merged into (``adapt_target``).
-    ``sizing="cost"`` times the target's verify forward once and sends, each step, only the
-    nodes of the ``choices`` tree that pay for it (:func:`resolve_verify_costs`)."""
-    config = MedusaConfig.from_dict(loaded.head_config)
-    lm_head = model.get_output_embeddings().weight
-    if tuple(lm_head.shape) != (config.vocab_size, config.hidden_size):
-        raise HeadsError(
-            f"heads of hidden size {config.hidden_size} and vocabulary {config.vocab_size} cannot "
-            f"run on a target whose LM head is {list(lm_head.shape)}, not even with force"
-        )
-    heads = MedusaHeads(config)
-    heads.load_state_dict(loaded.state_dict)
-    heads.to(device=lm_head.device, dtype=lm_head.dtype)
-    layer = final_hidden_layer(model)
-    check_final_hidden(model, layer)
-    try:
-        tree = medusa_tree(choices, config)
-    except ValueError as error:  # a tree (choices) these heads or this vocabulary cannot fill
-        raise HeadsError(f"Medusa drafter: {error}; change the tree (choices, --tree)") from error
-    try:
-        costs = resolve_verify_costs(sizing, len(tree.choices) + 1, model)
-    except ValueError as error:
-        raise HeadsError(f"Medusa drafter: {error}") from error
-    return MedusaDrafter(
-        heads, hidden_layer=layer, choices=tree.choices, verify_costs=costs, **options
-    )
-
-
 def _eagle_shapes(head_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return eagle_tensor_shapes(EagleConfig.from_dict(head_config))
-
-
-def build_eagle(
-    config: EagleConfig, state_dict: dict[str, Tensor], model: Any, **options: Any
-) -> EagleDrafter:
-    """An EAGLE drafter on the target's device and dtype (native run or imported export)."""
-    embed = model.get_input_embeddings().weight
-    lm_head = model.get_output_embeddings().weight
-    expected = (config.vocab_size, config.hidden_size)
-    if tuple(lm_head.shape) != expected or embed.shape[1] != config.hidden_size:
-        raise HeadsError(
-            f"an EAGLE drafter of hidden size {config.hidden_size} and vocabulary "
-            f"{config.vocab_size} cannot run on a target whose LM head is {list(lm_head.shape)} "
-            f"and embedding {list(embed.shape)}, not even with force"
-        )
-    layer = final_hidden_layer(model)
-    check_final_hidden(model, layer)
-    try:
-        return build_eagle_drafter(config, state_dict, model, hidden_layer=layer, **options)
-    except ValueError as error:
-        raise HeadsError(str(error)) from error
-
-
-def _build_eagle(loaded: LoadedHeads, model: Any, **options: Any) -> EagleDrafter:
-    config = EagleConfig.from_dict(loaded.head_config)
-    return build_eagle(config, loaded.state_dict, model, **options)
 
 
 def _eagle3_shapes(head_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return eagle3_tensor_shapes(Eagle3Config.from_dict(head_config))
 
 
-def build_eagle3(
-    config: Eagle3Config, state_dict: dict[str, Tensor], model: Any, **options: Any
-) -> Eagle3Drafter:
-    """An EAGLE-3 drafter on the target's device and dtype (native run or imported export);
-    a target without the sizes, vocabulary or feature layers it needs is refused."""
-    try:
-        return build_eagle3_drafter(config, state_dict, model, **options)
-    except ValueError as error:
-        raise HeadsError(str(error)) from error
-
-
-def _build_eagle3(loaded: LoadedHeads, model: Any, **options: Any) -> Eagle3Drafter:
-    config = Eagle3Config.from_dict(loaded.head_config)
-    return build_eagle3(config, loaded.state_dict, model, **options)
-
-
-def _merge_medusa2_adapter(run_dir: Path, model: Any) -> None:
-    from headway.heads.medusa2 import merge_adapter  # it imports this module
-
-    merge_adapter(run_dir, model)
-
-
-_MEDUSA = MethodSpec(tensor_shapes=_medusa_shapes, build=build_medusa)
-_EAGLE = MethodSpec(tensor_shapes=_eagle_shapes, build=_build_eagle)
-_EAGLE3 = MethodSpec(tensor_shapes=_eagle3_shapes, build=_build_eagle3)
 DRAFTER_METHODS: dict[str, MethodSpec] = {
-    "medusa1": _MEDUSA,
-    "medusa2": MethodSpec(_medusa_shapes, build_medusa, adapt_target=_merge_medusa2_adapter),
-    "eagle1": _EAGLE,
-    "eagle3": _EAGLE3,
+    "medusa1": MethodSpec(_medusa_shapes, "medusa"),
+    "medusa2": MethodSpec(_medusa_shapes, "medusa"),
+    "eagle1": MethodSpec(_eagle_shapes, "eagle"),
+    "eagle3": MethodSpec(_eagle3_shapes, "eagle"),
 }
 """method name -> :class:`MethodSpec`. New drafter families add one entry."""
+
+
+def head_config_of(loaded: LoadedHeads) -> MedusaConfig | EagleConfig | Eagle3Config:
+    """The typed head config of a run directory's heads."""
+    if loaded.method == "eagle1":
+        return EagleConfig.from_dict(loaded.head_config)
+    if loaded.method == "eagle3":
+        return Eagle3Config.from_dict(loaded.head_config)
+    return MedusaConfig.from_dict(loaded.head_config)
 
 
 def _method_spec(method: str, where: Path) -> MethodSpec:
     if method not in DRAFTER_METHODS:
         raise HeadsError(
-            f"{where}: unknown method {method!r}; headway {headway.__version__} knows "
+            f"{where}: unknown method {method!r}; headway {__version__} knows "
             f"{sorted(DRAFTER_METHODS)} (were these heads saved by a newer headway?)"
         )
     return DRAFTER_METHODS[method]
@@ -294,7 +197,7 @@ def provenance(loaded: LoadedHeads) -> dict[str, Any]:
     the target (engines ignore unknown keys)."""
     return {
         "method": loaded.method,
-        "headway_version": headway.__version__,
+        "headway_version": __version__,
         "target": loaded.fingerprint.to_dict(),
         "target_name": loaded.target_name,
     }
@@ -330,7 +233,7 @@ def save_heads(
     weights_id = uuid.uuid4().hex
     config = {
         "method": method,
-        "headway_version": headway.__version__,
+        "headway_version": __version__,
         "head_config": dict(head_config),
         "target": target_fingerprint.to_dict(),
         "target_name": str(target_name),

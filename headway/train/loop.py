@@ -30,10 +30,11 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from headway.atomic import write_text_atomic
-from headway.config import RunConfig, to_dict
+from headway.config import to_dict
 from headway.errors import TrainingError
 from headway.heads.io import save_heads
 from headway.locks import exclusive_folder, rank_lock_name
+from headway.run_config import RunConfig
 from headway.target import fingerprint, load_target
 from headway.train.curves import CURVE_FILE, simulated_tau, write_learning_curve
 from headway.train.loop_data import feature_source, training_data

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from headway.config import RunConfig
 from headway.errors import TrainingError
+from headway.run_config import RunConfig
 from headway.target import Target, fingerprint
 from headway.train.batching import pack, padding_share
 from headway.train.data import build_datasets, pad_collate, pad_id_of

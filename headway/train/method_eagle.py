@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headway.config import RunConfig
 from headway.heads.drafter_medusa import final_hidden_layer
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
+from headway.run_config import RunConfig
 from headway.target import Target
 from headway.train.batching import document_attention_mask
 from headway.train.losses import LossOutput

@@ -36,12 +36,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headway.config import RunConfig
 from headway.errors import ConfigError
 from headway.heads.drafter_medusa import final_hidden_layer
 from headway.heads.eagle import TargetHead, additive_mask
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.vocab import DraftVocab, TokenCounts, choose_vocab, token_counts
+from headway.run_config import RunConfig
 from headway.target import Target
 from headway.train.batching import document_attention_mask
 from headway.train.data import build_datasets

@@ -47,7 +47,6 @@ from peft.tuners.lora import LoraLayer
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from headway.config import MEDUSA2_NEEDS_ONLINE, RunConfig
 from headway.errors import ConfigError
 from headway.heads.drafter_medusa import final_hidden_layer
 from headway.heads.medusa import MedusaConfig, MedusaHeads
@@ -58,6 +57,7 @@ from headway.heads.medusa2 import (
     set_adapter_weights,
     write_adapter,
 )
+from headway.run_config import MEDUSA2_NEEDS_ONLINE, RunConfig
 from headway.target import Target
 from headway.train.batching import target_inputs
 from headway.train.losses import LossOutput, distillation_kl, label_mask, medusa_loss

@@ -13,9 +13,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from headway.config import RunConfig
 from headway.errors import ConfigError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.run_config import RunConfig
 from headway.target import Target
 from headway.train.losses import LossOutput, medusa_loss
 from headway.train.method_eagle import Eagle1

@@ -27,14 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from headway.atomic import write_text_atomic
-from headway.config import RunConfig, load_config
+from headway.config import load_config
 from headway.errors import HeadwayError
-from headway.eval.quickstart_plan import SMOLLM2_PLAN, TINY_PLAN, QuickstartPlan
 from headway.eval.report import write_report
 from headway.eval.run import evaluate
 from headway.eval.speed import EvalSettings
 from headway.evalsets import load_prompts
 from headway.locks import exclusive_folder
+from headway.quickstart.plan import SMOLLM2_PLAN, TINY_PLAN, QuickstartPlan
+from headway.run_config import RunConfig
 from headway.target import Target, check_fingerprint, fingerprint, load_target
 
 __all__ = ["QuickstartResult", "StageReport", "run_quickstart"]
@@ -100,7 +101,7 @@ class _Pipeline:
     # -- stage 1 ---------------------------------------------------------------------------
     def prepare_target(self) -> str:
         if self.plan.tiny:
-            from headway.eval.tiny import build_tiny_target
+            from headway.quickstart.tiny import build_tiny_target
 
             self.target_name = str(build_tiny_target(self.out / "tiny-target"))
         model = self.target().model
@@ -121,7 +122,7 @@ class _Pipeline:
 
         mix_spec = self.plan.mix
         if self.plan.tiny:
-            from headway.eval.tiny import write_tiny_chat
+            from headway.quickstart.tiny import write_tiny_chat
 
             chat = write_tiny_chat(self.out / "tiny-chat.jsonl")
             mix_spec = mix_spec.replace("TINY_CHAT", str(chat))
@@ -173,13 +174,15 @@ class _Pipeline:
 
     # -- stage 5 ---------------------------------------------------------------------------
     def evaluate(self) -> str:
-        from headway.eval.quickstart_drafter import build_quickstart_drafter
+        from headway.drafters.build import build_drafter
+        from headway.quickstart.calibrate import quickstart_spec
 
         target = self.target()
         check_fingerprint(_run_fingerprint(self.run_dir), fingerprint(target.model))
-        drafter, info = build_quickstart_drafter(
+        spec, info = quickstart_spec(
             self.export_dir, target, self.plan, self.data_dir / "data", self._held_out(target)
         )
+        drafter = build_drafter(spec, target)
         prompts = self._prompts()
         settings = EvalSettings(max_new_tokens=self.plan.eval_max_new_tokens)
         report = evaluate(
@@ -207,7 +210,7 @@ class _Pipeline:
 
     def _prompts(self) -> list[Any]:
         if self.plan.eval_prompts is None:
-            from headway.eval.tiny import write_tiny_prompts
+            from headway.quickstart.tiny import write_tiny_prompts
 
             path = write_tiny_prompts(self.out / "tiny-prompts.jsonl")
             return load_prompts(str(path), limit=self.plan.eval_num_prompts)

@@ -14,7 +14,9 @@ are right at least that often. If no threshold qualifies, the heads should not d
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,14 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from headway.decode.bench import forward_seconds
-from headway.heads.medusa import MedusaHead
+from headway.decode.gemm import resolve_gemm
+from headway.drafters.lookup_medusa import draft_vocabulary
+from headway.drafters.specs import DrafterSpec, LookupMedusaSpec, PromptLookupSpec
+from headway.errors import HeadwayError
+from headway.heads.export import import_medusa
+from headway.heads.medusa import MedusaHead, MedusaHeads
+from headway.quickstart.plan import QuickstartPlan
+from headway.target import Target, resolve_dtype
 
 __all__ = ["GateCalibration", "choose_threshold", "head1_scores", "verify_break_even"]
 
@@ -30,8 +39,9 @@ __all__ = ["GateCalibration", "choose_threshold", "head1_scores", "verify_break_
 def verify_break_even(model: PreTrainedModel, prefix: Tensor, *, repeats: int = 5) -> float:
     """``(t2 - t1) / t1`` on ``prefix`` ``[P]``: the acceptance rate a one-token draft needs to
     pay for itself (clamped to [0, 1])."""
-    one = forward_seconds(model, prefix, 1, repeats=repeats)
-    two = forward_seconds(model, prefix, 2, repeats=repeats)
+    routed = resolve_gemm(model, "auto")  # as the decoding loop will multiply them
+    one = forward_seconds(model, prefix, 1, repeats=repeats, small_blocks=routed)
+    two = forward_seconds(model, prefix, 2, repeats=repeats, small_blocks=routed)
     return min(max((two - one) / one, 0.0), 1.0)
 
 
@@ -121,3 +131,95 @@ def choose_threshold(
         drafted_fraction=(last + 1) / total,
         accuracy=float(accuracy[last]),
     )
+
+
+def _gate(
+    export_dir: Path,
+    target: Target,
+    plan: QuickstartPlan,
+    samples: Sequence[tuple[Sequence[int], Sequence[int]]],
+    vocab: Tensor | None,
+) -> GateCalibration:
+    """The plan's fixed confidence, or one calibrated on held-out ``samples`` with the first
+    head of the exported heads."""
+    if plan.confidence is not None:
+        return GateCalibration(plan.confidence, 0.0, 0, 0.0, 0.0)
+    if not samples:
+        raise HeadwayError("calibrating the confidence gate needs held-out samples")
+    imported = import_medusa(export_dir)
+    heads = MedusaHeads(imported.config)
+    heads.load_state_dict(imported.state_dict)
+    device = target.model.get_output_embeddings().weight.device
+    heads = heads.to(device=device, dtype=resolve_dtype(plan.draft_dtype)).eval()
+    prefix = torch.as_tensor(list(samples[0][0])[:256], device=target.model.device)
+    break_even = verify_break_even(target.model, prefix)
+    head = cast(MedusaHead, heads.heads[0])
+    confidence, correct = head1_scores(target.model, head, samples, vocab=vocab)
+    return choose_threshold(confidence, correct, break_even=break_even)
+
+
+def quickstart_spec(
+    export_dir: Path,
+    target: Target,
+    plan: QuickstartPlan,
+    data_dir: Path,
+    samples: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+) -> tuple[DrafterSpec, dict[str, Any]]:
+    """The drafter the quickstart evaluates, as a spec anyone can build again, and its
+    description for the report (with the ``headway eval`` command that measures it).
+
+    A ``lookup-medusa`` spec on the exported heads with the calibrated confidence; when the
+    calibration gates the heads off (no threshold pays on this machine), prompt lookup alone.
+    """
+    vocab = None
+    if plan.draft_vocab_size:
+        vocab = draft_vocabulary(data_dir, target.tokenizer, plan.draft_vocab_size)
+    gate = _gate(export_dir, target, plan, samples, vocab)
+    spec: DrafterSpec
+    if gate.threshold is None and plan.prompt_lookup:
+        spec = PromptLookupSpec(
+            min_ngram=plan.lookup_min_ngram,
+            max_ngram=plan.lookup_max_ngram,
+            num_draft_tokens=plan.lookup_tokens,
+            max_nodes=plan.lookup_tokens,
+        )
+    else:
+        spec = LookupMedusaSpec(
+            heads=str(export_dir),
+            confidence=gate.threshold if gate.threshold is not None else 1.0,
+            lookup=plan.prompt_lookup,
+            lookup_min_ngram=plan.lookup_min_ngram,
+            lookup_max_ngram=plan.lookup_max_ngram,
+            lookup_tokens=plan.lookup_tokens,
+            draft_vocab=str(data_dir) if vocab is not None else "",
+            draft_vocab_size=plan.draft_vocab_size or 1,
+            draft_dtype=plan.draft_dtype,  # type: ignore[arg-type]
+        )
+    heads_name = "Medusa-1 heads"
+    if gate.threshold is None:
+        heads_name += " (gated off: below break-even)"
+    else:
+        heads_name += f" (confidence >= {gate.threshold:.2g})"
+    info: dict[str, Any] = {
+        "name": f"prompt lookup + {heads_name}" if plan.prompt_lookup else heads_name,
+        "spec": {"name": spec.name, **asdict(spec)},
+        "export": str(export_dir),
+        "draft_vocab_size": None if vocab is None else int(vocab.numel()),
+        "gate": asdict(gate),
+        "command": eval_command(spec),
+    }
+    return spec, info
+
+
+def eval_command(spec: DrafterSpec) -> str:
+    """The ``headway eval`` command line that builds ``spec`` again."""
+    options = asdict(spec)
+    heads = options.pop("heads", None)
+    parts = ["headway eval"]
+    parts += [f"--heads {heads}"] if heads else []
+    parts += [f"--drafter {spec.name}"] if spec.name in ("prompt-lookup", "lookup-medusa") else []
+    defaults = type(spec)(**({"heads": heads} if heads else {}))
+    for key, value in options.items():
+        if value != getattr(defaults, key):
+            parts.append(f"--draft-option {key}={value}")
+    return " ".join(parts)

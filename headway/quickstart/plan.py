@@ -16,10 +16,10 @@ jobs ran (so ±30%); one full run took 390 s (6 min 40 s wall with model loading
   Weak heads drafting every step measured 0.5-0.8x. So the drafter drafts only what is likely:
   prompt lookup on 2-4-gram matches (2-gram minimum measured 1.26x vs 1.07x for 1-grams), merged
   with the heads' top-1 chain, gated by a confidence threshold calibrated on held-out data
-  (:mod:`headway.eval.calibrate`) on the data's own draft vocabulary. With 20 steps of training
-  no threshold reaches break-even, so the gate turns the heads off and says so; the measured
-  1.33x (tau 1.65, 4/4 outputs identical) is prompt lookup's. Longer training is what lets the
-  heads in.
+  (:mod:`headway.quickstart.calibrate`) on the data's own draft vocabulary. With 20 steps of
+  training no threshold reaches break-even, so the gate turns the heads off and says so; the
+  measured 1.33x (tau 1.65, 4/4 outputs identical) is prompt lookup's. Longer training is what lets
+  the heads in.
 
 Since verify forwards of 2-8 tokens take the small-block product (:mod:`headway.decode.gemm`)
 they cost less than a one-token forward here, the measured break-even is 0 and the gate lets the
@@ -47,7 +47,7 @@ class QuickstartPlan:
         draft_dtype: dtype the heads draft in (the target always verifies in float32).
         prompt_lookup: merge prompt lookup's drafts (first) with the heads'.
         confidence: the heads draft a token only while their cumulative probability >= this;
-            None calibrates it on held-out data (:mod:`headway.eval.calibrate`).
+            None calibrates it on held-out data (:mod:`headway.quickstart.calibrate`).
         draft_vocab_size: the heads propose only the most frequent tokens of the data (0 = all).
     """
 

@@ -1,0 +1,51 @@
+"""How the decoding loop runs, as opposed to what it generates: :class:`DecodeOptions`.
+
+One frozen value, given to :class:`~headway.decode.generate.Decoder` (or
+:func:`~headway.decode.generate.generate`), that the command line builds from ``--sizing``,
+``--gemm`` and ``--acceptance``. None of it changes what greedy decoding outputs; ``acceptance``
+alone can change what sampling outputs (``"typical"`` is lossy).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+from headway.decode.gemm import GemmChoice
+from headway.decode.verify import AcceptanceRule
+
+__all__ = ["DecodeOptions", "Sizing"]
+
+Sizing = Literal["drafter", "cost"]
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Attributes:
+    sizing: ``"drafter"``: each drafter sizes its own trees (a fixed Medusa tree, EAGLE's
+        ``total_tokens``, prompt lookup's adaptive length, retrieval's share threshold).
+        ``"cost"``: the loop times the target's verify forward once and, every step, sends
+        only the drafted nodes that pay for their share of it, ranked by the drafter's
+        acceptance estimates (:class:`~headway.decode.costs.TreeSizer`).
+    gemm: how verify forwards of 2-8 tokens multiply the target's linear layers
+        (:mod:`headway.decode.gemm`), resolved once per :class:`~headway.decode.generate.Decoder`.
+    acceptance: ``"lossless"`` (the target's own output) or Medusa's ``"typical"`` (LOSSY when
+        sampling; :func:`headway.decode.verify.verify_typical`).
+    """
+
+    sizing: Sizing = field(default="drafter")
+    gemm: GemmChoice = field(default="auto")
+    acceptance: AcceptanceRule = field(default="lossless")
+
+    def __post_init__(self) -> None:
+        for name, kind in (
+            ("sizing", Sizing),
+            ("gemm", GemmChoice),
+            ("acceptance", AcceptanceRule),
+        ):
+            valid = typing.get_args(kind)
+            if getattr(self, name) not in valid:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r}: choose one of {', '.join(map(repr, valid))}"
+                )

@@ -1,0 +1,176 @@
+"""``build_drafter(spec, target)``: the one place a drafter is built, whoever asks
+(``headway generate``, ``headway eval``, the quickstart, ``scripts/compare.py``, the Python API).
+
+    spec = spec_for("prompt-lookup", options={"num_draft_tokens": 6})
+    drafter = build_drafter(spec, target)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from headway.decode.drafters import PromptLookupDrafter
+from headway.decode.gemm import GemmChoice, resolve_gemm
+from headway.decode.generate import Drafter
+from headway.drafters.lookup_medusa import lookup_medusa_drafter
+from headway.drafters.retrieval import retrieval_drafter
+from headway.drafters.specs import (
+    DRAFTER_NAMES,
+    DrafterSpec,
+    EagleSpec,
+    LookupMedusaSpec,
+    MedusaSpec,
+    PromptLookupSpec,
+    RetrievalSpec,
+    parse_spec,
+)
+from headway.errors import ConfigError
+from headway.heads.drafter_eagle import EagleDrafter, auto_total_tokens, eagle_model
+from headway.heads.drafter_eagle3 import Eagle3Drafter, eagle3_model
+from headway.heads.drafter_medusa import (
+    MedusaDrafter,
+    check_final_hidden,
+    final_hidden_layer,
+    medusa_tree,
+)
+from headway.heads.eagle import EagleConfig, TargetHead
+from headway.heads.eagle3 import Eagle3Config
+from headway.heads.io import HeadsError
+from headway.heads.loading import FoundHeads, find_heads, heads_family
+from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.heads.medusa2 import merge_adapter
+from headway.target import Target
+
+__all__ = ["build_drafter", "describe_spec", "spec_for"]
+
+logger = logging.getLogger(__name__)
+
+
+def spec_for(
+    name: str | None = None,
+    *,
+    heads: str | Path | None = None,
+    options: Mapping[str, object] | None = None,
+) -> DrafterSpec:
+    """The spec of a drafter named on the command line: ``name`` (``prompt-lookup``,
+    ``retrieval``, ``lookup-medusa``) and/or a ``heads`` folder, whose own method picks
+    ``medusa`` or ``eagle`` when no name is given; ``options`` are ``--draft-option`` values.
+
+    Raises:
+        ConfigError: an unknown drafter or option, or a bad value (one line).
+        HeadsError: ``heads`` holds no heads headway can read.
+    """
+    if name is None:
+        if heads is None:
+            raise ConfigError("name a drafter (--drafter NAME) or a heads folder (--heads DIR)")
+        name = heads_family(heads)
+    if name not in DRAFTER_NAMES:
+        valid = ", ".join(sorted(DRAFTER_NAMES))
+        raise ConfigError(f"unknown drafter {name!r}; choose one of {valid}, or --heads DIR")
+    spec_type = DRAFTER_NAMES[name]
+    fields = {item.name for item in dataclasses.fields(spec_type)}
+    values = dict(options or {})
+    if heads is not None:
+        if "heads" not in fields:
+            raise ConfigError(f"the {name} drafter takes no heads folder; drop --heads {heads}")
+        values["heads"] = str(heads)
+    return parse_spec(spec_type, values)
+
+
+def build_drafter(spec: DrafterSpec, target: Target, *, gemm: GemmChoice = "auto") -> Drafter:
+    """The drafter ``spec`` describes, on ``target``'s device and dtype. ``gemm`` is how trained
+    drafters multiply their few-row inputs (:mod:`headway.decode.gemm`).
+
+    A Medusa-2 run merges its LoRA adapter into ``target.model`` in place (logged) once the
+    drafter is built: decode and compare with this same, now merged, target.
+
+    Raises:
+        HeadwayError: (HeadsError, TargetError, ConfigError) heads that do not fit the target,
+            missing files, a corpus without answers, ... in one line.
+    """
+    if isinstance(spec, PromptLookupSpec):
+        return PromptLookupDrafter(
+            max_ngram=spec.max_ngram,
+            min_ngram=spec.min_ngram,
+            num_draft_tokens=spec.num_draft_tokens,
+            max_nodes=spec.max_nodes,
+            adaptive=spec.adaptive,
+        )
+    if isinstance(spec, RetrievalSpec):
+        return retrieval_drafter(target, spec)
+    found = find_heads(spec.heads, target.model, force=spec.force)
+    if isinstance(spec, LookupMedusaSpec):
+        return lookup_medusa_drafter(target, spec, found)
+    drafter: Drafter
+    if isinstance(spec, MedusaSpec):
+        drafter = _medusa(found, target, spec, gemm)
+    else:
+        drafter = _eagle(found, target, spec, gemm)
+    if found.merges_adapter:
+        merge_adapter(found.directory, target.model)
+    return drafter
+
+
+def _medusa(found: FoundHeads, target: Target, spec: MedusaSpec, gemm: GemmChoice) -> Drafter:
+    config = found.config
+    if not isinstance(config, MedusaConfig):
+        raise HeadsError(f"{spec.heads} holds {found.method} weights, not Medusa heads")
+    model = target.model
+    lm_head = model.get_output_embeddings().weight
+    if tuple(lm_head.shape) != (config.vocab_size, config.hidden_size):
+        raise HeadsError(
+            f"heads of hidden size {config.hidden_size} and vocabulary {config.vocab_size} cannot "
+            f"run on a target whose LM head is {list(lm_head.shape)}, not even with force"
+        )
+    heads = MedusaHeads(config)
+    heads.load_state_dict(found.state_dict)
+    heads.to(device=lm_head.device, dtype=lm_head.dtype)
+    layer = final_hidden_layer(model)
+    check_final_hidden(model, layer)
+    try:
+        tree = medusa_tree(spec.tree, config)
+    except ValueError as error:  # a tree these heads or this vocabulary cannot fill
+        raise HeadsError(f"Medusa drafter: {error}; change the tree (--tree)") from error
+    return MedusaDrafter(heads, hidden_layer=layer, choices=tree.choices, gemm=gemm)
+
+
+def _eagle(found: FoundHeads, target: Target, spec: EagleSpec, gemm: GemmChoice) -> Drafter:
+    model = target.model
+    total_tokens = spec.total_tokens
+    if spec.tree == "auto":
+        total_tokens = auto_total_tokens(model, small_blocks=resolve_gemm(model, gemm))
+    config = found.config
+    try:
+        if isinstance(config, Eagle3Config):
+            return Eagle3Drafter(
+                eagle3_model(config, found.state_dict, model),
+                TargetHead.of(model),
+                top_k=spec.top_k,
+                depth=spec.depth,
+                total_tokens=total_tokens,
+                gemm=gemm,
+            )
+        if isinstance(config, EagleConfig):
+            layer = final_hidden_layer(model)
+            check_final_hidden(model, layer)
+            return EagleDrafter(
+                eagle_model(config, found.state_dict, model),
+                TargetHead.of(model),
+                hidden_layer=layer,
+                top_k=spec.top_k,
+                depth=spec.depth,
+                total_tokens=total_tokens,
+                gemm=gemm,
+            )
+    except ValueError as error:
+        raise HeadsError(f"{spec.heads}: {error}") from error
+    raise HeadsError(f"{spec.heads} holds {found.method} weights, not an EAGLE drafter")
+
+
+def describe_spec(spec: DrafterSpec) -> dict[str, Any]:
+    """The spec as report data: ``{"name": ..., every option}``."""
+    return {"name": spec.name, **dataclasses.asdict(spec)}

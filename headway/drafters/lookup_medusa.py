@@ -1,0 +1,91 @@
+"""The ``lookup-medusa`` drafter (the quickstart's): prompt lookup merged with confidence-gated
+Medusa heads.
+
+- :class:`~headway.heads.drafter_confident.ConfidentMedusaDrafter` drafts the heads' top-1
+  chain only while its cumulative probability stays at or above ``confidence`` (the quickstart
+  calibrates it on held-out data, :mod:`headway.quickstart.calibrate`), optionally over a draft
+  vocabulary of the training data's most frequent tokens (a cheaper ``[V', H]`` projection).
+- :class:`~headway.decode.merged.MergedDrafter` proposes the union of prompt lookup's tree and
+  the heads' chain, merged as a prefix tree within a node budget, prompt lookup's paths first,
+  and counts which drafter proposed each accepted token.
+
+Drafts never affect what is committed (the target verifies every token), so none of this
+touches exactness; it only decides how much verification work is spent, and on what.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from headway.decode.drafters import PromptLookupDrafter
+from headway.decode.generate import Drafter
+from headway.decode.merged import MergedDrafter
+from headway.drafters.specs import LookupMedusaSpec
+from headway.errors import HeadwayError
+from headway.heads.drafter_confident import ConfidentMedusaDrafter
+from headway.heads.drafter_medusa import check_final_hidden, final_hidden_layer
+from headway.heads.loading import FoundHeads
+from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.target import Target, resolve_dtype
+from headway.train.regenerate import read_jsonl
+
+__all__ = ["draft_vocabulary", "lookup_medusa_drafter"]
+
+
+def lookup_medusa_drafter(
+    target: Target, spec: LookupMedusaSpec, found: FoundHeads
+) -> MergedDrafter:
+    """The drafter of ``spec`` on ``target``, with the Medusa heads ``found`` in ``spec.heads``.
+
+    Raises:
+        HeadwayError: the heads are not Medusa heads, or the draft vocabulary's data holds no
+            answers.
+    """
+    if not isinstance(found.config, MedusaConfig):
+        raise HeadwayError(f"{spec.heads}: lookup-medusa needs Medusa heads, found {found.method}")
+    heads = MedusaHeads(found.config)
+    heads.load_state_dict(found.state_dict)
+    device = target.model.get_output_embeddings().weight.device
+    heads = heads.to(device=device, dtype=resolve_dtype(spec.draft_dtype)).eval()
+    layer = final_hidden_layer(target.model)
+    check_final_hidden(target.model, layer)
+    vocab = None
+    if spec.draft_vocab:
+        vocab = draft_vocabulary(Path(spec.draft_vocab), target.tokenizer, spec.draft_vocab_size)
+    drafters: list[Drafter] = []
+    if spec.lookup:
+        drafters.append(
+            PromptLookupDrafter(
+                min_ngram=spec.lookup_min_ngram,
+                max_ngram=spec.lookup_max_ngram,
+                num_draft_tokens=spec.lookup_tokens,
+                max_nodes=spec.lookup_tokens,
+            )
+        )
+    num_heads = found.config.num_heads
+    drafters.append(
+        ConfidentMedusaDrafter(
+            heads, hidden_layer=layer, threshold=spec.confidence, max_depth=num_heads, vocab=vocab
+        )
+    )
+    budget = (spec.lookup_tokens if spec.lookup else 0) + num_heads
+    return MergedDrafter(drafters, max_nodes=budget)
+
+
+def draft_vocabulary(data_dir: Path, tokenizer: Any, size: int) -> Tensor:
+    """The ``size`` most frequent token ids of the assistant answers in regenerated data
+    (``data_dir/*.jsonl[.gz]`` with ``messages`` rows), sorted, as a LongTensor."""
+    counts: Counter[int] = Counter()
+    for path in sorted(data_dir.glob("*.jsonl*")):
+        for row in read_jsonl(path):
+            answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+            for answer in answers:
+                counts.update(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    if not counts:
+        raise HeadwayError(f"{data_dir} holds no assistant answers to build a draft vocabulary")
+    return torch.tensor(sorted(token for token, _ in counts.most_common(size)), dtype=torch.long)

@@ -1,0 +1,36 @@
+"""The package's import structure: no module imports itself back, directly or through others,
+and nothing dodges a circle with an import inside a function."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import grimp
+
+PACKAGE = Path(__file__).resolve().parents[1] / "headway"
+
+
+def test_no_import_circle_anywhere_in_the_package() -> None:
+    graph = grimp.build_graph("headway")
+    modules = sorted(graph.modules)
+    circles = [
+        (a, b)
+        for a, b in itertools.combinations(modules, 2)
+        if graph.chain_exists(importer=a, imported=b)
+        and graph.chain_exists(importer=b, imported=a)
+    ]
+    assert circles == []
+
+
+def test_heads_and_decode_import_at_module_level_only() -> None:
+    """Function-level imports are how circles hide; heads/ and decode/ have none."""
+    late = [
+        f"{path.relative_to(PACKAGE)}:{number}"
+        for folder in ("heads", "decode", "drafters")
+        for path in sorted((PACKAGE / folder).glob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if re.match(r"\s+(from headway|import headway)", line)
+    ]
+    assert late == []
