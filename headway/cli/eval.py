@@ -188,9 +188,14 @@ def format_headline(report: dict[str, Any]) -> str:
     tau = "n/a" if report["tau"] is None else f"{report['tau']:.2f}"
     rates = report["tokens_per_s"]
     speedup = "n/a" if report["speedup"] is None else f"{report['speedup']:.2f}x"
+    lossy = (
+        ", typical acceptance: LOSSY"
+        if report.get("decode", {}).get("acceptance") == "typical"
+        else ""
+    )
     return (
         f"tau {tau}, {rates['drafter']:.1f} vs {rates['plain']:.1f} tokens/s, speedup {speedup}, "
-        f"identical outputs {same}, eval overhead {report['overhead_fraction']:.1%}"
+        f"identical outputs {same}, eval overhead {report['overhead_fraction']:.1%}{lossy}"
     )
 
 
