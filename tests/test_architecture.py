@@ -18,8 +18,7 @@ def test_no_import_circle_anywhere_in_the_package() -> None:
     circles = [
         (a, b)
         for a, b in itertools.combinations(modules, 2)
-        if graph.chain_exists(importer=a, imported=b)
-        and graph.chain_exists(importer=b, imported=a)
+        if graph.chain_exists(importer=a, imported=b) and graph.chain_exists(importer=b, imported=a)
     ]
     assert circles == []
 

@@ -299,21 +299,21 @@ def test_tree_auto_times_the_target_and_weighs_the_assumed_gain() -> None:
     assert measured in AUTO_CANDIDATES
 
 
-def _run_dir(tmp_path: Path, model: Any) -> Path:
-    config = EagleConfig.from_target(model)
+def save_run(directory: Path, target: Any, draft: EagleModel) -> Path:
+    """An EAGLE-1 run directory of ``draft`` for ``target``."""
     return save_heads(
-        tmp_path / "eagle",
+        directory,
         method="eagle1",
-        head_config=config.to_dict(),
-        state_dict=EagleModel(config).state_dict(),
-        target_fingerprint=fingerprint(model),
-        target_name="tiny",
+        head_config=draft.config.to_dict(),
+        state_dict=draft.state_dict(),
+        target_fingerprint=fingerprint(target),
+        target_name="org/tiny-llama",
     )
 
 
 def test_spec_options_and_the_auto_tree(tmp_path: Path) -> None:
     model, _ = target_and_truth("llama")
-    run = _run_dir(tmp_path, model)
+    run = save_run(tmp_path / "eagle", model, EagleModel(EagleConfig.from_target(model)))
     auto = heads_drafter(run, model, tree="auto")
     assert isinstance(auto, EagleDrafter) and auto.total_tokens in AUTO_CANDIDATES
     sized = heads_drafter(run, model, top_k=2, depth=3)

@@ -25,7 +25,7 @@ from headway.heads.export_eagle import (
 from headway.heads.io import HeadsError, load_heads, save_heads
 from headway.target import fingerprint
 from tests.drafting import heads_drafter as load_drafter
-from tests.test_eagle_drafter import PROMPT, TREE, fit_drafter, hf_greedy
+from tests.test_eagle_drafter import PROMPT, TREE, fit_drafter, hf_greedy, save_run
 from tests.tiny import TINY_VOCAB, tiny_model
 
 H = 32
@@ -49,17 +49,6 @@ def target() -> Any:
 @pytest.fixture(scope="module")
 def truth(target: Any) -> list[int]:
     return hf_greedy(target, PROMPT, 24, eos=None)
-
-
-def save_run(directory: Path, target: Any, draft: EagleModel) -> Path:
-    return save_heads(
-        directory,
-        method="eagle1",
-        head_config=draft.config.to_dict(),
-        state_dict=draft.state_dict(),
-        target_fingerprint=fingerprint(target),
-        target_name="org/tiny-llama",
-    )
 
 
 @pytest.fixture(scope="module")

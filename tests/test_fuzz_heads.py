@@ -30,7 +30,7 @@ from headway.heads.vocab import DraftVocab
 from headway.target import fingerprint
 from tests.drafting import heads_drafter as load_drafter
 from tests.test_eagle3 import tiny4
-from tests.test_export_eagle import save_run
+from tests.test_eagle_drafter import save_run
 from tests.test_heads_io import save, trained_like_heads
 from tests.tiny import TINY_VOCAB, tiny_model
 

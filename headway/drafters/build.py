@@ -126,9 +126,9 @@ def _medusa(found: FoundHeads, target: Target, spec: MedusaSpec, gemm: GemmChoic
             f"heads of hidden size {config.hidden_size} and vocabulary {config.vocab_size} cannot "
             f"run on a target whose LM head is {list(lm_head.shape)}, not even with force"
         )
-    heads = MedusaHeads(config)
-    heads.load_state_dict(found.state_dict)
-    heads.to(device=lm_head.device, dtype=lm_head.dtype)
+    heads = MedusaHeads.trained(
+        config, found.state_dict, device=lm_head.device, dtype=lm_head.dtype
+    )
     layer = final_hidden_layer(model)
     check_final_hidden(model, layer)
     try:

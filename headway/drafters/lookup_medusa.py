@@ -48,10 +48,9 @@ def lookup_medusa_drafter(
     """
     if not isinstance(found.config, MedusaConfig):
         raise HeadwayError(f"{spec.heads}: lookup-medusa needs Medusa heads, found {found.method}")
-    heads = MedusaHeads(found.config)
-    heads.load_state_dict(found.state_dict)
     device = target.model.get_output_embeddings().weight.device
-    heads = heads.to(device=device, dtype=resolve_dtype(spec.draft_dtype)).eval()
+    dtype = resolve_dtype(spec.draft_dtype)
+    heads = MedusaHeads.trained(found.config, found.state_dict, device=device, dtype=dtype)
     layer = final_hidden_layer(target.model)
     check_final_hidden(target.model, layer)
     vocab = None

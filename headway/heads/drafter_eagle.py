@@ -189,7 +189,9 @@ class EagleDrafter:
         self.top_k = min(top_k, self._vocabulary_size())
         self.depth, self.total_tokens = depth, total_tokens
         self.max_nodes = total_tokens - 1
+        # each resolved on its own largest layer: a small fc may not gain where the LM head does
         self._small_blocks = resolve_gemm(cast(nn.Module, model), gemm)
+        self._small_blocks_head = resolve_gemm(head.lm_head, gemm)
         weight = model.fc.weight
         self._device, self._dtype = weight.device, weight.dtype
         self.begin(torch.empty(0, dtype=torch.long))
@@ -219,9 +221,10 @@ class EagleDrafter:
         """The draft model's and the LM head's linear layers on small-block products
         (:func:`~headway.decode.gemm.routed_linears`; draft forwards have a few rows)."""
         stack = ExitStack()
-        route = self._small_blocks
-        stack.enter_context(routed_linears(cast(nn.Module, self.model), route, pad_single=True))
-        stack.enter_context(routed_linears(self.head.lm_head, route, pad_single=True))
+        model = cast(nn.Module, self.model)
+        stack.enter_context(routed_linears(model, self._small_blocks, pad_single=True))
+        head_route = self._small_blocks_head
+        stack.enter_context(routed_linears(self.head.lm_head, head_route, pad_single=True))
         return stack
 
     @torch.inference_mode()

@@ -119,9 +119,9 @@ def heads_family(directory: str | Path) -> str:
         method = json.loads(path.read_text(encoding="utf-8")).get("method")
     except (OSError, ValueError, AttributeError):
         method = None
-    if method in DRAFTER_METHODS:
-        return DRAFTER_METHODS[method].family
-    return load_heads(folder).method  # raises the run-directory loader's precise error
+    if method not in DRAFTER_METHODS:
+        method = load_heads(folder).method  # raises the run-directory loader's precise error
+    return DRAFTER_METHODS[method].family
 
 
 def _check(recorded: TargetFingerprint | None, target_model: Any, where: Path, force: bool) -> None:

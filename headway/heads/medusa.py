@@ -20,6 +20,7 @@ In code, heads are indexed from 0: ``heads[i]`` is head k = i + 1 and predicts t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, cast
 
@@ -142,6 +143,20 @@ class MedusaHeads(nn.Module):
         )
         if lm_head_weight is not None:
             self.copy_lm_head(lm_head_weight)
+
+    @classmethod
+    def trained(
+        cls,
+        config: MedusaConfig,
+        state_dict: Mapping[str, Tensor],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> MedusaHeads:
+        """Heads of trained weights, on ``device`` in ``dtype``, in eval mode."""
+        heads = cls(config)
+        heads.load_state_dict(state_dict)
+        return heads.to(device=device, dtype=dtype).eval()
 
     def copy_lm_head(self, lm_head_weight: Tensor) -> None:
         """Copy the target's LM head ``[V, H]`` into every head's output layer (a copy each: the

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from headway.decode.bench import forward_seconds
 from headway.decode.gemm import resolve_gemm
+from headway.drafters.build import describe_spec
 from headway.drafters.lookup_medusa import draft_vocabulary
 from headway.drafters.specs import DrafterSpec, LookupMedusaSpec, PromptLookupSpec
 from headway.errors import HeadwayError
@@ -147,10 +148,9 @@ def _gate(
     if not samples:
         raise HeadwayError("calibrating the confidence gate needs held-out samples")
     imported = import_medusa(export_dir)
-    heads = MedusaHeads(imported.config)
-    heads.load_state_dict(imported.state_dict)
     device = target.model.get_output_embeddings().weight.device
-    heads = heads.to(device=device, dtype=resolve_dtype(plan.draft_dtype)).eval()
+    dtype = resolve_dtype(plan.draft_dtype)
+    heads = MedusaHeads.trained(imported.config, imported.state_dict, device=device, dtype=dtype)
     prefix = torch.as_tensor(list(samples[0][0])[:256], device=target.model.device)
     break_even = verify_break_even(target.model, prefix)
     head = cast(MedusaHead, heads.heads[0])
@@ -202,7 +202,7 @@ def quickstart_spec(
         heads_name += f" (confidence >= {gate.threshold:.2g})"
     info: dict[str, Any] = {
         "name": f"prompt lookup + {heads_name}" if plan.prompt_lookup else heads_name,
-        "spec": {"name": spec.name, **asdict(spec)},
+        "spec": describe_spec(spec),
         "export": str(export_dir),
         "draft_vocab_size": None if vocab is None else int(vocab.numel()),
         "gate": asdict(gate),
