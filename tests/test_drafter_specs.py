@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,11 +19,12 @@ from headway.drafters.specs import (
     describe_specs,
     parse_spec,
 )
-from headway.errors import ConfigError
+from headway.errors import ConfigError, HeadwayError
 from headway.quickstart.calibrate import eval_command
 from headway.target import Target
 from tests.test_generate import hf_greedy
 from tests.tiny import tiny_model
+from tests.tokenizers_fixture import smollm2_tokenizer
 
 PROMPT = torch.tensor([5, 17, 42, 8, 91, 23, 5, 17, 42])
 
@@ -65,3 +68,35 @@ def test_the_quickstart_prints_a_command_that_builds_its_drafter_again() -> None
     options = dict(part.split("=", 1) for part in command.split("--draft-option ")[1:])
     rebuilt = spec_for("lookup-medusa", heads="qs/export", options=options)
     assert rebuilt == spec
+
+
+def test_a_draft_vocabulary_file_reads_back_without_tokenizing(tmp_path: Path) -> None:
+    import gzip
+    import json
+
+    from headway.drafters.lookup_medusa import (
+        draft_vocabulary,
+        frequent_answer_tokens,
+        write_draft_vocabulary,
+    )
+
+    tokenizer = smollm2_tokenizer()
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": t}]}
+        for t in ("the cat sat", "the cat ran", "the end")
+    ]
+    with gzip.open(data / "part-00000.jsonl.gz", "wt") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    ids = frequent_answer_tokens(data, tokenizer, 4)
+    assert ids[0] == tokenizer("the", add_special_tokens=False)["input_ids"][0]  # most frequent
+    path = write_draft_vocabulary(tmp_path / "draft_vocab.json", ids)
+    assert torch.equal(draft_vocabulary(path, tokenizer, 4), draft_vocabulary(data, tokenizer, 4))
+    assert draft_vocabulary(path, tokenizer, 1).tolist() == ids[:1]
+    path.write_text(json.dumps({"token_ids": [1, 1]}))
+    with pytest.raises(HeadwayError, match="distinct token ids in"):
+        draft_vocabulary(path, tokenizer, 4)
+    path.write_text("[1, 2]")
+    with pytest.raises(HeadwayError, match="not a draft-vocabulary file"):
+        draft_vocabulary(path, tokenizer, 4)

@@ -188,6 +188,21 @@ def test_sampling_reports_no_identical_fraction(tmp_path: Path) -> None:
     assert report["identical_fraction"] is None and report["settings"]["baseline"] == "headway"
 
 
+def test_typical_acceptance_is_recorded_and_headlined_lossy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, prompts, out = _tiny_target(tmp_path), _prompt_file(tmp_path), tmp_path / "out"
+    command = ["eval", "--target", str(target), "--device", "cpu", "--drafter", "prompt-lookup"]
+    command += ["--prompts", str(prompts), "--num-prompts", "1", "--max-new-tokens", "8"]
+    command += ["--temperature", "0.8", "--acceptance", "typical", "--out", str(out)]
+    assert main(command) == 0
+    assert "typical acceptance: LOSSY" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["decode"]["acceptance"] == "typical"
+    assert main([*command[:-1], str(tmp_path / "lossless"), "--acceptance", "lossless"]) == 0
+    assert "LOSSY" not in capsys.readouterr().out
+
+
 def test_heads_only_scores_a_tiny_trained_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

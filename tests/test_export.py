@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from headway.heads.export import export_medusa, export_medusa_vllm, import_medusa
+from headway.heads.format_medusa import export_medusa, export_medusa_vllm, import_medusa
 from headway.heads.io import HeadsError, LoadedHeads, load_heads, save_heads
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.target import TargetFingerprint
@@ -64,7 +64,9 @@ def test_reference_layout(run: Path, tmp_path: Path) -> None:
         "config.json",
         "medusa_lm_head.safetensors",
     ]
-    assert json.loads((out / "config.json").read_text()) == {
+    config = json.loads((out / "config.json").read_text())
+    assert config.pop("headway")["method"] == "medusa1"  # provenance; engines ignore it
+    assert config == {
         "medusa_num_heads": 2,
         "medusa_num_layers": 2,
         "base_model_name_or_path": "org/tiny-base",
@@ -88,7 +90,9 @@ def test_reference_layout(run: Path, tmp_path: Path) -> None:
 def test_vllm_layout(run: Path, tmp_path: Path) -> None:
     out = export_medusa_vllm(run, tmp_path / "vllm")
     assert sorted(path.name for path in out.iterdir()) == ["config.json", "model.safetensors"]
-    assert json.loads((out / "config.json").read_text()) == {
+    config = json.loads((out / "config.json").read_text())
+    assert config.pop("headway")["target"] == load_heads(run).fingerprint.to_dict()
+    assert config == {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
         "hidden_size": H,

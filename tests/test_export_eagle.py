@@ -17,7 +17,7 @@ from headway.decode.generate import generate
 from headway.errors import TargetError
 from headway.heads.drafter_eagle import EagleDrafter
 from headway.heads.eagle import EagleConfig, EagleModel
-from headway.heads.export_eagle import (
+from headway.heads.format_eagle1 import (
     export_eagle1,
     import_eagle1,
     reference_tensor_names,

@@ -17,7 +17,7 @@ from headway.decode.generate import generate
 from headway.errors import TargetError
 from headway.heads.drafter_eagle3 import Eagle3Drafter
 from headway.heads.eagle3 import Eagle3Config
-from headway.heads.export_eagle3 import (
+from headway.heads.format_eagle3 import (
     eagle3_hf_config,
     export_eagle3,
     import_eagle3,

@@ -1,6 +1,6 @@
 """Any causal LM as target (issue #16): the popular families beyond tests/tiny.py decode with
 prompt lookup and a tree drafter exactly as transformers' greedy decoding does (fp32); a model
-without sdpa is loaded with eager attention; decoding past a sliding window is refused."""
+without sdpa is loaded with eager attention; decoding past a sliding window is exact."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.generate import generate
+from headway.decode.kv import sliding_window
 from headway.errors import HeadwayError, SlidingWindowError, TargetError
 from headway.heads.drafter_eagle3 import Eagle3Drafter
 from headway.heads.drafter_medusa import MedusaDrafter, final_hidden_layer
@@ -81,11 +82,65 @@ def test_a_model_without_sdpa_loads_with_eager_attention(tmp_path: Path) -> None
         load_target(tmp_path / "gemma2", device="cpu", attn_implementation="sdpa")
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3-text"])
-def test_decoding_past_a_sliding_window_is_refused(family: str) -> None:
-    config = family_config(family)
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3-text"])
+def test_decoding_past_a_sliding_window_is_exact(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An 8-token window, a 9-token prompt and 30 new tokens: every tree reaches past the
+    window, and the output is still transformers' own greedy output (whose cache drops what
+    slid out). Mistral and a 4-layer Gemma 3 slide on every layer; Gemma 2 alternates sliding
+    and full layers (one mask per layer type)."""
+    from headway.decode import kv
+
+    windowed: list[object] = []
+
+    def spy(model: Any, mask: Any, positions: Any, prefix_len: int) -> Any:
+        masks = kv_windowed_masks(model, mask, positions, prefix_len)
+        if masks is not mask:
+            windowed.append(type(masks))
+        return masks
+
+    kv_windowed_masks = kv.windowed_masks
+    monkeypatch.setattr(kv, "windowed_masks", spy)
+    config = family_config(family, layers=4)
     config.sliding_window = 8
     torch.manual_seed(0)
     model = type(family_model(family))(config).eval()
-    with pytest.raises(SlidingWindowError, match="sliding window of 8 tokens"):
-        generate(model, PROMPT, drafter=PromptLookupDrafter(), max_new_tokens=4, eos_token_ids=())
+    assert sliding_window(model)[0] == 8
+    truth = hf_greedy(model, PROMPT, NEW_TOKENS, eos=None)
+    assert len(set(truth)) > 3
+    torch.manual_seed(1)
+    vocab = DraftVocab.identity(64, VOCAB)
+    draft = Eagle3Model(Eagle3Config.from_target(model, draft_vocab_size=vocab.size))
+    draft.set_vocab(vocab)
+    drafters = {
+        "prompt-lookup": PromptLookupDrafter(num_draft_tokens=5, max_nodes=12),
+        "oracle-tree": OracleDrafter(truth, 4, width=3),
+        "eagle3": Eagle3Drafter(draft.eval(), TargetHead.of(model), **EAGLE3_TREE),
+    }
+    for name, drafter in drafters.items():
+        result = generate(
+            model, PROMPT, drafter=drafter, max_new_tokens=NEW_TOKENS, eos_token_ids=()
+        )
+        assert result.tokens == truth, name
+    assert set(windowed) == {dict if family == "gemma2" else torch.Tensor}
+
+
+def test_a_mixed_model_that_takes_one_mask_is_refused_past_the_window(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from headway.decode import kv
+
+    config = family_config("gemma2", layers=4)
+    config.sliding_window = 8
+    model = type(family_model("gemma2"))(config).eval()
+    monkeypatch.setattr(kv, "_takes_mask_mapping", lambda model: False)
+    truth = hf_greedy(model, PROMPT, NEW_TOKENS, eos=None)
+    with pytest.raises(SlidingWindowError, match=r"sliding-window \(8 tokens\) and full"):
+        generate(
+            model,
+            PROMPT,
+            drafter=OracleDrafter(truth, 4, width=3),
+            max_new_tokens=4,
+            eos_token_ids=(),
+        )

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from headway.errors import HeadwayError
 from headway.heads.eagle import EagleConfig, EagleModel
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
-from headway.heads.export import export_medusa, export_medusa_vllm
-from headway.heads.export_eagle import export_eagle1
-from headway.heads.export_eagle3 import export_eagle3
+from headway.heads.format_eagle1 import export_eagle1
+from headway.heads.format_eagle3 import export_eagle3
+from headway.heads.format_medusa import export_medusa, export_medusa_vllm
 from headway.heads.io import save_heads
 from headway.heads.vocab import DraftVocab
 from headway.target import fingerprint

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from headway.heads.eagle import EagleConfig, EagleModel
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
-from headway.heads.export_eagle import eagle1_config
-from headway.heads.export_eagle3 import eagle3_hf_config
+from headway.heads.format_eagle1 import eagle1_config
+from headway.heads.format_eagle3 import eagle3_hf_config
 from tests.tiny import tiny_config
 
 LLAMA3 = {

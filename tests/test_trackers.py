@@ -1,5 +1,6 @@
 """Trackers proven (issue #16, item 5): a short run with ``train.log_with=[tensorboard]`` writes
-an event file that reads back with the loss, per-head accuracy, learning rate and tau_sim."""
+an event file that reads back with the loss, per-head accuracy, learning rate and tau_sim; one
+with ``[wandb]`` in offline mode writes its run folder (with the same keys) in the run directory."""
 
 from __future__ import annotations
 
@@ -41,3 +42,32 @@ def test_tensorboard_event_file_reads_back(workspace: Path, tmp_path: Path) -> N
     losses = accumulator.Scalars("loss")
     assert [event.step for event in losses] == [1, 2, 3, 4]
     assert all(event.value > 0 for event in losses)
+
+
+def test_wandb_offline_writes_its_run_folder_in_the_run_directory(
+    workspace: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)  # nothing may land in the working directory
+    settings = config(
+        workspace,
+        "medusa1",
+        f"train.output_dir={tmp_path / 'run'}",
+        "train.max_steps=2",
+        "train.eval_every=2",
+        "train.save_every=2",
+        "train.warmup_steps=1",
+        "train.batch_size=2",
+        "train.log_with=[wandb]",
+    )
+    run_dir = train(settings)
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, sorted(str(p) for p in run_dir.rglob("*"))
+    records = b"".join(path.read_bytes() for path in runs[0].glob("run-*.wandb"))
+    for key in (b"loss", b"lr", b"head1/top1", b"eval/tau_sim"):  # the logged history
+        assert key in records, key
+    assert not (tmp_path / "wandb").exists()

@@ -161,18 +161,23 @@ def drafter_from_flags(
     """The drafter of :func:`add_drafter_flags`' flags (``None`` for ``--drafter none``), built by
     :func:`headway.drafters.build.build_drafter`, and its spec."""
     from headway.drafters.build import build_drafter, spec_for
+    from headway.drafters.shipped import default_heads
 
     if args.drafter == "none":
         if args.heads:
             raise HeadwayError("--drafter none decodes without heads; drop --heads")
         return None, None
-    name = args.drafter if args.drafter or args.heads else default
-    if name is None and not args.heads:
+    heads = args.heads
+    if not args.drafter and not heads:
+        shipped = default_heads(target.model)  # the shipped drafter for this target, if any
+        heads = str(shipped) if shipped is not None else None
+    name = args.drafter if args.drafter or heads else default
+    if name is None and not heads:
         raise HeadwayError("name what to decode with: --heads DIR or --drafter NAME")
     options = parse_draft_options(args.draft_option)
     if args.tree != "default":
         options.setdefault("tree", args.tree)
     if args.force:
         options.setdefault("force", True)
-    spec = spec_for(name, heads=args.heads, options=options)
+    spec = spec_for(name, heads=heads, options=options)
     return build_drafter(spec, target, gemm=args.gemm), spec

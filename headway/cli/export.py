@@ -6,14 +6,10 @@ import argparse
 from pathlib import Path
 
 from headway.errors import HeadwayError
+from headway.heads.loading import ENGINE_FORMATS
 
-FORMATS = {
-    "medusa": "FasterDecoding/Medusa reference layout (medusa_lm_head.safetensors)",
-    "medusa-vllm": "vLLM MedusaModel (config.json + model.safetensors, medusa_fc_bias)",
-    "eagle1": "EAGLE-1/2 reference layout (fc + one decoder layer)",
-    "eagle3-hf": "vLLM / SGLang EAGLE-3 (LlamaForCausalLMEagle3, d2t/t2d)",
-    "medusa2-target": "the target with a Medusa-2 run's LoRA merged in (HF folder to serve)",
-}
+MEDUSA2_TARGET = "medusa2-target"
+MEDUSA2_TARGET_SUMMARY = "the target with a Medusa-2 run's LoRA merged in (HF folder to serve)"
 
 MEDUSA2_NOTE = (
     "note: {run} is a Medusa-2 run; its heads fit the target with its LoRA adapter merged in. "
@@ -22,30 +18,20 @@ MEDUSA2_NOTE = (
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from headway.heads.export import export_medusa, export_medusa_vllm
-    from headway.heads.export_eagle import export_eagle1
-    from headway.heads.export_eagle3 import export_eagle3
     from headway.heads.export_medusa2 import export_medusa2_target
     from headway.heads.io import load_heads
 
-    exporters = {
-        "medusa": export_medusa,
-        "medusa-vllm": export_medusa_vllm,
-        "eagle1": export_eagle1,
-        "eagle3-hf": export_eagle3,
-    }
     run_dir, out_dir = Path(args.run_dir), Path(args.out)
     medusa2_heads = False
-    if args.format == "medusa2-target":
+    if args.format == MEDUSA2_TARGET:
         out = export_medusa2_target(run_dir, out_dir, target=args.target)
-    elif args.format in ("medusa", "medusa-vllm"):  # read once: exported, then its method noted
-        loaded = load_heads(run_dir)
-        out = exporters[args.format](loaded, out_dir)
+    elif args.format in ENGINE_FORMATS:
+        loaded = load_heads(run_dir)  # read once: exported, then its method noted
+        out = ENGINE_FORMATS[args.format].write(loaded, out_dir)
         medusa2_heads = loaded.method == "medusa2"
-    elif args.format in exporters:
-        out = exporters[args.format](run_dir, out_dir)
     else:
-        raise HeadwayError(f"--format {args.format}: unknown format; choose from {list(FORMATS)}")
+        choices = [*ENGINE_FORMATS, MEDUSA2_TARGET]
+        raise HeadwayError(f"--format {args.format}: unknown format; choose from {choices}")
     print(f"exported {args.run_dir} as {args.format} to {out}")
     if medusa2_heads:
         print(MEDUSA2_NOTE.format(run=args.run_dir))
@@ -53,15 +39,17 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def add_export(commands: argparse._SubParsersAction) -> None:
+    formats = {name: engine.summary for name, engine in ENGINE_FORMATS.items()}
+    formats[MEDUSA2_TARGET] = MEDUSA2_TARGET_SUMMARY
     parser = commands.add_parser(
         "export",
         help="export trained heads for vLLM / SGLang / the reference repos",
         description="Formats:\n"
-        + "\n".join(f"  {name:12} {text}" for name, text in FORMATS.items()),
+        + "\n".join(f"  {name:12} {text}" for name, text in formats.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dir", help="a headway run directory (config.json + model.safetensors)")
-    parser.add_argument("--format", required=True, choices=list(FORMATS), help="output layout")
+    parser.add_argument("--format", required=True, choices=list(formats), help="output layout")
     parser.add_argument("--out", required=True, help="output folder (written atomically)")
     parser.add_argument(
         "--target",

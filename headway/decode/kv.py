@@ -8,10 +8,17 @@ cache still holds the keys/values of the *whole* block; :func:`compact_cache` ke
 the accepted path only, so the next step sees exactly what a fresh prefill would have produced.
 
 Exact in fp32: tree logits equal per-path logits to ~1e-6 (Llama, Qwen2, GPT-2; sdpa and eager).
+
+Sliding-window targets (Mistral, Gemma 2/3, ...) decode past their window too: the cache keeps
+every key of a sliding layer (a plain ``DynamicLayer``, never cropped), and once a tree reaches
+past the window the sliding layers get the tree mask with every key ``window`` or more positions
+behind the query blocked, as HF's own sliding mask does (a ``{"full_attention": ...,
+"sliding_attention": ...}`` mapping for models that mix both layer types).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -28,6 +35,7 @@ __all__ = [
     "crop_cache",
     "new_cache",
     "prefill",
+    "sliding_window",
     "tree_attention_mask",
     "tree_forward",
 ]
@@ -38,7 +46,8 @@ _SUPPORTED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
-    """An empty ``DynamicCache`` for ``model`` (checked to hold only re-indexable layers)."""
+    """An empty ``DynamicCache`` for ``model`` (checked to hold only re-indexable layers); its
+    sliding-window layers keep every key, so the tree mask can index the whole prefix."""
     cache = DynamicCache(config=model.config)
     for index, layer in enumerate(cache.layers):
         if type(layer) not in _SUPPORTED_LAYERS:
@@ -47,6 +56,8 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
                 f"cache layer {index} is a {type(layer).__name__}; tree decoding needs layers "
                 f"whose keys/values can be re-indexed ({names})"
             )
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            cache.layers[index] = DynamicLayer()
     return cache
 
 
@@ -61,17 +72,55 @@ def tree_attention_mask(
     return mask[None, None]
 
 
-def _check_window(cache: DynamicCache, length: int) -> None:
-    """Tree masks are built over the full prefix; a sliding-window layer that already dropped part
-    of it would misalign them, so refuse rather than compute wrong logits."""
-    for index, layer in enumerate(cache.layers):
-        window = getattr(layer, "sliding_window", None)
-        if window is not None and length >= window:
-            raise SlidingWindowError(
-                f"cache layer {index} has a sliding window of {window} tokens and the sequence "
-                f"would reach {length}; tree decoding past the window is not supported: keep "
-                f"prompt + --max-new-tokens under {window}"
-            )
+def sliding_window(model: PreTrainedModel) -> tuple[int | None, bool]:
+    """``(window, mixed)``: the target's attention window (``None`` without one) and whether
+    it mixes sliding and full-attention layers (``config.layer_types``)."""
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return None, False
+    return int(window), types is not None and any(kind != "sliding_attention" for kind in types)
+
+
+def _takes_mask_mapping(model: PreTrainedModel) -> bool:
+    """The model's forward accepts one mask per layer type (transformers' ``causal_mask_mapping``
+    convention, read off its source: there is no flag for it)."""
+    try:
+        source = inspect.getsource(type(model.base_model).forward)
+    except (OSError, TypeError):
+        return False
+    return "causal_mask_mapping := attention_mask, dict" in source
+
+
+def windowed_masks(
+    model: PreTrainedModel, mask: Tensor, positions: Tensor, prefix_len: int
+) -> Tensor | dict[str, Tensor]:
+    """The tree ``mask`` ``[1, 1, q, prefix_len + q]`` for a model with a sliding window, whose
+    block entries sit at ``positions`` ``[q]``: unchanged while every visible key lies inside the
+    window; past it, keys ``window`` or more positions behind a query are blocked for the sliding
+    layers (the whole mask for an all-sliding model, a per-type mapping for a mixed one).
+
+    Raises:
+        SlidingWindowError: a mixed model whose forward takes a single mask only.
+    """
+    window, mixed = sliding_window(model)
+    if window is None:
+        return mask
+    keys = torch.cat([torch.arange(prefix_len, device=positions.device), positions])
+    too_far = (positions[:, None] - keys[None, :]) >= window
+    if not bool(too_far.any()):
+        return mask
+    windowed = mask.masked_fill(too_far.to(mask.device), torch.finfo(mask.dtype).min)
+    if not mixed:
+        return windowed
+    if not _takes_mask_mapping(model):
+        raise SlidingWindowError(
+            f"{type(model).__name__} mixes sliding-window ({window} tokens) and full attention "
+            "but takes one mask for both; tree decoding past the window is not supported: keep "
+            f"prompt + --max-new-tokens under {window}"
+        )
+    return {"full_attention": mask, "sliding_attention": windowed}
 
 
 def _hidden(outputs: Any, hidden_layers: tuple[int, ...]) -> tuple[Tensor, ...]:
@@ -91,7 +140,6 @@ def prefill(
         ``[P, H]`` of all P positions.
     """
     start = cache.get_seq_length()
-    _check_window(cache, start + ids.shape[1])
     device = model.device
     end = start + ids.shape[1]
     position_ids = torch.arange(start, end, device=device)[None]
@@ -146,19 +194,25 @@ def tree_forward(
             f"root_and_tree_tokens has {size} entries but parents describes "
             f"{parents.numel()} nodes; pass the root followed by every node"
         )
-    _check_window(cache, prefix_len + size)
     device = model.device
+    mask: Tensor | dict[str, Tensor]
     if is_chain(parents):
         # A chain's ancestor mask is the causal mask: take the model's own (fast) causal path.
         mask = torch.ones(1, prefix_len + size, dtype=torch.long, device=device)
         position_ids = torch.arange(prefix_len, prefix_len + size, device=device)[None]
     else:
-        mask = tree_attention_mask(parents, prefix_len, dtype=model.dtype, device=device)
-        position_ids = (depths(parents) + prefix_len).to(device)[None]
+        positions = depths(parents) + prefix_len
+        mask = windowed_masks(
+            model,
+            tree_attention_mask(parents, prefix_len, dtype=model.dtype, device=device),
+            positions,
+            prefix_len,
+        )
+        position_ids = positions.to(device)[None]
     with routed_linears(model, small_blocks and size > 1):
         outputs = model(
             input_ids=root_and_tree_tokens.to(device),
-            attention_mask=mask,
+            attention_mask=mask,  # a tensor, or one per layer type (windowed_masks)
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,

@@ -159,7 +159,11 @@ class LookupMedusaSpec:
     lookup_max_ngram: int = field(default=4, metadata=_help("prompt lookup: longest n-gram"))
     lookup_tokens: int = field(default=8, metadata=_help("prompt lookup: draft length"))
     draft_vocab: str = field(
-        default="", metadata=_help("chat data whose most frequent answer tokens the heads draft")
+        default="",
+        metadata=_help(
+            "draft only the most frequent answer tokens of this chat-data folder, or the ids in "
+            "this draft-vocabulary file (the quickstart writes draft_vocab.json)"
+        ),
     )
     draft_vocab_size: int = field(default=4096, metadata=_help("size of that vocabulary"))
     draft_dtype: Literal["float32", "bfloat16", "float16"] = field(

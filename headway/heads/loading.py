@@ -1,7 +1,7 @@
 """Find the heads in a folder, whatever wrote it: a headway run directory, or heads in one of the
-engine layouts (``eagle1``, ``eagle3-hf``, ``medusa``, ``medusa-vllm``) written by ``headway
-export`` or published by others. Detection reads only ``config.json`` and file names; the
-drafter itself is built by :func:`headway.drafters.build.build_drafter`.
+engine formats (:data:`ENGINE_FORMATS`: ``medusa``, ``medusa-vllm``, ``eagle1``, ``eagle3-hf``)
+written by ``headway export`` or published by others. Detection reads only ``config.json`` and
+file names; the drafter itself is built by :func:`headway.drafters.build.build_drafter`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from torch import Tensor
 
 from headway.heads.eagle import EagleConfig
 from headway.heads.eagle3 import Eagle3Config
-from headway.heads.export import REFERENCE_WEIGHTS_NAME, import_medusa
-from headway.heads.export_eagle import import_eagle1
-from headway.heads.export_eagle3 import import_eagle3
+from headway.heads.format_eagle1 import EAGLE1
+from headway.heads.format_eagle3 import EAGLE3_HF
+from headway.heads.format_medusa import MEDUSA, MEDUSA_VLLM
+from headway.heads.formats import EngineFormat
 from headway.heads.io import (
     CONFIG_NAME,
     DRAFTER_METHODS,
@@ -27,18 +28,22 @@ from headway.heads.io import (
     load_heads,
 )
 from headway.heads.medusa import MedusaConfig
-from headway.target import TargetFingerprint, check_fingerprint, fingerprint
+from headway.target import check_fingerprint, fingerprint
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "FoundHeads",
-    "find_heads",
-    "heads_family",
-    "is_eagle1_folder",
-    "is_eagle3_folder",
-    "is_medusa_folder",
-]
+__all__ = ["ENGINE_FORMATS", "FoundHeads", "detect_format", "find_heads", "heads_family"]
+
+ENGINE_FORMATS: dict[str, EngineFormat] = {
+    engine.name: engine for engine in (MEDUSA, MEDUSA_VLLM, EAGLE1, EAGLE3_HF)
+}
+"""Every engine format headway writes and reads, by its ``--format`` name."""
+
+
+def detect_format(folder: str | Path) -> EngineFormat | None:
+    """The engine format of ``folder``, or ``None`` (a run directory, or no heads at all)."""
+    path = Path(folder)
+    return next((engine for engine in ENGINE_FORMATS.values() if engine.detect(path)), None)
 
 
 @dataclass
@@ -62,46 +67,6 @@ class FoundHeads:
     merges_adapter: bool = False
 
 
-def _engine_config(directory: Path) -> dict[str, Any]:
-    """The ``config.json`` of an engine-format folder: one that is not a headway run directory
-    (no ``method`` key); ``{}`` otherwise (the run-directory loader reports broken files)."""
-    path = directory / CONFIG_NAME
-    try:
-        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return {}
-    return config if isinstance(config, dict) and "method" not in config else {}
-
-
-def is_eagle1_folder(directory: Path) -> bool:
-    """True for an EAGLE-1/2 reference-layout folder (``headway export --format eagle1`` or a
-    published drafter): a 1-layer Llama ``config.json`` that is not a headway run directory."""
-    config = _engine_config(directory)
-    return (
-        config.get("architectures") == ["LlamaForCausalLM"] and config.get("num_hidden_layers") == 1
-    )
-
-
-def is_eagle3_folder(directory: Path) -> bool:
-    """True for an ``eagle3-hf`` folder (``headway export --format eagle3-hf`` or a published
-    EAGLE-3 drafter): a ``LlamaForCausalLMEagle3`` ``config.json``, not a run directory."""
-    return _engine_config(directory).get("architectures") == ["LlamaForCausalLMEagle3"]
-
-
-def is_medusa_folder(directory: Path) -> bool:
-    """True for Medusa heads in an engine layout: a reference ``config.json`` (with
-    ``medusa_num_heads``) or a vLLM one (``model_type: medusa``), or, with no config at all, a
-    ``medusa_lm_head.safetensors`` / ``.pt`` file (published heads)."""
-    config = _engine_config(directory)
-    if "medusa_num_heads" in config or config.get("model_type") == "medusa":
-        return True
-    stem = Path(REFERENCE_WEIGHTS_NAME).stem
-    no_config = not (directory / CONFIG_NAME).is_file()
-    return no_config and any(
-        (directory / f"{stem}{ext}").is_file() for ext in (".safetensors", ".pt")
-    )
-
-
 def heads_family(directory: str | Path) -> str:
     """``"medusa"`` or ``"eagle"``: which drafter decodes with the heads in ``directory``
     (reads ``config.json`` only).
@@ -110,53 +75,25 @@ def heads_family(directory: str | Path) -> str:
         HeadsError: the folder holds no heads headway can read.
     """
     folder = Path(directory)
-    if is_eagle1_folder(folder) or is_eagle3_folder(folder):
-        return "eagle"
-    if is_medusa_folder(folder):
-        return "medusa"
+    engine = detect_format(folder)
+    if engine is not None:
+        return DRAFTER_METHODS[engine.method].family
     path = folder / CONFIG_NAME
     try:
         method = json.loads(path.read_text(encoding="utf-8")).get("method")
     except (OSError, ValueError, AttributeError):
         method = None
-    if method not in DRAFTER_METHODS:
+    if not isinstance(method, str) or method not in DRAFTER_METHODS:
         method = load_heads(folder).method  # raises the run-directory loader's precise error
     return DRAFTER_METHODS[method].family
-
-
-def _check(recorded: TargetFingerprint | None, target_model: Any, where: Path, force: bool) -> None:
-    """A headway export records its target's fingerprint, checked like a run directory's
-    (``force`` accepts a mismatch); a foreign folder has none, so only sizes are checked."""
-    if recorded is not None:
-        check_fingerprint(recorded, fingerprint(target_model), force=force)
-    else:
-        logger.warning("%s records no target fingerprint; only sizes are checked", where)
-
-
-def _medusa_engine(folder: Path, target_model: Any, force: bool) -> FoundHeads:
-    """Medusa heads from a ``medusa`` or ``medusa-vllm`` folder (``.pt`` weights through
-    ``torch.load(weights_only=True)``). A headway export carries its target's fingerprint in the
-    config's ``"headway"`` block; published heads are checked by size only."""
-    imported = import_medusa(folder)
-    block = _engine_config(folder).get("headway")
-    if isinstance(block, dict) and isinstance(block.get("target"), dict):
-        if block.get("method") == "medusa2":
-            logger.info(
-                "%s: Medusa-2 heads; decode with the merged target exported beside them", folder
-            )
-        else:
-            _check(TargetFingerprint.from_dict(block["target"]), target_model, folder, force)
-    return FoundHeads("medusa1", imported.config, imported.state_dict, folder)
 
 
 def find_heads(directory: str | Path, target_model: Any, *, force: bool = False) -> FoundHeads:
     """Read the heads in ``directory`` for ``target_model``.
 
     Args:
-        directory: a run directory written by :func:`~headway.heads.io.save_heads`, an EAGLE-1
-            reference-layout folder (:func:`is_eagle1_folder`), an ``eagle3-hf`` folder
-            (:func:`is_eagle3_folder`) or Medusa heads in the reference or vLLM layout
-            (:func:`is_medusa_folder`).
+        directory: a run directory written by :func:`~headway.heads.io.save_heads`, or a
+            folder in one of the :data:`ENGINE_FORMATS` (a ``headway export`` or published heads).
         target_model: the frozen Hugging Face causal LM to decode with.
         force: accept a target whose fingerprint differs (logged as a warning); sizes must still
             match.
@@ -166,17 +103,15 @@ def find_heads(directory: str | Path, target_model: Any, *, force: bool = False)
         HeadsError: missing or corrupt files (see :func:`~headway.heads.io.load_heads`).
     """
     folder = Path(directory)
-    if is_eagle1_folder(folder):
-        eagle = import_eagle1(folder)
-        _check(eagle.fingerprint, target_model, folder, force)
-        return FoundHeads("eagle1", eagle.config, eagle.state_dict, folder)
-    if is_eagle3_folder(folder):
+    engine = detect_format(folder)
+    if engine is not None:
         layers = int(target_model.config.get_text_config().num_hidden_layers)
-        eagle3 = import_eagle3(folder, target_layers=layers)
-        _check(eagle3.fingerprint, target_model, folder, force)
-        return FoundHeads("eagle3", eagle3.config, eagle3.state_dict, folder)
-    if is_medusa_folder(folder):
-        return _medusa_engine(folder, target_model, force)
+        imported = engine.read(folder, layers)
+        if imported.fingerprint is not None:
+            check_fingerprint(imported.fingerprint, fingerprint(target_model), force=force)
+        else:
+            logger.warning("%s records no target fingerprint; only sizes are checked", folder)
+        return FoundHeads(engine.method, imported.config, imported.state_dict, folder)
     loaded = load_heads(folder)
     check_fingerprint(loaded.fingerprint, fingerprint(target_model), force=force)
     try:

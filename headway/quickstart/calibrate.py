@@ -26,10 +26,14 @@ from transformers import PreTrainedModel
 from headway.decode.bench import forward_seconds
 from headway.decode.gemm import resolve_gemm
 from headway.drafters.build import describe_spec
-from headway.drafters.lookup_medusa import draft_vocabulary
+from headway.drafters.lookup_medusa import (
+    draft_vocabulary,
+    frequent_answer_tokens,
+    write_draft_vocabulary,
+)
 from headway.drafters.specs import DrafterSpec, LookupMedusaSpec, PromptLookupSpec
 from headway.errors import HeadwayError
-from headway.heads.export import import_medusa
+from headway.heads.format_medusa import import_medusa
 from headway.heads.medusa import MedusaHead, MedusaHeads
 from headway.quickstart.plan import QuickstartPlan
 from headway.target import Target, resolve_dtype
@@ -171,9 +175,11 @@ def quickstart_spec(
     A ``lookup-medusa`` spec on the exported heads with the calibrated confidence; when the
     calibration gates the heads off (no threshold pays on this machine), prompt lookup alone.
     """
-    vocab = None
-    if plan.draft_vocab_size:
-        vocab = draft_vocabulary(data_dir, target.tokenizer, plan.draft_vocab_size)
+    vocab, vocab_file = None, export_dir.parent / "draft_vocab.json"
+    if plan.draft_vocab_size:  # tokenized once, kept as a file the spec (and eval) reads back
+        ids = frequent_answer_tokens(data_dir, target.tokenizer, plan.draft_vocab_size)
+        write_draft_vocabulary(vocab_file, ids)
+        vocab = draft_vocabulary(vocab_file, target.tokenizer, plan.draft_vocab_size)
     gate = _gate(export_dir, target, plan, samples, vocab)
     spec: DrafterSpec
     if gate.threshold is None and plan.prompt_lookup:
@@ -191,7 +197,7 @@ def quickstart_spec(
             lookup_min_ngram=plan.lookup_min_ngram,
             lookup_max_ngram=plan.lookup_max_ngram,
             lookup_tokens=plan.lookup_tokens,
-            draft_vocab=str(data_dir) if vocab is not None else "",
+            draft_vocab=str(vocab_file) if vocab is not None else "",
             draft_vocab_size=plan.draft_vocab_size or 1,
             draft_dtype=plan.draft_dtype,  # type: ignore[arg-type]
         )

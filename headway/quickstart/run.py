@@ -163,7 +163,7 @@ class _Pipeline:
 
     # -- stage 4 ---------------------------------------------------------------------------
     def export(self) -> str:
-        from headway.heads.export import export_medusa, export_medusa_vllm
+        from headway.heads.format_medusa import export_medusa, export_medusa_vllm
 
         exporters = {"medusa": export_medusa, "medusa-vllm": export_medusa_vllm}
         if self.plan.export_format not in exporters:

@@ -234,7 +234,13 @@ def _train(config: RunConfig, run_dir: Path, *, resume: bool) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "train_config.json", json.dumps(to_dict(config), indent=2))
     if config.train.log_with:
-        accelerator.init_trackers("headway", config=_flat(to_dict(config)))
+        # wandb writes its run folder inside the run directory (not the working directory);
+        # WANDB_MODE=offline keeps it off the network.
+        accelerator.init_trackers(
+            "headway",
+            config=_flat(to_dict(config)),
+            init_kwargs={"wandb": {"dir": str(run_dir)}},
+        )
     features = feature_source(config, target, layers)
     started = time.perf_counter()
     _run_steps(

@@ -31,9 +31,7 @@ rename-free copy plus a different ``config.json``. Writes go through a staging f
 
 from __future__ import annotations
 
-import json
 import logging
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,24 +40,33 @@ import torch
 from torch import Tensor
 
 from headway.heads.eagle import EagleConfig, eagle_tensor_shapes, rope_scaling_of
+from headway.heads.formats import (
+    EngineFormat,
+    ImportedHeads,
+    engine_config,
+    llama_layer_fields,
+    read_engine_json,
+    read_engine_tensors,
+    recorded_target,
+)
 from headway.heads.io import (
     CONFIG_NAME,
-    WEIGHTS_NAME,
     HeadsError,
     LoadedHeads,
     check_tensors,
     load_heads,
     provenance,
-    read_safetensors,
     write_export,
 )
 from headway.target import TargetFingerprint
 
 __all__ = [
+    "EAGLE1",
     "ImportedEagle",
     "eagle1_config",
     "export_eagle1",
     "import_eagle1",
+    "is_eagle1_folder",
     "reference_tensor_names",
 ]
 
@@ -112,21 +119,7 @@ def eagle1_config(
     """The reference ``config.json`` for ``config`` (see the module docstring)."""
     engine: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling,  # null for plain RoPE, as HF configs write it
-        "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size,
-        "tie_word_embeddings": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        **llama_layer_fields(config, dtype),
         "bias": config.fc_bias,
     }
     if headway_block is not None:
@@ -144,38 +137,6 @@ def export_eagle1(run: str | Path | LoadedHeads, out_dir: str | Path) -> Path:
     check_tensors(loaded.state_dict, _checked_shapes(config, out), out)
     engine = eagle1_config(config, loaded.state_dict["fc.weight"].dtype, provenance(loaded))
     return write_export(out, loaded.state_dict, engine)
-
-
-def _read_config(folder: Path) -> dict[str, Any]:
-    path = folder / CONFIG_NAME
-    if not path.is_file():
-        raise HeadsError(f"{folder} has no {CONFIG_NAME}; pass an EAGLE-1 drafter folder")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise HeadsError(f"{path} is not valid JSON ({error})") from error
-    if not isinstance(data, dict):
-        raise HeadsError(f"{path} is not a JSON object")
-    return data
-
-
-def _read_tensors(folder: Path) -> tuple[dict[str, Tensor], Path]:
-    """``model.safetensors``, else the reference's ``pytorch_model.bin`` (weights_only)."""
-    if (folder / WEIGHTS_NAME).is_file():
-        return read_safetensors(folder / WEIGHTS_NAME)[0], folder / WEIGHTS_NAME
-    path = folder / _PICKLE_NAME
-    if not path.is_file():
-        raise HeadsError(f"{folder} holds neither {WEIGHTS_NAME} nor {_PICKLE_NAME}")
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
-        raise HeadsError(
-            f"{path} cannot be read with torch.load(weights_only=True) ({error}); headway never "
-            "unpickles arbitrary objects: convert it to safetensors"
-        ) from error
-    if not isinstance(data, dict) or not all(isinstance(v, Tensor) for v in data.values()):
-        raise HeadsError(f"{path} is not a state dict of tensors")
-    return {str(name): tensor for name, tensor in data.items()}, path
 
 
 def _config_from_engine(engine: dict[str, Any], tensors: dict[str, Tensor], where: Path) -> Any:
@@ -216,8 +177,8 @@ def import_eagle1(path: str | Path) -> ImportedEagle:
             that disagrees with the tensors, or missing / unexpected / mis-shaped tensors.
     """
     folder = Path(path)
-    engine = _read_config(folder)
-    tensors, weights = _read_tensors(folder)
+    engine = read_engine_json(folder, "an EAGLE-1 drafter folder")
+    tensors, weights = read_engine_tensors(folder, _PICKLE_NAME)
     shared = [name for name in _SHARED_WITH_TARGET if name in tensors]
     if shared:
         logger.info("%s: ignoring %s (the target's own are used)", weights, shared)
@@ -227,8 +188,29 @@ def import_eagle1(path: str | Path) -> ImportedEagle:
     except (KeyError, TypeError, ValueError) as error:
         raise HeadsError(f"{folder / CONFIG_NAME}: not an EAGLE-1 config ({error})") from error
     check_tensors(tensors, _checked_shapes(config, weights), weights)
-    recorded = engine.get("headway")
-    block: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
-    target = TargetFingerprint.from_dict(block["target"]) if "target" in block else None
-    name = block.get("target_name")
-    return ImportedEagle(config, tensors, target, str(name) if name is not None else None)
+    return ImportedEagle(config, tensors, *recorded_target(engine))
+
+
+def is_eagle1_folder(folder: Path) -> bool:
+    """True for an EAGLE-1/2 reference-layout folder (``headway export --format eagle1`` or a
+    published drafter): a 1-layer Llama ``config.json`` that is not a headway run directory."""
+    config = engine_config(folder)
+    return (
+        config.get("architectures") == ["LlamaForCausalLM"] and config.get("num_hidden_layers") == 1
+    )
+
+
+def _read(folder: Path, target_layers: int) -> ImportedHeads:
+    """The :class:`EngineFormat` reader (EAGLE-1 needs no target layer count)."""
+    eagle = import_eagle1(folder)
+    return ImportedHeads(eagle.config, eagle.state_dict, eagle.fingerprint)
+
+
+EAGLE1 = EngineFormat(
+    name="eagle1",
+    summary="EAGLE-1/2 reference layout (fc + one decoder layer)",
+    method="eagle1",
+    detect=is_eagle1_folder,
+    read=_read,
+    write=export_eagle1,
+)

@@ -38,7 +38,6 @@ would also pick the right tensors from their own defaults. Import reads them bac
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +48,15 @@ from torch import Tensor
 
 from headway.heads.eagle import rope_scaling_of
 from headway.heads.eagle3 import Eagle3Config, default_feature_layers, eagle3_tensor_shapes
-from headway.heads.export_eagle import _read_tensors
+from headway.heads.formats import (
+    EngineFormat,
+    ImportedHeads,
+    engine_config,
+    llama_layer_fields,
+    read_engine_json,
+    read_engine_tensors,
+    recorded_target,
+)
 from headway.heads.io import (
     CONFIG_NAME,
     HeadsError,
@@ -63,10 +70,12 @@ from headway.heads.vocab import DraftVocab
 from headway.target import TargetFingerprint
 
 __all__ = [
+    "EAGLE3_HF",
     "ImportedEagle3",
     "eagle3_hf_config",
     "export_eagle3",
     "import_eagle3",
+    "is_eagle3_folder",
     "reference_tensor_names",
 ]
 
@@ -120,19 +129,7 @@ def eagle3_hf_config(
     """The engine ``config.json`` for ``config`` (see the module docstring)."""
     engine: dict[str, Any] = {
         "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling,  # null for plain RoPE, as HF configs write it
-        "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size,
+        **llama_layer_fields(config, dtype),
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.hidden_size,
         "tie_word_embeddings": False,
@@ -166,14 +163,9 @@ def export_eagle3(run: str | Path | LoadedHeads, out_dir: str | Path) -> Path:
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
-    path = folder / CONFIG_NAME
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as error:
-        raise HeadsError(f"{folder} has no {CONFIG_NAME}; pass an eagle3-hf folder") from error
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise HeadsError(f"{path} is not valid JSON ({error})") from error
-    if not isinstance(data, dict) or data.get("architectures") != [ARCHITECTURE]:
+    data = read_engine_json(folder, "an eagle3-hf folder")
+    if data.get("architectures") != [ARCHITECTURE]:
+        path = folder / CONFIG_NAME
         raise HeadsError(f"{path} is not an eagle3-hf config (architectures != [{ARCHITECTURE}])")
     return data
 
@@ -252,7 +244,7 @@ def import_eagle3(path: str | Path, *, target_layers: int | None = None) -> Impo
     """
     folder = Path(path)
     engine = _read_config(folder)
-    tensors, weights = _read_tensors(folder)
+    tensors, weights = read_engine_tensors(folder, "pytorch_model.bin")
     shared = [name for name in _SHARED_WITH_TARGET if name in tensors]
     if shared:
         logger.info("%s: ignoring %s (the target's own are used)", weights, shared)
@@ -264,8 +256,26 @@ def import_eagle3(path: str | Path, *, target_layers: int | None = None) -> Impo
         raise HeadsError(f"{folder / CONFIG_NAME}: not an EAGLE-3 config ({error})") from error
     _with_vocab(tensors, config, weights)
     check_tensors(tensors, _checked_shapes(config, weights), weights)
-    recorded = engine.get("headway")
-    block: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
-    target = TargetFingerprint.from_dict(block["target"]) if "target" in block else None
-    name = block.get("target_name")
-    return ImportedEagle3(config, tensors, target, str(name) if name is not None else None)
+    return ImportedEagle3(config, tensors, *recorded_target(engine))
+
+
+def is_eagle3_folder(folder: Path) -> bool:
+    """True for an ``eagle3-hf`` folder (``headway export --format eagle3-hf`` or a published
+    EAGLE-3 drafter): a ``LlamaForCausalLMEagle3`` ``config.json``, not a run directory."""
+    return engine_config(folder).get("architectures") == [ARCHITECTURE]
+
+
+def _read(folder: Path, target_layers: int) -> ImportedHeads:
+    """The :class:`EngineFormat` reader."""
+    eagle3 = import_eagle3(folder, target_layers=target_layers)
+    return ImportedHeads(eagle3.config, eagle3.state_dict, eagle3.fingerprint)
+
+
+EAGLE3_HF = EngineFormat(
+    name="eagle3-hf",
+    summary="vLLM / SGLang EAGLE-3 (LlamaForCausalLMEagle3, d2t/t2d)",
+    method="eagle3",
+    detect=is_eagle3_folder,
+    read=_read,
+    write=export_eagle3,
+)

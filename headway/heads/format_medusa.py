@@ -17,6 +17,9 @@ Layouts (key names checked against the sources named here):
   tensors in ``model.safetensors``: ``blocks.{h}.layers.{l}.weight`` / ``.bias``,
   ``lm_heads.{h}.weight``.
 
+Both configs also carry a ``headway`` block (method, target fingerprint) that engines ignore
+(their config classes take extra keys), so loading an export back checks its target.
+
 Exports contain JSON and safetensors only (no code) and are written atomically. Imports read
 safetensors, or a ``.pt`` file only through ``torch.load(weights_only=True)``.
 """
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from headway.heads.formats import EngineFormat, ImportedHeads, engine_config, read_weights_only
 from headway.heads.io import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -41,19 +44,25 @@ from headway.heads.io import (
     LoadedHeads,
     check_tensors,
     load_heads,
+    provenance,
     read_safetensors,
     staged_directory,
     write_json,
     write_safetensors,
 )
 from headway.heads.medusa import MedusaConfig, medusa_tensor_shapes
+from headway.target import TargetFingerprint
 
 __all__ = [
+    "MEDUSA",
+    "MEDUSA_VLLM",
     "REFERENCE_WEIGHTS_NAME",
     "ImportedMedusa",
     "export_medusa",
     "export_medusa_vllm",
     "import_medusa",
+    "is_medusa_reference_folder",
+    "is_medusa_vllm_folder",
     "native_key_map",
 ]
 
@@ -119,6 +128,7 @@ def export_medusa(run: str | Path | LoadedHeads, out_dir: str | Path) -> Path:
         "medusa_num_heads": config.num_heads,
         "medusa_num_layers": config.num_layers,
         "base_model_name_or_path": loaded.target_name,
+        "headway": provenance(loaded),
     }
     with staged_directory(out_dir) as staging:
         write_safetensors(staging / REFERENCE_WEIGHTS_NAME, tensors, {"format": "pt"})
@@ -140,6 +150,7 @@ def export_medusa_vllm(run: str | Path | LoadedHeads, out_dir: str | Path) -> Pa
         "num_hidden_layers": config.num_layers,
         "truncated_vocab_size": config.vocab_size,
         "medusa_fc_bias": True,
+        "headway": provenance(loaded),
     }
     with staged_directory(out_dir) as staging:
         write_safetensors(staging / WEIGHTS_NAME, tensors, {"format": "pt"})
@@ -170,21 +181,6 @@ def _weights_file(path: Path) -> Path:
         f"{path} holds no Medusa heads: expected {REFERENCE_WEIGHTS_NAME}, {WEIGHTS_NAME} (vLLM) "
         f"or {_REFERENCE_PICKLE_NAME}"
     )
-
-
-def _read_pt(path: Path) -> dict[str, Tensor]:
-    """A published ``.pt`` state dict, read with ``weights_only=True`` (no arbitrary objects)."""
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise HeadsError(
-            f"{path} cannot be read as a plain tensor file with torch.load(weights_only=True) "
-            f"({reason}); headway never unpickles arbitrary objects: convert it to safetensors"
-        ) from error
-    if not isinstance(data, dict) or not all(isinstance(v, Tensor) for v in data.values()):
-        raise HeadsError(f"{path} is not a state dict of tensors; cannot import it as Medusa heads")
-    return {str(name): tensor for name, tensor in data.items()}
 
 
 def _strip_prefix(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -279,7 +275,9 @@ def import_medusa(path: str | Path) -> ImportedMedusa:
     """
     source = Path(path)
     weights = _weights_file(source)
-    tensors = _read_pt(weights) if weights.suffix == ".pt" else read_safetensors(weights)[0]
+    tensors = (
+        read_weights_only(weights) if weights.suffix == ".pt" else read_safetensors(weights)[0]
+    )
     tensors = _strip_prefix(tensors)
     layout = _detect_layout(tensors, weights)
     config = _infer_config(tensors, layout, weights)
@@ -299,3 +297,57 @@ def import_medusa(path: str | Path) -> ImportedMedusa:
     check_tensors(state_dict, medusa_tensor_shapes(config), weights)
     base = engine.get("base_model_name_or_path")
     return ImportedMedusa(config, state_dict, str(base) if base else None, layout)
+
+
+def _has_reference_weights_only(folder: Path) -> bool:
+    """Published reference heads often come without a ``config.json``: a
+    ``medusa_lm_head.safetensors`` or ``.pt`` file alone."""
+    stem = Path(REFERENCE_WEIGHTS_NAME).stem
+    no_config = not (folder / CONFIG_NAME).is_file()
+    return no_config and any((folder / f"{stem}{ext}").is_file() for ext in (".safetensors", ".pt"))
+
+
+def is_medusa_reference_folder(folder: Path) -> bool:
+    """True for the reference layout: a ``config.json`` with ``medusa_num_heads``, or no config
+    beside ``medusa_lm_head.safetensors`` / ``.pt``."""
+    return "medusa_num_heads" in engine_config(folder) or _has_reference_weights_only(folder)
+
+
+def is_medusa_vllm_folder(folder: Path) -> bool:
+    """True for vLLM's layout: a ``config.json`` with ``model_type: medusa``."""
+    return engine_config(folder).get("model_type") == "medusa"
+
+
+def _read(folder: Path, target_layers: int) -> ImportedHeads:
+    """The :class:`EngineFormat` reader for both layouts (``.pt`` through ``weights_only``). A
+    headway export records its target's fingerprint in the config's ``"headway"`` block; heads of
+    a Medusa-2 run fit the merged target instead, so theirs is not checked."""
+    imported = import_medusa(folder)
+    block = engine_config(folder).get("headway")
+    fingerprint = None
+    if isinstance(block, dict) and isinstance(block.get("target"), dict):
+        if block.get("method") == "medusa2":
+            logger.info(
+                "%s: Medusa-2 heads; decode with the merged target exported beside them", folder
+            )
+        else:
+            fingerprint = TargetFingerprint.from_dict(block["target"])
+    return ImportedHeads(imported.config, imported.state_dict, fingerprint)
+
+
+MEDUSA = EngineFormat(
+    name="medusa",
+    summary="FasterDecoding/Medusa reference layout (medusa_lm_head.safetensors)",
+    method="medusa1",
+    detect=is_medusa_reference_folder,
+    read=_read,
+    write=export_medusa,
+)
+MEDUSA_VLLM = EngineFormat(
+    name="medusa-vllm",
+    summary="vLLM MedusaModel (config.json + model.safetensors, medusa_fc_bias)",
+    method="medusa1",
+    detect=is_medusa_vllm_folder,
+    read=_read,
+    write=export_medusa_vllm,
+)

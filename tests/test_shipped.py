@@ -1,0 +1,55 @@
+"""Shipped drafters: the default for the target whose fingerprint they record, nothing for any
+other target; the shipped SmolLM2 drafter (when the checkout has one) loads and decodes exactly
+as the target's own greedy decoding (slow: the real embedded model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from headway.drafters.shipped import DEFAULTS, SHIPPED_DIR, default_heads
+from headway.heads.io import load_heads
+from headway.heads.loading import ENGINE_FORMATS
+from tests.test_eagle3 import tiny4
+from tests.test_formats import random_run
+
+
+@pytest.fixture(scope="module")
+def target() -> Any:
+    return tiny4("llama")
+
+
+def test_a_default_drafter_is_found_by_its_target_fingerprint(target: Any, tmp_path: Path) -> None:
+    run = random_run(tmp_path / "run", "eagle3", target)
+    ENGINE_FORMATS["eagle3-hf"].write(load_heads(run), tmp_path / "shipped" / "tiny-eagle3")
+    shipped = tmp_path / "shipped"
+    assert default_heads(target, shipped_dir=shipped, names=["tiny-eagle3"]) == (
+        shipped / "tiny-eagle3"
+    )
+    assert default_heads(target, shipped_dir=shipped, names=[]) is None  # not a default
+    assert default_heads(target, shipped_dir=shipped, names=["missing"]) is None
+    other = tiny4("llama", seed=1)
+    assert default_heads(other, shipped_dir=shipped, names=["tiny-eagle3"]) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DEFAULTS)
+def test_the_shipped_drafter_decodes_losslessly(name: str) -> None:
+    from headway.decode.generate import generate
+    from headway.drafters.build import build_drafter, spec_for
+    from headway.target import load_target
+    from tests.test_generate import hf_greedy
+
+    target = load_target("smollm2-135m", dtype="float32", device="cpu")
+    assert default_heads(target.model) == SHIPPED_DIR / name
+    drafter = build_drafter(spec_for(heads=SHIPPED_DIR / name), target)
+    messages = [{"role": "user", "content": "Explain what a hash table is in two sentences."}]
+    prompt = target.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=False
+    )[0]
+    truth = hf_greedy(target.model, prompt, 64, eos=None)
+    result = generate(target.model, prompt, drafter=drafter, max_new_tokens=64, eos_token_ids=())
+    assert result.tokens == truth
+    assert result.tau > 1.5  # a trained drafter accepts more than one token per step
