@@ -48,7 +48,30 @@ def exclusive_folder(
             headway process (pid N); wait for it to end or choose another <what> folder"``.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
+    with _locked(folder / name, subject=folder, what=what, sweep=folder):
+        yield
+
+
+@contextmanager
+def exclusive_output(path: Path, *, what: str = "--out") -> Iterator[None]:
+    """Hold the writer lock of an output ``path`` that is written whole and renamed into place
+    (an export): the lock file sits beside it, ``.<name>.headway-writer.lock``, so ``path`` itself
+    never holds anything but the finished output. The folder around it is not swept (it may be
+    the working directory); the writer removes the temporaries of killed writes of ``path``
+    itself (:func:`headway.atomic.remove_stale`).
+
+    Raises:
+        FolderBusyError: another process is writing ``path`` (its pid named).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.parent / f".{path.name}{LOCK_NAME}", subject=path, what=what, sweep=None):
+        yield
+
+
+@contextmanager
+def _locked(path: Path, *, subject: Path, what: str, sweep: Path | None) -> Iterator[None]:
+    """``flock`` ``path`` for the block, then sweep temporaries of killed writers from ``sweep``
+    (any depth); the lock file is removed on the way out."""
     while True:
         handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -56,7 +79,7 @@ def exclusive_folder(
         except BlockingIOError:
             os.close(handle)
             raise FolderBusyError(
-                f"{folder} is being written by another headway process (pid {_holder(path)}); "
+                f"{subject} is being written by another headway process (pid {_holder(path)}); "
                 f"wait for it to end or choose another {what} folder"
             ) from None
         try:
@@ -69,9 +92,9 @@ def exclusive_folder(
     try:
         os.ftruncate(handle, 0)
         os.write(handle, f"{os.getpid()}\n".encode())
-        removed = remove_dead_writers_leftovers(folder)
+        removed = remove_dead_writers_leftovers(sweep) if sweep is not None else []
         if removed:
-            logger.info("removed %d temporaries of killed writers in %s", len(removed), folder)
+            logger.info("removed %d temporaries of killed writers in %s", len(removed), sweep)
         yield
     finally:
         path.unlink(missing_ok=True)

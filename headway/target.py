@@ -20,7 +20,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from headway.atomic import remove_dead_writers_leftovers, temporary_name
 from headway.errors import TargetError
 
 logger = logging.getLogger(__name__)
@@ -149,13 +149,24 @@ def convert_gguf(gguf_path: Path) -> Path:
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    # Conversions a SIGKILL interrupted (of this or any other GGUF) leave their staging folder,
+    # named with their pid: remove those whose process is gone.
+    remove_dead_writers_leftovers(final.parent)
     logger.info("converting %s to safetensors in %s (once)", gguf_path.name, final)
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=final.parent))
+    staging = temporary_name(final, "staging")
+    staging.mkdir()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        except Exception as error:  # the gguf reader raises struct, value and key errors alike
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise TargetError(
+                f"{gguf_path} cannot be read as a GGUF causal LM ({reason}); check the file "
+                "(a cut download looks like this) or pass a Hugging Face folder"
+            ) from error
         # A GGUF-loaded model carries its quantizer; the dequantised weights save as plain ones.
         setattr(model, "hf_quantizer", None)  # noqa: B010 (typed as a module attribute)
         if hasattr(model.config, "quantization_config"):

@@ -198,3 +198,26 @@ def test_cli_export(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main(command) == 0
     assert "eagle3-hf" in capsys.readouterr().out
     assert (tmp_path / "cli" / "model.safetensors").is_file()
+
+
+def test_cli_export_in_bfloat16_halves_the_weights_and_stays_lossless(
+    run: Path, tmp_path: Path
+) -> None:
+    model, truth = target_and_truth("llama")
+    out = tmp_path / "bf16"
+    command = ["export", str(run), "--format", "eagle3-hf", "--out", str(out)]
+    assert main([*command, "--dtype", "bfloat16"]) == 0
+    assert main(["export", str(run), "--format", "eagle3-hf", "--out", str(tmp_path / "fp32")]) == 0
+    tensors = load_file(out / "model.safetensors")
+    assert {name: t.dtype for name, t in tensors.items() if not t.is_floating_point()} == {
+        "d2t": torch.int64,
+        "t2d": torch.bool,
+    }
+    assert {t.dtype for t in tensors.values() if t.is_floating_point()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    fp32_size = (tmp_path / "fp32" / "model.safetensors").stat().st_size
+    assert (out / "model.safetensors").stat().st_size < 0.6 * fp32_size
+    drafter = load_drafter(out, model, **TREE)
+    result = generate(model, PROMPT, drafter=drafter, max_new_tokens=24, eos_token_ids=())
+    assert result.tokens == truth[:24]
+    assert main([*command[:-1], str(tmp_path / "x"), "--dtype", "float16"]) == 0

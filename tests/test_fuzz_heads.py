@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import resource
 import shutil
 import tempfile
@@ -34,7 +35,9 @@ from tests.test_eagle_drafter import save_run
 from tests.test_heads_io import save, trained_like_heads
 from tests.tiny import TINY_VOCAB, tiny_model
 
-FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Examples per loader test: 60 in the default run; HEADWAY_FUZZ_EXAMPLES=5000 for a long one.
+EXAMPLES = int(os.environ.get("HEADWAY_FUZZ_EXAMPLES", "60"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 values = st.one_of(
     st.sampled_from([10**12, 2**31, 2**63 - 1, 10**30, -(10**12)]),
     st.none(),

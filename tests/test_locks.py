@@ -134,3 +134,94 @@ def test_feature_caching_and_quickstart_into_a_busy_folder_are_refused(
     with pytest.raises(FolderBusyError, match=f"pid {holder.pid}"):
         run_quickstart(tmp_path / "out", tiny=True)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [LOCK_NAME]  # untouched
+
+
+HOLD_OUTPUT = (
+    "import sys, time; from pathlib import Path; from headway.locks import exclusive_output\n"
+    "with exclusive_output(Path(sys.argv[1])):\n"
+    "    print('locked', flush=True); time.sleep(60)\n"
+)
+
+
+def test_an_export_into_a_folder_being_exported_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from headway.cli import main
+    from tests.test_eagle3 import tiny4
+    from tests.test_formats import random_run
+
+    run = random_run(tmp_path / "run", "medusa1", tiny4("llama"))
+    out = tmp_path / "export"
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLD_OUTPUT, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "locked"
+        assert main(["export", str(run), "--format", "medusa", "--out", str(out)]) == 2
+        error = capsys.readouterr().err
+        assert f"{out} is being written by another headway process (pid {process.pid})" in error
+        assert not out.exists()  # the export was refused before writing anything
+    finally:
+        process.kill()
+        process.wait()
+    assert main(["export", str(run), "--format", "medusa", "--out", str(out)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+KILLED_CONVERSION = (
+    "import sys, time; from pathlib import Path; from headway.atomic import temporary_name\n"
+    "staging = temporary_name(Path(sys.argv[1]), 'staging'); staging.mkdir()\n"
+    "(staging / 'model.safetensors').write_bytes(b'half a model')\n"
+    "print(staging, flush=True); time.sleep(60)\n"
+)
+
+
+def test_a_killed_conversion_is_removed_by_the_next_conversion_of_any_gguf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from headway.errors import TargetError
+    from headway.target import convert_gguf
+
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    targets = tmp_path / "cache" / "targets"
+    targets.mkdir(parents=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CONVERSION, str(targets / "other-model-0123")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    leftover = Path(process.stdout.readline().strip())
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert leftover.is_dir()
+    broken = tmp_path / "broken.gguf"  # another GGUF: its conversion fails, after the sweep
+    broken.write_bytes(b"GGUF but not really")
+    with pytest.raises(TargetError, match="cannot be read as a GGUF causal LM") as caught:
+        convert_gguf(broken)
+    assert "\n" not in str(caught.value)
+    assert not leftover.exists()
+    assert sorted(p.name for p in targets.iterdir()) == []  # nor the failed conversion's
+
+
+def test_training_removes_partial_checkpoints_of_killed_runs(
+    workspace: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    partial = run / "checkpoints" / ".step-0000003.partial"  # what a SIGKILL mid-save leaves
+    partial.mkdir(parents=True)
+    (partial / "optimizer.bin").write_bytes(b"half")
+    settings = config(
+        workspace,
+        "medusa1",
+        f"train.output_dir={run}",
+        "train.max_steps=2",
+        "train.save_every=2",
+        "train.eval_every=2",
+        "train.warmup_steps=1",
+        "train.batch_size=2",
+    )
+    train(settings)
+    assert not partial.exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000002"]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from headway.errors import HeadwayError
 from headway.heads.loading import ENGINE_FORMATS
+from headway.locks import exclusive_output
 
 MEDUSA2_TARGET = "medusa2-target"
 MEDUSA2_TARGET_SUMMARY = "the target with a Medusa-2 run's LoRA merged in (HF folder to serve)"
@@ -18,24 +19,36 @@ MEDUSA2_NOTE = (
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from headway.heads.export_medusa2 import export_medusa2_target
-    from headway.heads.io import load_heads
-
     run_dir, out_dir = Path(args.run_dir), Path(args.out)
+    with exclusive_output(out_dir):  # one writer per export folder
+        out, medusa2_heads = _export(args, run_dir, out_dir)
+    print(f"exported {args.run_dir} as {args.format} to {out}")
+    if medusa2_heads:
+        print(MEDUSA2_NOTE.format(run=args.run_dir))
+    return 0
+
+
+def _export(args: argparse.Namespace, run_dir: Path, out_dir: Path) -> tuple[Path, bool]:
+    """Write the export; returns where, and whether the run was a Medusa-2 run."""
+    from headway.heads.export_medusa2 import export_medusa2_target
+    from headway.heads.io import load_heads, with_dtype
+    from headway.target import resolve_dtype
+
     medusa2_heads = False
+    if args.format == MEDUSA2_TARGET and args.dtype != "keep":
+        raise HeadwayError("--dtype applies to heads; medusa2-target keeps the target's dtype")
     if args.format == MEDUSA2_TARGET:
         out = export_medusa2_target(run_dir, out_dir, target=args.target)
     elif args.format in ENGINE_FORMATS:
         loaded = load_heads(run_dir)  # read once: exported, then its method noted
+        if args.dtype != "keep":
+            loaded = with_dtype(loaded, resolve_dtype(args.dtype))
         out = ENGINE_FORMATS[args.format].write(loaded, out_dir)
         medusa2_heads = loaded.method == "medusa2"
     else:
         choices = [*ENGINE_FORMATS, MEDUSA2_TARGET]
         raise HeadwayError(f"--format {args.format}: unknown format; choose from {choices}")
-    print(f"exported {args.run_dir} as {args.format} to {out}")
-    if medusa2_heads:
-        print(MEDUSA2_NOTE.format(run=args.run_dir))
-    return 0
+    return out, medusa2_heads
 
 
 def add_export(commands: argparse._SubParsersAction) -> None:
@@ -51,6 +64,13 @@ def add_export(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("run_dir", help="a headway run directory (config.json + model.safetensors)")
     parser.add_argument("--format", required=True, choices=list(formats), help="output layout")
     parser.add_argument("--out", required=True, help="output folder (written atomically)")
+    parser.add_argument(
+        "--dtype",
+        default="keep",
+        choices=["keep", "bfloat16", "float16", "float32"],
+        help="cast the floating-point weights (keep: as trained; bfloat16 halves an fp32 run's "
+        "size, the usual serving dtype); integer tensors such as EAGLE-3's d2t/t2d stay as is",
+    )
     parser.add_argument(
         "--target",
         help="medusa2-target: the base target to merge into (default: the one the run was "

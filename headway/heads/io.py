@@ -21,6 +21,7 @@ Drafters are built from heads by :func:`headway.drafters.build.build_drafter`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -190,6 +191,15 @@ def write_safetensors(
     path.chmod(0o666 & ~umask)
     with path.open("rb") as handle:
         os.fsync(handle.fileno())
+
+
+def with_dtype(loaded: LoadedHeads, dtype: torch.dtype) -> LoadedHeads:
+    """``loaded`` with its floating-point tensors cast to ``dtype`` (integer ones untouched)."""
+    cast = {
+        name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+        for name, tensor in loaded.state_dict.items()
+    }
+    return dataclasses.replace(loaded, state_dict=cast)
 
 
 def provenance(loaded: LoadedHeads) -> dict[str, Any]:

@@ -40,6 +40,58 @@ from headway.train.batching import pad_collate, target_inputs
 
 logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+__all__ = [
+    "MANIFEST",
+    "CachedFeatureDataset",
+    "OnlineFeatures",
+    "cache_features",
+    "cached_hidden",
+    "collate_cached",
+    "dataset_hash",
+    "hidden_key",
+    "read_manifest",
+    "remove_cache",
+]
+
+
+_DTYPES = ("bfloat16", "float16", "float32")
+_REWRITE = "delete the folder and rerun `headway data cache-features`"
+
+
+def _is_count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value < 2**40
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """A feature cache's ``manifest.json``, its settings checked for type and range.
+
+    Raises:
+        DataError: missing, not JSON, or a field of the wrong type or out of range (one line
+            naming the file and the field).
+    """
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{directory} has no {MANIFEST}; run `headway data cache-features`")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise DataError(f"{path} is not valid JSON ({error}); {_REWRITE}") from error
+    settings = manifest.get("settings") if isinstance(manifest, dict) else None
+    if not isinstance(settings, dict):
+        raise DataError(f"{path} has no settings object; {_REWRITE}")
+    layers = settings.get("layers")
+    checks = {
+        "layers": isinstance(layers, list) and all(_is_count(x, 0) for x in layers) and layers,
+        "samples": _is_count(settings.get("samples"), 0),
+        "shard_samples": _is_count(settings.get("shard_samples"), 1),
+        "dtype": settings.get("dtype") in _DTYPES,
+        "target": isinstance(settings.get("target"), dict),
+        "complete": isinstance(manifest.get("complete"), bool),
+    }
+    bad = [name for name, ok in checks.items() if not ok]
+    if bad:
+        raise DataError(f"{path}: {', '.join(bad)} missing or invalid; {_REWRITE}")
+    return manifest
 
 
 def hidden_key(layer: int) -> str:
@@ -152,7 +204,7 @@ def _cache_features(
     }
     manifest_path = out_dir / MANIFEST
     if manifest_path.is_file():
-        previous = json.loads(manifest_path.read_text(encoding="utf-8"))["settings"]
+        previous = read_manifest(out_dir)["settings"]
         if previous != settings:
             raise DataError(
                 f"{out_dir} holds features of other data, target or layers; "
@@ -207,11 +259,8 @@ class CachedFeatureDataset(torch.utils.data.Dataset[dict[str, Tensor]]):
     """
 
     def __init__(self, directory: Path) -> None:
-        manifest_path = directory / MANIFEST
-        if not manifest_path.is_file():
-            raise DataError(f"{directory} has no {MANIFEST}; run `headway data cache-features`")
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        if not manifest.get("complete"):
+        manifest = read_manifest(directory)
+        if not manifest["complete"]:
             raise DataError(
                 f"{directory}: feature caching did not finish; rerun the same "
                 "`headway data cache-features` command to complete it"
@@ -221,6 +270,8 @@ class CachedFeatureDataset(torch.utils.data.Dataset[dict[str, Tensor]]):
         self.layers: tuple[int, ...] = tuple(self.settings["layers"])
         self._per_shard = int(self.settings["shard_samples"])
         self._length = int(self.settings["samples"])
+        hidden = self.settings["target"].get("hidden_size")
+        self._hidden_size = hidden if _is_count(hidden, 1) else None
         self._open: dict[int, Any] = {}
 
     def __len__(self) -> int:
@@ -241,9 +292,37 @@ class CachedFeatureDataset(torch.utils.data.Dataset[dict[str, Tensor]]):
     def __getitem__(self, index: int) -> dict[str, Tensor]:
         if not 0 <= index < self._length:
             raise IndexError(index)
-        shard = self._shard(index // self._per_shard)
+        shard_index = index // self._per_shard
+        shard = self._shard(shard_index)
         names = ["input_ids", "loss_mask", *(hidden_key(layer) for layer in self.layers)]
-        return {name: shard.get_tensor(f"{index}.{name}") for name in names}
+        try:
+            row = {name: shard.get_tensor(f"{index}.{name}") for name in names}
+        except Exception as error:  # safetensors raises its own error types
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise DataError(
+                f"{self.directory / f'shard-{shard_index:05d}.safetensors'}: sample {index} "
+                f"cannot be read ({reason}); {_REWRITE}"
+            ) from error
+        self._check(row, index, shard_index)
+        return row
+
+    def _check(self, row: dict[str, Tensor], index: int, shard_index: int) -> None:
+        """Shapes and dtypes of one sample against the manifest: ids and mask ``[T]`` (integer),
+        hidden states ``[T, H]`` (floating, ``H`` the target's hidden size)."""
+        length = row["input_ids"].shape[0] if row["input_ids"].dim() == 1 else -1
+        ok = length > 0 and not row["input_ids"].is_floating_point()
+        ok = ok and tuple(row["loss_mask"].shape) == (length,)
+        for layer in self.layers:
+            states = row[hidden_key(layer)]
+            width = states.shape[1] if states.dim() == 2 else -1
+            ok = ok and states.is_floating_point() and states.shape[0] == length
+            ok = ok and (self._hidden_size is None or width == self._hidden_size)
+        if not ok:
+            shapes = {name: list(tensor.shape) for name, tensor in row.items()}
+            raise DataError(
+                f"{self.directory / f'shard-{shard_index:05d}.safetensors'}: sample {index} has "
+                f"shapes {shapes} that do not fit its manifest; {_REWRITE}"
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         # Open shard handles do not cross process boundaries (DataLoader workers); reopen there.

@@ -113,6 +113,14 @@ def _save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int) -> None
     accelerator.wait_for_everyone()
 
 
+def _remove_partial_checkpoints(run_dir: Path) -> None:
+    """Remove ``checkpoints/.step-N.partial`` folders that killed runs left: this run holds the
+    folder's writer lock, so no live process is writing them."""
+    for partial in sorted((run_dir / CHECKPOINTS).glob(".step-*.partial")):
+        logger.info("removing %s, a checkpoint a killed run did not finish", partial)
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def _epochs(loader: Any, accelerator: Accelerator, progress: Progress) -> Iterator[Any]:
     """Batches forever, epoch after epoch, starting at the saved position of the saved epoch.
 
@@ -232,6 +240,7 @@ def _train(config: RunConfig, run_dir: Path, *, resume: bool) -> Path:
         logger.info("resumed from %s at step %d", checkpoint, progress.step)
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
+        _remove_partial_checkpoints(run_dir)
         write_text_atomic(run_dir / "train_config.json", json.dumps(to_dict(config), indent=2))
     if config.train.log_with:
         # wandb writes its run folder inside the run directory (not the working directory);
