@@ -13,6 +13,7 @@ template, EOS ids from the target's generation config, stop strings) and timing.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,12 +46,13 @@ class Generation:
     acceptance: str = "lossless"
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``tau`` is ``None`` when no draft step ran (one generated token)."""
         return {
             "acceptance": self.acceptance,
             "text": self.text,
             "token_ids": self.token_ids,
             "accept_lengths": self.accept_lengths,
-            "tau": self.tau,
+            "tau": self.tau if math.isfinite(self.tau) else None,
             "tokens_per_s": self.tokens_per_s,
             "stop_reason": self.stop_reason,
         }

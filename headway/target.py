@@ -115,7 +115,20 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         return device
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        chosen = torch.device(device)
+    except RuntimeError as error:
+        raise TargetError(f"--device {device!r}: {error}; use auto, cpu or cuda:N") from None
+    if chosen.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise TargetError(
+                f"--device {device}: no CUDA device here (torch {torch.__version__}, "
+                f"CUDA build: {torch.version.cuda is not None}); use --device cpu or auto"
+            )
+        if chosen.index is not None and chosen.index >= count:
+            raise TargetError(f"--device {device}: this machine has {count} CUDA device(s)")
+    return chosen
 
 
 def embedded_gguf_path() -> Path:

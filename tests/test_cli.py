@@ -189,3 +189,19 @@ def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu(monkeypatch: pytest.MonkeyPa
     assert common.dtype_for("auto", "auto") == "bfloat16"
     args = build_parser().parse_args(["generate", "hi"])
     assert args.dtype == "auto"
+
+
+def test_json_output_is_strict_json_when_no_draft_step_ran(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "target"
+    tiny_model("llama", vocab_size=400).save_pretrained(target)
+    smollm2_tokenizer().save_pretrained(target)
+    command = ["generate", "--target", str(target), "--device", "cpu", "--json"]
+    assert main([*command, "--max-new-tokens", "1", "hello"]) == 0
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    row = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert row["tau"] is None and len(row["token_ids"]) == 1

@@ -132,3 +132,24 @@ def test_value_types(parse: object, good: dict[str, object], bad: list[str]) -> 
     for text in bad:
         with pytest.raises(argparse.ArgumentTypeError):
             parse(text)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("-1", "distinct layer indices >= 0"),
+        ("2,2", "distinct layer indices >= 0"),
+        ("a,b", "not a comma-separated list of layer indices"),
+    ],
+)
+def test_cache_features_layers_are_checked_before_loading_anything(
+    value: str, message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from headway.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(["data", "cache-features", "--out", str(tmp_path / "f"), "--layers", value])
+    assert caught.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and "\n" not in error
+    assert not (tmp_path / "f").exists()

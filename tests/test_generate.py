@@ -364,3 +364,28 @@ def test_first_two_tokens_follow_plain_sampling(
     total_variation = 0.5 * float((counts / SAMPLES - exact).abs().sum())
     assert statistic < bound, (statistic, bound, total_variation)
     assert accepted > SAMPLES / 4  # the draft decided the second token often enough to matter
+
+
+def test_the_sequence_buffer_grows_as_tokens_are_committed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The buffer starts small whatever max_new_tokens says (a cap, not an allocation) and
+    doubles as tokens come; the output is unchanged."""
+    import importlib
+
+    loop = importlib.import_module("headway.decode.generate")  # the module, not the function
+    model = tiny_model("llama")
+    truth = hf_greedy(model, PROMPT, 40, eos=None)
+    monkeypatch.setattr(loop, "INITIAL_ROOM", 2)
+    drafter = OracleDrafter(truth, 4, width=2)
+    result = generate(model, PROMPT, drafter=drafter, max_new_tokens=40, eos_token_ids=())
+    assert result.tokens == truth
+    huge = generate(
+        model,
+        PROMPT,
+        drafter=PromptLookupDrafter(),
+        max_new_tokens=10**15,
+        eos_token_ids=(),
+        stop_check=lambda tokens: len(tokens) >= 5,
+    )
+    assert huge.tokens == truth[: len(huge.tokens)] and huge.stop_reason == "stop_sequence"

@@ -109,3 +109,13 @@ def test_confident_medusa_drafts_only_above_the_threshold() -> None:
     assert restricted.propose(torch.tensor([1])).size == 0  # token 3 is outside the vocabulary
     lookup = PromptLookupDrafter()
     assert MergedDrafter([lookup, sure], max_nodes=4).hidden_layers == (0,)
+
+
+def test_a_folder_with_other_files_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    from headway.errors import HeadwayError
+    from headway.quickstart.run import run_quickstart
+
+    (tmp_path / "README.md").write_text("a project, not a quickstart folder\n")
+    with pytest.raises(HeadwayError, match=r"holds files a quickstart did not write \(README.md\)"):
+        run_quickstart(tmp_path, tiny=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]

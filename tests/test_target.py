@@ -146,3 +146,24 @@ def test_embedded_smollm2_loads_and_answers(smollm2: Target) -> None:
 def test_a_missing_folder_is_named_as_such(spec: str) -> None:
     with pytest.raises(TargetError, match=f"^{re.escape(spec)}: no such folder"):
         load_target(spec)
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("gpu", "use auto, cpu or cuda:N"), ("cuda:x", "use auto, cpu or cuda:N")],
+)
+def test_a_bad_device_is_a_one_line_error(device: str, message: str) -> None:
+    from headway.target import resolve_device
+
+    with pytest.raises(TargetError, match=message) as caught:
+        resolve_device(device)
+    assert "\n" not in str(caught.value)
+
+
+def test_cuda_without_a_device_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from headway.target import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(TargetError, match="no CUDA device here"):
+        resolve_device("cuda:7")
+    assert resolve_device("cpu") == torch.device("cpu")

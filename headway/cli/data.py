@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from headway.cli.common import add_target_flags, target_from_flags
-from headway.cli.values import POSITIVE, SEED, TEMPERATURE, TOP_P, text
+from headway.cli.values import POSITIVE, SEED, TEMPERATURE, TOP_P, layer_list, text
+from headway.errors import HeadwayError
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -128,11 +129,12 @@ def run_cache_features(args: argparse.Namespace) -> int:
     for report in reports:
         print(report.summary())
     num_layers = int(target.model.config.get_text_config().num_hidden_layers)
-    layers = (
-        [int(layer) for layer in args.layers.split(",")]
-        if args.layers
-        else method_layers(args.method, num_layers)
-    )
+    layers = args.layers or method_layers(args.method, num_layers)
+    if max(layers) > num_layers:
+        raise HeadwayError(
+            f"--layers {','.join(map(str, layers))}: the target has {num_layers} layers, so "
+            f"indices into output_hidden_states go from 0 to {num_layers}"
+        )
     manifest = cache_features(
         target.model,
         dataset,
@@ -185,7 +187,9 @@ def _add_cache_features(actions: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--layers",
-        help="comma-separated indices into output_hidden_states, overriding --method",
+        type=layer_list,
+        help="comma-separated indices into output_hidden_states (0 = embeddings, L = after the "
+        "last layer), overriding --method",
     )
     parser.add_argument(
         "--feature-dtype",

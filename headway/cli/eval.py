@@ -16,7 +16,7 @@ from headway.cli.common import (
     drafter_from_flags,
     dtype_for,
 )
-from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P
+from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, text
 from headway.errors import HeadwayError
 
 DESCRIPTION = """\
@@ -80,7 +80,12 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         help="plain decoding to compare with: hf = model.generate (default), headway = the "
         "same decoding loop without a drafter",
     )
-    parser.add_argument("--out", default="eval-out", help="folder for report.json, summary, plots")
+    parser.add_argument(
+        "--out",
+        default="eval-out",
+        type=text("--out"),
+        help="folder for report.json, summary, plots",
+    )
     parser.add_argument(
         "--heads-only",
         action="store_true",

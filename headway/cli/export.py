@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from headway.cli.values import text
 from headway.errors import HeadwayError
 from headway.heads.loading import ENGINE_FORMATS
 from headway.locks import exclusive_output
@@ -63,7 +64,9 @@ def add_export(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("run_dir", help="a headway run directory (config.json + model.safetensors)")
     parser.add_argument("--format", required=True, choices=list(formats), help="output layout")
-    parser.add_argument("--out", required=True, help="output folder (written atomically)")
+    parser.add_argument(
+        "--out", required=True, type=text("--out"), help="output folder (written atomically)"
+    )
     parser.add_argument(
         "--dtype",
         default="keep",

@@ -19,7 +19,7 @@ from headway.cli.common import (
     drafter_from_flags,
     target_from_flags,
 )
-from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P
+from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, text
 
 
 def add_generate_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +36,12 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=SEED, default=0, help="seed of the sampling generator")
     parser.add_argument(
-        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
+        "--stop",
+        action="append",
+        default=[],
+        type=text("--stop"),
+        metavar="TEXT",
+        help="stop string (repeatable)",
     )
     parser.add_argument(
         "--draft-length", type=POSITIVE, default=8, help="prompt lookup: tokens proposed per step"

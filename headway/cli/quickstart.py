@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from headway.cli.values import NON_NEGATIVE
+from headway.cli.values import NON_NEGATIVE, text
 
 DESCRIPTION = """\
 The whole pipeline on the embedded SmolLM2-135M-Instruct, on a CPU, in about ten minutes:
@@ -69,7 +69,10 @@ def add_quickstart(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--out", default="quickstart-out", help="folder for every stage's output (resumable)"
+        "--out",
+        default="quickstart-out",
+        type=text("--out"),
+        help="folder for every stage's output (resumable)",
     )
     parser.add_argument(
         "--tiny", action="store_true", help="tiny random target and data: seconds, for tests"

@@ -73,6 +73,24 @@ def text(what: str) -> Callable[[str], str]:
     return parse
 
 
+def layer_list(text: str) -> list[int]:
+    """Comma-separated, distinct, non-negative layer indices (``2,15,27``); the upper bound (the
+    target's depth) is checked once the target is loaded."""
+    try:
+        layers = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of layer indices (e.g. 2,15,27)"
+        ) from None
+    if any(layer < 0 for layer in layers) or len(set(layers)) != len(layers):
+        raise argparse.ArgumentTypeError(
+            f"{text} must list distinct layer indices >= 0 (0 = embeddings, L = the last layer)"
+        )
+    return layers
+
+
+layer_list.__name__ = "layers"
+
 POSITIVE = integer(1)
 NON_NEGATIVE = integer(0)
 SEED = integer(0, 2**63 - 1)

@@ -41,6 +41,9 @@ __all__ = ["Decoder", "Drafter", "GenerationResult", "StopReason", "generate"]
 
 logger = logging.getLogger(__name__)
 
+INITIAL_ROOM = 4096
+"""Answer tokens the sequence buffer holds before :func:`commit` first doubles it."""
+
 StopReason = Literal["eos", "max_new_tokens", "stop_sequence", "context_limit"]
 GREEDY = SamplingParams()
 DEFAULT_OPTIONS = DecodeOptions()
@@ -136,7 +139,7 @@ class _Session:
     stop_sequences: tuple[tuple[int, ...], ...]
     stop_check: Callable[[list[int]], bool] | None
     on_tokens: Callable[[list[int]], None] | None
-    sequence: Tensor  # LongTensor [prompt + max_new_tokens] buffer; the first `length` are valid
+    sequence: Tensor  # LongTensor buffer, grown as tokens are committed; the first `length` valid
     length: int
     generated: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
@@ -163,6 +166,8 @@ def commit(session: _Session, candidates: list[int]) -> list[int]:
     or the ``max_new_tokens``-th token; stream and return the committed ones."""
     committed: list[int] = []
     for token in candidates:
+        if session.length == session.sequence.numel():  # grown on demand, doubling
+            session.sequence = torch.cat([session.sequence, torch.zeros_like(session.sequence)])
         session.sequence[session.length] = token
         session.length += 1
         session.generated.append(token)
@@ -329,7 +334,9 @@ class Decoder:
             stop_sequences=tuple(tuple(int(t) for t in stop) for stop in stop_sequences),
             stop_check=stop_check,
             on_tokens=on_tokens,
-            sequence=torch.cat([prompt, prompt.new_zeros(max_new_tokens)]),
+            # room for the answer, up to INITIAL_ROOM tokens at first (commit grows it): a huge
+            # max_new_tokens is a cap, not an allocation
+            sequence=torch.cat([prompt, prompt.new_zeros(min(max_new_tokens, INITIAL_ROOM))]),
             length=prompt.numel(),
         )
         _run(session, prompt)

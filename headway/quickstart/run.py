@@ -297,9 +297,32 @@ def run_quickstart(out: Path, *, tiny: bool = False, echo: Echo = print) -> Quic
     """Run (or resume) every stage into ``out``; returns what happened, also written to
     ``out/quickstart.json``. A second quickstart into the same ``out`` is refused
     (:class:`~headway.errors.FolderBusyError`)."""
+    _check_own_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     with exclusive_folder(out, what="--out"):
         return _run_quickstart(out, tiny=tiny, echo=echo)
+
+
+_OWN_ENTRIES = ("data", "run", "eval", "quickstart.json", "draft_vocab.json")
+_OWN_TINY = ("tiny-target", "tiny-chat.jsonl", "tiny-prompts.jsonl")  # the --tiny pipeline's
+
+
+def _check_own_folder(out: Path) -> None:
+    """Refuse an ``out`` that holds anything a quickstart did not write (``--out .`` in a project,
+    say): the quickstart resumes in, and sweeps, only folders of its own."""
+    if not out.is_dir():
+        return
+    foreign = sorted(
+        entry.name
+        for entry in out.iterdir()
+        if not entry.name.startswith((".", "export-"))
+        and entry.name not in _OWN_ENTRIES + _OWN_TINY
+    )
+    if foreign:
+        raise HeadwayError(
+            f"--out {out} holds files a quickstart did not write ({', '.join(foreign[:3])}"
+            f"{' ...' if len(foreign) > 3 else ''}); choose a new or empty folder"
+        )
 
 
 def _run_quickstart(out: Path, *, tiny: bool, echo: Echo) -> QuickstartResult:

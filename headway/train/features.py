@@ -194,6 +194,11 @@ def _cache_features(
     shard_samples: int,
     pad_token_id: int,
 ) -> dict[str, Any]:
+    depth = int(model.config.get_text_config().num_hidden_layers)
+    if not layers or len(set(layers)) != len(layers) or not all(0 <= x <= depth for x in layers):
+        raise DataError(
+            f"layers {list(layers)}: list distinct indices into output_hidden_states, 0 to {depth}"
+        )
     settings = {
         "target": fingerprint(model).to_dict(),
         "layers": list(layers),
