@@ -13,8 +13,10 @@ Configurations (batch 1, greedy, interleaved prompt by prompt after a warm-up of
   run's ``config.json``. Medusa-2 runs are refused: their adapter is merged into the target,
   which would change every other row; ``headway eval --heads RUN`` measures them.
 
-Prints a Markdown table (tau, tokens/s, speedup vs HF greedy as a ratio measured in this run, and
-whether each output equals HF greedy) under a line naming the machine, dtype and prompt set.
+Prints a Markdown table (tau, tokens/s, speedup vs HF greedy as a ratio measured in this run,
+whether each output equals HF greedy, and each headway drafter's own cost per step -- the seconds
+its propose and observe calls take -- as a fraction of one target forward, taken as HF greedy's
+seconds per token) under a line naming the machine, dtype and prompt set.
 
     .venv/bin/python scripts/compare.py runs/medusa1-smollm2 runs/eagle1-smollm2 \\
         --num-prompts 8 --max-new-tokens 128
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +60,40 @@ class Row:
     seconds: float = 0.0
     traces: list[list[int]] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
+    drafter: TimedDrafter | None = None
+
+
+class TimedDrafter:
+    """A drafter that adds up the seconds its ``begin``/``propose``/``observe`` calls take (the
+    drafting cost of a step), and counts its proposals."""
+
+    def __init__(self, inner: Drafter, device: torch.device) -> None:
+        self.inner, self.device = inner, device
+        self.seconds, self.steps = 0.0, 0
+
+    def __getattr__(self, name: str) -> Any:  # hidden_layers, max_nodes, ...
+        return getattr(self.inner, name)
+
+    def _timed(self, call: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = call()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds += time.perf_counter() - start
+        return result
+
+    def begin(self, prompt_ids: torch.Tensor) -> None:
+        self._timed(lambda: self.inner.begin(prompt_ids))
+
+    def propose(self, sequence: torch.Tensor, floor: float | None = None) -> Any:
+        self.steps += 1
+        return self._timed(lambda: self.inner.propose(sequence, floor))
+
+    def observe(self, new_tokens: torch.Tensor, hidden: tuple[torch.Tensor, ...]) -> None:
+        self._timed(lambda: self.inner.observe(new_tokens, hidden))
+
+    def reset(self) -> None:
+        self.seconds, self.steps = 0.0, 0
 
 
 def parse_args() -> argparse.Namespace:
@@ -111,7 +148,13 @@ def hf_runner(lookup: int | None) -> Runner:
     return make
 
 
-def headway_runner(target: Target, drafter: Drafter, sizing: str = "drafter") -> Runner:
+def headway_row(name: str, target: Target, drafter: Drafter, sizing: str = "drafter") -> Row:
+    """A row of headway's loop with ``drafter``, its drafting time measured."""
+    timed_drafter = TimedDrafter(drafter, target.model.device)
+    return Row(name, headway_runner(target, timed_drafter, sizing), drafter=timed_drafter)
+
+
+def headway_runner(target: Target, drafter: Any, sizing: str = "drafter") -> Runner:
     """headway's loop with ``drafter`` (greedy), sized by the drafter or by cost through one
     :class:`Decoder`; the result list collects accept lengths."""
     settings = EvalSettings()
@@ -140,20 +183,19 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     rows = [
         Row("hf greedy", hf_runner(None)),
         Row("hf prompt lookup", hf_runner(args.lookup_tokens)),
-        Row("prompt lookup", headway_runner(target, build_drafter(lookup, target))),
+        headway_row("prompt lookup", target, build_drafter(lookup, target)),
     ]
     # cost-sized: full-length continuations ranked by share (the sizer replaces adaptation)
     sized_lookup = PromptLookupSpec(num_draft_tokens=args.lookup_tokens, adaptive=False)
     rows.append(
-        Row(
-            "prompt lookup, cost-sized",
-            headway_runner(target, build_drafter(sized_lookup, target), "cost"),
+        headway_row(
+            "prompt lookup, cost-sized", target, build_drafter(sized_lookup, target), "cost"
         )
     )
     if args.retrieval_data:
         retrieval = build_drafter(RetrievalSpec(data=(args.retrieval_data,)), target)
         rows.append(
-            Row("retrieval (prompt lookup, then corpus)", headway_runner(target, retrieval, "cost"))
+            headway_row("retrieval (prompt lookup, then corpus)", target, retrieval, "cost")
         )
     for run_dir in args.runs:
         method = run_method(run_dir)
@@ -167,18 +209,20 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
         spec = spec_for(heads=run_dir)
         if isinstance(spec, MedusaSpec):
             medusa = build_drafter(spec, target)
-            rows.append(Row(f"{method} {name}", headway_runner(target, medusa)))
-            sized = headway_runner(target, build_drafter(spec, target), "cost")
-            rows.append(Row(f"{method} cost-sized {name}", sized))
+            rows.append(headway_row(f"{method} {name}", target, medusa))
+            sized = build_drafter(spec, target)
+            rows.append(headway_row(f"{method} cost-sized {name}", target, sized, "cost"))
         elif isinstance(spec, EagleSpec):
             depth = args.eagle_depth
             chain = build_drafter(EagleSpec(heads=run_dir, top_k=1, depth=depth), target)
             tree = EagleSpec(heads=run_dir, depth=depth)
-            rows.append(Row(f"{method} chain {name}", headway_runner(target, chain)))
-            dynamic = headway_runner(target, build_drafter(tree, target))
-            rows.append(Row(f"{method} dynamic tree {name}", dynamic))
-            sized = headway_runner(target, build_drafter(tree, target), "cost")
-            rows.append(Row(f"{method} dynamic tree, cost-sized {name}", sized))
+            rows.append(headway_row(f"{method} chain {name}", target, chain))
+            dynamic = build_drafter(tree, target)
+            rows.append(headway_row(f"{method} dynamic tree {name}", target, dynamic))
+            sized = build_drafter(tree, target)
+            rows.append(
+                headway_row(f"{method} dynamic tree, cost-sized {name}", target, sized, "cost")
+            )
     return rows
 
 
@@ -187,6 +231,8 @@ def measure(rows: list[Row], target: Target, encoded: list[torch.Tensor], new: i
     device = target.model.device
     for row in rows:
         row.make(target, encoded[0], 8)[0]()
+        if row.drafter is not None:
+            row.drafter.reset()  # the warm-up is not counted
     for index, ids in enumerate(tqdm(encoded, desc="compare", unit="prompt")):
         shift = index % len(rows)
         for row in rows[shift:] + rows[:shift]:
@@ -208,6 +254,10 @@ def table(rows: list[Row]) -> list[dict[str, Any]]:
         stats = acceptance_stats(row.traces) if row.traces else None
         rate = row.tokens / row.seconds
         same = sum(a == b for a, b in zip(row.outputs, baseline.outputs, strict=True))
+        timed_drafter = row.drafter
+        cost = None
+        if timed_drafter is not None and timed_drafter.steps:
+            cost = timed_drafter.seconds / timed_drafter.steps * rate_0  # forward = 1 / rate_0
         result.append(
             {
                 "drafter": row.name,
@@ -215,6 +265,7 @@ def table(rows: list[Row]) -> list[dict[str, Any]]:
                 "tokens_per_s": rate,
                 "speedup": rate / rate_0,
                 "identical": f"{same}/{len(row.outputs)}",
+                "draft_cost_per_step": cost,
             }
         )
     return result
@@ -237,12 +288,17 @@ def main() -> None:
         f"threads, torch {torch.__version__}; target {args.target} ({args.dtype}); prompts: "
         f"{args.prompts} x{len(prompts)}, max_new_tokens {args.max_new_tokens}, batch 1, greedy\n"
     )
-    print("| drafter | tau | tokens/s | speedup vs HF greedy | identical to HF greedy |")
-    print("|---|---|---|---|---|")
+    print(
+        "| drafter | tau | tokens/s | speedup vs HF greedy | identical to HF greedy "
+        "| drafting per step / target forward |"
+    )
+    print("|---|---|---|---|---|---|")
     for row in results:
+        cost = row["draft_cost_per_step"]
         print(
             f"| {row['drafter']} | {_tau(row['tau'])} | {row['tokens_per_s']:.1f} | "
-            f"{row['speedup']:.2f}x | {row['identical']} |"
+            f"{row['speedup']:.2f}x | {row['identical']} | "
+            f"{'n/a' if cost is None else f'{cost:.2f}'} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2), encoding="utf-8")
