@@ -142,6 +142,7 @@ def run_cache_features(args: argparse.Namespace) -> int:
         layers=layers,
         dtype=resolve_dtype(args.feature_dtype),
         batch_size=args.batch_size,
+        shard_samples=args.shard_samples,
         pad_token_id=pad_id_of(target.tokenizer),
     )
     print(
@@ -202,6 +203,13 @@ def _add_cache_features(actions: argparse._SubParsersAction) -> None:
         "--limit", type=POSITIVE, help="use at most this many conversations per source"
     )
     parser.add_argument("--batch-size", type=POSITIVE, default=8, help="samples per target forward")
+    parser.add_argument(
+        "--shard-samples",
+        type=POSITIVE,
+        default=256,
+        help="samples per shard (the unit of resuming, and of splitting across the processes of "
+        "an accelerate launch)",
+    )
     parser.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows")
     parser.set_defaults(handler=run_cache_features)
 

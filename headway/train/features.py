@@ -37,6 +37,7 @@ from headway.errors import DataError
 from headway.locks import exclusive_folder, rank_lock_name
 from headway.target import fingerprint
 from headway.train.batching import pad_collate, target_inputs
+from headway.train.ranks import Ranks
 
 logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -215,35 +216,22 @@ def _cache_features(
                 f"{out_dir} holds features of other data, target or layers; "
                 "use a new folder or delete this one"
             )
-    write_text_atomic(
-        manifest_path, json.dumps({"settings": settings, "complete": False}, indent=2)
-    )
+    ranks = Ranks.from_accelerate()
+    ranks.wait()  # every rank has read the old manifest before rank 0 rewrites it
+    if ranks.rank == 0:
+        incomplete = {"settings": settings, "complete": False}
+        write_text_atomic(manifest_path, json.dumps(incomplete, indent=2))
     online = OnlineFeatures(model, layers)
-    tokens, started = 0, time.perf_counter()
-    starts = range(0, len(dataset), shard_samples)
-    for shard_index, start in enumerate(tqdm(starts, desc="cache features", unit="shard")):
+    started = time.perf_counter()
+    starts = list(range(0, len(dataset), shard_samples))
+    mine = [index for index in range(len(starts)) if index % ranks.world == ranks.rank]
+    for shard_index in tqdm(mine, desc="cache features", unit="shard", disable=ranks.rank > 0):
         path = out_dir / f"shard-{shard_index:05d}.safetensors"
-        rows = dataset.select(range(start, min(start + shard_samples, len(dataset))))
-        tokens += sum(len(ids) for ids in rows["input_ids"])
-        if path.is_file():
-            continue
-        tensors: dict[str, Tensor] = {}
-        for offset in range(0, len(rows), batch_size):
-            chunk = [rows[i] for i in range(offset, min(offset + batch_size, len(rows)))]
-            batch = pad_collate(chunk, pad_token_id=pad_token_id)
-            batch = {key: value.to(model.device) for key, value in batch.items()}
-            hidden = online(batch)
-            for row_index, row in enumerate(chunk):
-                length, key = len(row["input_ids"]), str(start + offset + row_index)
-                tensors[f"{key}.input_ids"] = torch.tensor(row["input_ids"], dtype=torch.int32)
-                tensors[f"{key}.loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.int8)
-                for layer, states in hidden.items():
-                    value = states[row_index, :length].to("cpu", dtype).contiguous()
-                    tensors[f"{key}.{hidden_key(layer)}"] = value
-        # One metadata key: safetensors writes several in a per-process random order, and a
-        # resumed cache should be byte-identical to an uninterrupted one.
-        rows_meta = json.dumps({"first": start, "count": len(rows)})
-        _write_shard(path, tensors, {"rows": rows_meta})
+        if not path.is_file():
+            _cache_shard(online, dataset, path, starts[shard_index], shard_samples, dtype,
+                         batch_size=batch_size, pad_token_id=pad_token_id)  # fmt: skip
+    ranks.wait()  # every shard is in
+    tokens = sum(len(ids) for ids in dataset["input_ids"])
     size = sum(path.stat().st_size for path in out_dir.glob("shard-*.safetensors"))
     manifest = {
         "settings": settings,
@@ -252,9 +240,45 @@ def _cache_features(
         "bytes": size,
         "bytes_per_token": round(size / max(tokens, 1), 1),
         "seconds_this_run": round(time.perf_counter() - started, 1),
+        "processes": ranks.world,
     }
-    write_text_atomic(manifest_path, json.dumps(manifest, indent=2))
+    if ranks.rank == 0:
+        write_text_atomic(manifest_path, json.dumps(manifest, indent=2))
+    ranks.wait()
     return manifest
+
+
+def _cache_shard(
+    online: OnlineFeatures,
+    dataset: datasets.Dataset,
+    path: Path,
+    start: int,
+    shard_samples: int,
+    dtype: torch.dtype,
+    *,
+    batch_size: int,
+    pad_token_id: int,
+) -> None:
+    """Write the features of samples ``[start, start + shard_samples)`` to the shard ``path``."""
+    rows = dataset.select(range(start, min(start + shard_samples, len(dataset))))
+    device = online.model.device
+    tensors: dict[str, Tensor] = {}
+    for offset in range(0, len(rows), batch_size):
+        chunk = [rows[i] for i in range(offset, min(offset + batch_size, len(rows)))]
+        batch = pad_collate(chunk, pad_token_id=pad_token_id)
+        batch = {key: value.to(device) for key, value in batch.items()}
+        hidden = online(batch)
+        for row_index, row in enumerate(chunk):
+            length, key = len(row["input_ids"]), str(start + offset + row_index)
+            tensors[f"{key}.input_ids"] = torch.tensor(row["input_ids"], dtype=torch.int32)
+            tensors[f"{key}.loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.int8)
+            for layer, states in hidden.items():
+                value = states[row_index, :length].to("cpu", dtype).contiguous()
+                tensors[f"{key}.{hidden_key(layer)}"] = value
+    # One metadata key: safetensors writes several in a per-process random order, and a
+    # resumed cache should be byte-identical to an uninterrupted one.
+    rows_meta = json.dumps({"first": start, "count": len(rows)})
+    _write_shard(path, tensors, {"rows": rows_meta})
 
 
 class CachedFeatureDataset(torch.utils.data.Dataset[dict[str, Tensor]]):

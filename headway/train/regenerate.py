@@ -21,17 +21,15 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-import os
 import random
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import PartialState
 from tqdm.auto import tqdm
 
 from headway.atomic import write_bytes_atomic, write_text_atomic
@@ -46,30 +44,7 @@ from headway.train.answering import (
     conversation_messages,
 )
 from headway.train.prompts import PromptItem, describe_mix
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place among the processes regenerating together (one, unless launched
-    with ``accelerate launch``), and the barrier between them."""
-
-    rank: int = 0
-    world: int = 1
-
-    @classmethod
-    def from_accelerate(cls) -> Ranks:
-        """The ranks ``accelerate launch`` set up (read from its environment), else one."""
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-            return cls()
-        # Without CUDA, processes must be told to use CPU DDP (gloo), as in training.
-        state = PartialState(cpu=not torch.cuda.is_available())
-        return cls(state.process_index, state.num_processes)
-
-    def wait(self) -> None:
-        """Block until every process gets here (nothing to wait for with one)."""
-        if self.world > 1:
-            PartialState().wait_for_everyone()
-
+from headway.train.ranks import Ranks
 
 __all__ = [
     "RegenerateOptions",
