@@ -33,3 +33,16 @@ def test_heads_and_decode_import_at_module_level_only() -> None:
         if re.match(r"\s+(from headway|import headway)", line)
     ]
     assert late == []
+
+
+def test_training_and_loading_know_the_same_methods() -> None:
+    """One set of methods: what ``train.method`` accepts, what training builds and what a run
+    directory may hold (``DRAFTER_METHODS``, which loading and export read)."""
+    import typing
+
+    from headway.heads.io import DRAFTER_METHODS
+    from headway.run_config import TrainConfig
+    from headway.train.methods import METHODS
+
+    accepted = set(typing.get_args(typing.get_type_hints(TrainConfig)["method"]))
+    assert set(METHODS) == set(DRAFTER_METHODS) == accepted
