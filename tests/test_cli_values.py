@@ -24,6 +24,7 @@ COMMANDS: dict[tuple[str, ...], list[str]] = {
     ("data", "inspect"): ["--target", "{tmp}/no-such-model"],
     ("data", "cache-features"): ["--out", "{tmp}/out", "--target", "{tmp}/no-such-model"],
     ("generate",): ["--target", "{tmp}/no-such-model", "hello"],
+    ("export",): ["{tmp}/no-such-run", "--format", "eagle3-hf", "--out", "{tmp}/x"],
     ("eval",): [
         "--target",
         "{tmp}/no-such-model",
@@ -72,7 +73,7 @@ def typed_flags(command: tuple[str, ...]) -> list[str]:
 
 def test_every_numeric_flag_of_these_commands_is_typed() -> None:
     for command in COMMANDS:
-        assert len(typed_flags(command)) >= 2, command
+        assert len(typed_flags(command)) >= (1 if command == ("export",) else 2), command
     assert "--threads" in typed_flags(("quickstart",))
 
 
@@ -153,3 +154,48 @@ def test_cache_features_layers_are_checked_before_loading_anything(
     error = capsys.readouterr().err.strip()
     assert message in error and "\n" not in error
     assert not (tmp_path / "f").exists()
+
+
+MALFORMED = [
+    "generate --max-new-tokens -3 hi",
+    "generate --temperature -1 hi",
+    "generate --temperature nan hi",
+    "generate --top-p 2 hi",
+    "generate --draft-length 0 hi",
+    "generate --sizing sideways hi",
+    "generate --stop= hi",
+    "generate --target {tmp}/no/such/folder hi",
+    "generate --device cuda:x hi",
+    "eval --num-prompts 0 --drafter prompt-lookup",
+    "eval --max-new-tokens -1 --drafter prompt-lookup",
+    "eval --drafter prompt-lookup --out=",
+    "export {tmp}/no-such-run --format eagle3-hf --out {tmp}/x",
+    "export {tmp}/run --format nope --out {tmp}/x",
+    "export {tmp}/run --format eagle3-hf --out=",
+    "export {tmp}/run --format medusa2-target --dtype bfloat16 --out {tmp}/x",
+    "train --config {tmp}/no-such.yaml",
+    "train train.lr=-1",
+    "train train.max_stepz=3",
+    "data regenerate --mix sharegpt:-5 --out {tmp}/r",
+    "data regenerate --mix nothing:5 --out {tmp}/r",
+    "data cache-features --out {tmp}/f --layers -1",
+    "data cache-features --out {tmp}/f --layers x",
+    "quickstart --out=",
+    "quickstart --threads -2",
+]
+
+
+@pytest.mark.parametrize("line", MALFORMED)
+def test_malformed_command_lines_are_one_line_errors(
+    line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Command lines a user could type by mistake: each stops with exit status 2 and one line
+    on stderr naming what is wrong, before any model is loaded."""
+    argv = line.format(tmp=tmp_path).split()
+    try:
+        status = main(argv)
+    except SystemExit as stop:
+        status = stop.code  # type: ignore[assignment]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2, argv
+    assert len(err) == 1 and err[0].startswith("headway") and "Traceback" not in err[0], err
