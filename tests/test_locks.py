@@ -225,3 +225,23 @@ def test_training_removes_partial_checkpoints_of_killed_runs(
     train(settings)
     assert not partial.exists()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000002"]
+
+
+SIGTERMED = (
+    "import sys, time; from pathlib import Path; from headway.locks import exclusive_folder\n"
+    "from headway.cli import sigterm_exits\n"
+    "with sigterm_exits(), exclusive_folder(Path(sys.argv[1])):\n"
+    "    print('locked', flush=True); time.sleep(60)\n"
+)
+
+
+def test_a_sigterm_ends_a_writer_without_leftovers(tmp_path: Path) -> None:
+    """``headway`` turns SIGTERM into an exit that runs cleanup: the lock file goes with it."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", SIGTERMED, str(tmp_path / "out")], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None and process.stdout.readline().strip() == "locked"
+    assert (tmp_path / "out" / LOCK_NAME).exists()
+    process.terminate()
+    assert process.wait(timeout=30) == 128 + signal.SIGTERM
+    assert list((tmp_path / "out").iterdir()) == []

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from headway import __version__
 from headway.cli.common import add_target_flags
@@ -101,12 +104,32 @@ def _configure_logging(verbose: bool) -> None:
         hf_logging.disable_progress_bar()
 
 
+@contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """Within the block, SIGTERM (``kill``, a job scheduler's stop) raises ``SystemExit(143)``
+    so ``finally`` blocks run: writer locks are released and removed, temporaries cleaned. The
+    previous handler is restored afterwards (only the main thread can install one)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``headway`` console script."""
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
     try:
-        return int(args.handler(args))
+        with sigterm_exits():
+            return int(args.handler(args))
     except HeadwayError as error:
         command = " ".join(filter(None, (args.command, getattr(args, "data_command", None))))
         print(f"headway {command}: error: {error}", file=sys.stderr)
