@@ -18,7 +18,9 @@ behind the query blocked, as HF's own sliding mask does (a ``{"full_attention": 
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,8 +88,14 @@ def sliding_window(model: PreTrainedModel) -> tuple[int | None, bool]:
 def _takes_mask_mapping(model: PreTrainedModel) -> bool:
     """The model's forward accepts one mask per layer type (transformers' ``causal_mask_mapping``
     convention, read off its source: there is no flag for it)."""
+    return _forward_takes_mask_mapping(type(model.base_model).forward)
+
+
+@functools.cache
+def _forward_takes_mask_mapping(forward: Callable[..., Any]) -> bool:
+    """Read once per forward function: this runs on every tree step past the window."""
     try:
-        source = inspect.getsource(type(model.base_model).forward)
+        source = inspect.getsource(forward)
     except (OSError, TypeError):
         return False
     return "causal_mask_mapping := attention_mask, dict" in source
