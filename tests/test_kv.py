@@ -114,3 +114,32 @@ def test_tree_forward_refuses_a_stale_prefix() -> None:
         tree_forward(model, cache, _block(), PARENTS, PROMPT.numel() - 1)
     with pytest.raises(ValueError, match="root followed by every node"):
         tree_forward(model, cache, _block()[:, :3], PARENTS, PROMPT.numel())
+
+
+def test_the_cache_goes_by_the_name_each_forward_takes() -> None:
+    """transformers renamed ``past_key_values`` to ``cache`` (5.2x; the old name warns until
+    5.40): each module gets the name its own ``forward`` declares, so no deprecation warning is
+    raised where the new name exists and older versions keep working."""
+    import inspect
+    import warnings
+
+    from headway.decode.kv import cache_argument
+
+    class OldStyle(torch.nn.Module):
+        def forward(self, x: torch.Tensor, past_key_values: Any = None) -> torch.Tensor:
+            return x
+
+    class KeywordsOnly(torch.nn.Module):
+        def forward(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    model = tiny_model("llama")
+    takes_cache = "cache" in inspect.signature(type(model).forward).parameters
+    assert cache_argument(model, None) == {"cache" if takes_cache else "past_key_values": None}
+    assert cache_argument(OldStyle(), None) == {"past_key_values": None}
+    assert cache_argument(KeywordsOnly(), None) == {"past_key_values": None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # a deprecated name would raise here
+        cache = new_cache(model)
+        prefill(model, cache, torch.tensor([[1, 2, 3]]))
+        tree_forward(model, cache, torch.tensor([[4, 5, 6]]), torch.tensor([-1, 0]), 3, ())

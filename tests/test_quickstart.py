@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from headway.decode.tree import chain
 from headway.heads.drafter_confident import ConfidentMedusaDrafter
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.quickstart.calibrate import choose_threshold
+from headway.quickstart.shipped import NONE_SHIPPED
 
 
 def test_tiny_quickstart_runs_every_stage_then_resumes(
@@ -23,8 +25,9 @@ def test_tiny_quickstart_runs_every_stage_then_resumes(
     out = tmp_path / "qs"
     assert main(["quickstart", "--tiny", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    for stage in ("[1/5] target", "[2/5] data", "[3/5] train", "[4/5] export", "[5/5] eval"):
-        assert stage in printed
+    stages = ("target", "data", "train", "export", "eval", "shipped")
+    for number, stage in enumerate(stages, 1):
+        assert f"[{number}/6] {stage}" in printed
     assert "speedup" in printed and "tau" in printed
     summary = json.loads((out / "quickstart.json").read_text())
     assert [stage["name"] for stage in summary["stages"]] == [
@@ -33,6 +36,7 @@ def test_tiny_quickstart_runs_every_stage_then_resumes(
         "train",
         "export",
         "eval",
+        "shipped",
     ]
     assert not any(stage["skipped"] for stage in summary["stages"])
     assert summary["figures"]["identical_fraction"] == 1.0
@@ -43,7 +47,9 @@ def test_tiny_quickstart_runs_every_stage_then_resumes(
     # Rerunning resumes: every stage after the target is reported as already done.
     assert main(["quickstart", "--tiny", "--out", str(out)]) == 0
     again = json.loads((out / "quickstart.json").read_text())
-    assert [stage["skipped"] for stage in again["stages"]] == [False, True, True, True, True]
+    # The tiny target has no shipped drafter: stage 6 says so each time (nothing to resume).
+    assert again["stages"][5]["summary"] == NONE_SHIPPED
+    assert [stage["skipped"] for stage in again["stages"]] == [False, True, True, True, True, False]
     assert "already done" in capsys.readouterr().out
 
 
@@ -56,11 +62,36 @@ def test_interrupted_training_resumes_from_its_checkpoint(tmp_path: Path) -> Non
     assert main(["quickstart", "--tiny", "--out", str(out)]) == 0
     summary = json.loads((out / "quickstart.json").read_text())
     skipped = [stage["skipped"] for stage in summary["stages"]]
-    assert skipped == [False, True, False, False, False]  # target, data, train, export, eval
+    assert skipped == [False, True, False, False, False, False]  # target ... eval, shipped
     assert "resumed" in summary["stages"][2]["summary"]
     assert (out / "run" / "model.safetensors").is_file()
     # the stages after a rerun one ran again on its output, not from their old results
     assert (out / "eval" / "report.json").stat().st_mtime_ns > first_report
+
+
+def test_the_shipped_drafter_is_measured_beside_the_quickstarts_own(tmp_path: Path) -> None:
+    """Stage 6 finds the drafter shipped for the target by its fingerprint, evaluates it on the
+    same prompts, prints its figures and records them; a rerun reports it as done."""
+    from headway.quickstart.run import run_quickstart
+
+    out = tmp_path / "qs"
+    run_quickstart(out, tiny=True, echo=lambda line: None, shipped_dir=tmp_path / "none")
+    shipped = tmp_path / "drafters"
+    shutil.copytree(out / "export-medusa-vllm", shipped / "tiny-medusa")  # as if shipped
+    printed: list[str] = []
+    result = run_quickstart(out, tiny=True, echo=printed.append, shipped_dir=shipped)
+    line = next(line for line in printed if line.startswith("[6/6] shipped:"))
+    assert "drafters/tiny-medusa, cost-sized: tau" in line and "identical outputs 100%" in line
+    report = json.loads((out / "eval-shipped" / "report.json").read_text())
+    assert report["drafter"]["heads"] == str(shipped / "tiny-medusa")
+    assert report["decode"]["sizing"] == "cost"
+    assert report["num_prompts"] == 3 and report["identical_fraction"] == 1.0
+    assert result.figures["shipped"]["tau"] == report["tau"]
+    again = run_quickstart(out, tiny=True, echo=lambda line: None, shipped_dir=shipped)
+    assert (
+        again.stages[5].skipped
+        and again.stages[5].summary == line.split(": ", 1)[1].rsplit(" (", 1)[0]
+    )
 
 
 def test_choose_threshold_on_a_hand_made_example() -> None:

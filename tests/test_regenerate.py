@@ -134,6 +134,34 @@ def test_resume_with_other_settings_is_refused(tiny_chat_target: Target, tmp_pat
         regenerate(tiny_chat_target, items()[:2], tmp_path, other, mix={"test": 2})
 
 
+def test_resume_reads_the_frozen_prompts_without_the_sources(
+    tiny_chat_target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder being resumed is finished from its prompts.jsonl.gz: `headway data regenerate`
+    does not rebuild the mix (whose source packages a GPU machine may lack)."""
+    from headway.cli import data as cli_data
+    from headway.cli import main
+    from headway.train import prompts
+
+    reference = tmp_path / "reference"
+    regenerate(tiny_chat_target, items(), reference, OPTIONS, mix={"sharegpt": 8})
+    resumed = tmp_path / "resumed"
+    regenerate(tiny_chat_target, items(), resumed, OPTIONS, mix={"sharegpt": 8})
+    for shard in sorted((resumed / "data").glob("part-*"))[1:]:
+        shard.unlink()  # as if stopped after the first shard
+
+    def no_sources(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the mix was rebuilt")
+
+    monkeypatch.setattr(prompts, "build_mix", no_sources)
+    monkeypatch.setattr(cli_data, "target_from_flags", lambda args: tiny_chat_target)
+    argv = ["data", "regenerate", "--out", str(resumed), "--mix", "sharegpt:8"]
+    assert main([*argv, "--max-new-tokens", "6", "--batch-size", "4", "--shard-size", "3"]) == 0
+    assert read_all(resumed) == read_all(reference)
+    # Other settings are still refused by the manifest, before any answer is written.
+    assert main([*argv, "--max-new-tokens", "7", "--shard-size", "3"]) != 0
+
+
 def test_self_instruct_answers_become_prompts() -> None:
     def row(text: str, finish: str = "eos") -> dict[str, object]:
         messages = [{"role": "user", "content": "meta"}, {"role": "assistant", "content": text}]

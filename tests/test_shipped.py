@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 
-from headway.drafters.shipped import DEFAULTS, SHIPPED_DIR, default_heads
+from headway.drafters.shipped import (
+    DEFAULTS,
+    SHIPPED_DIR,
+    default_heads,
+    shipped_heads,
+    shipped_names,
+)
 from headway.heads.io import load_heads
 from headway.heads.loading import ENGINE_FORMATS
 from tests.test_eagle3 import tiny4
@@ -32,18 +38,44 @@ def test_a_default_drafter_is_found_by_its_target_fingerprint(target: Any, tmp_p
     assert default_heads(target, shipped_dir=shipped, names=["missing"]) is None
     other = tiny4("llama", seed=1)
     assert default_heads(other, shipped_dir=shipped, names=["tiny-eagle3"]) is None
+    # Shipped but not a default: listed for its target only.
+    assert shipped_names(shipped) == ["tiny-eagle3"]
+    assert shipped_heads(target, shipped_dir=shipped) == [shipped / "tiny-eagle3"]
+    assert shipped_heads(other, shipped_dir=shipped) == []
+    assert shipped_names(tmp_path / "nowhere") == []
+
+
+def test_every_default_is_shipped_and_every_shipped_drafter_fits_the_checkout() -> None:
+    """Defaults name shipped folders; each shipped export is an eagle3-hf/medusa layout the
+    loaders detect, in bf16, at most 25 MB (issue #13: binaries that travel with every clone)."""
+    from safetensors import safe_open
+
+    from headway.heads.loading import detect_format
+
+    assert set(DEFAULTS) <= set(shipped_names())
+    for name in shipped_names():
+        folder = SHIPPED_DIR / name
+        assert detect_format(folder) is not None, name
+        weights = folder / "model.safetensors"
+        assert weights.stat().st_size <= 25 * 10**6, name
+        with safe_open(weights, "pt") as file:
+            names = file.keys()  # a safe_open handle is not iterable
+            floats = {file.get_slice(k).get_dtype() for k in names} - {"I64", "BOOL"}
+        assert floats == {"BF16"}, name
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", DEFAULTS)
-def test_the_shipped_drafter_decodes_losslessly(name: str) -> None:
+@pytest.mark.parametrize("name", shipped_names())
+def test_each_shipped_drafter_decodes_losslessly(name: str) -> None:
     from headway.decode.generate import generate
     from headway.drafters.build import build_drafter, spec_for
     from headway.target import load_target
     from tests.test_generate import hf_greedy
 
     target = load_target("smollm2-135m", dtype="float32", device="cpu")
-    assert default_heads(target.model) == SHIPPED_DIR / name
+    assert SHIPPED_DIR / name in shipped_heads(target.model)
+    if name in DEFAULTS:
+        assert default_heads(target.model) == SHIPPED_DIR / name
     drafter = build_drafter(spec_for(heads=SHIPPED_DIR / name), target)
     messages = [{"role": "user", "content": "Explain what a hash table is in two sentences."}]
     prompt = target.tokenizer.apply_chat_template(

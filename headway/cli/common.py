@@ -25,9 +25,9 @@ def add_target_flags(parser: argparse.ArgumentParser, *, default_dtype: str = "a
         "--dtype",
         default=default_dtype,
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="target weights dtype: auto (default) is bfloat16 on CUDA and float32 on a CPU; "
-        "greedy output is identical to plain decoding in float32, and in bfloat16 equal up to "
-        "the rounding of a batched forward",
+        help=f"target weights dtype (default {default_dtype}): auto is bfloat16 on CUDA and "
+        "float32 on a CPU; greedy output is identical to plain decoding in float32, and in "
+        "bfloat16 equal up to the rounding of a batched forward",
     )
     parser.add_argument(
         "--device", default="auto", help="'auto' (CUDA if present, else CPU), 'cpu', 'cuda:0'"

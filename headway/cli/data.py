@@ -31,7 +31,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from headway.train.prompts import build_mix, parse_mix
-    from headway.train.regenerate import RegenerateOptions, regenerate
+    from headway.train.regenerate import RegenerateOptions, prompts_path, regenerate
 
     mix = parse_mix(args.mix)
     options = RegenerateOptions(
@@ -44,8 +44,15 @@ def run_regenerate(args: argparse.Namespace) -> int:
         engine=args.engine,
     )
     target = target_from_flags(args)
-    items = build_mix(
-        mix, seed=args.seed, max_turns=args.max_turns, max_prompt_chars=args.max_prompt_chars
+    # A folder being resumed has its prompt list frozen (and its manifest checks that --mix and
+    # the other settings are unchanged): the source packages are not needed to go on.
+    resuming = prompts_path(Path(args.out)).is_file()
+    items = (
+        []
+        if resuming
+        else build_mix(
+            mix, seed=args.seed, max_turns=args.max_turns, max_prompt_chars=args.max_prompt_chars
+        )
     )
     manifest = regenerate(target, items, Path(args.out), options, mix=mix)
     print(

@@ -33,6 +33,7 @@ from headway.decode.tree import ancestor_mask, depths
 from headway.errors import SlidingWindowError
 
 __all__ = [
+    "cache_argument",
     "compact_cache",
     "crop_cache",
     "new_cache",
@@ -45,6 +46,23 @@ __all__ = [
 # Layers whose keys/values are plain `[batch, kv_heads, seq, head_dim]` tensors we may re-index
 # (exact types: subclasses such as quantized or offloaded layers keep extra state).
 _SUPPORTED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def cache_argument(module: torch.nn.Module, cache: DynamicCache | None) -> dict[str, Any]:
+    """``{"cache": cache}`` for modules whose ``forward`` names the KV cache ``cache``
+    (transformers >= 5.2x, where ``past_key_values`` is deprecated and goes in 5.40), else
+    ``{"past_key_values": cache}`` (earlier 5.x, GPT-2-style and remote-code models)."""
+    kind = type(module)
+    if kind not in _CACHE_KEYWORDS:
+        try:
+            names = inspect.signature(kind.forward).parameters
+        except (TypeError, ValueError):  # a forward without a readable signature
+            names = {}  # type: ignore[assignment]
+        _CACHE_KEYWORDS[kind] = "cache" if "cache" in names else "past_key_values"
+    return {_CACHE_KEYWORDS[kind]: cache}
+
+
+_CACHE_KEYWORDS: dict[type, str] = {}
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
@@ -157,7 +175,7 @@ def prefill(
         # without a mask GPT-2 scans the ids for pad tokens on every call just to warn).
         attention_mask=torch.ones(1, end, dtype=torch.long, device=device),
         position_ids=position_ids,
-        past_key_values=cache,
+        **cache_argument(model, cache),
         use_cache=True,
         output_hidden_states=bool(hidden_layers),
         logits_to_keep=1,
@@ -222,7 +240,7 @@ def tree_forward(
             input_ids=root_and_tree_tokens.to(device),
             attention_mask=mask,  # a tensor, or one per layer type (windowed_masks)
             position_ids=position_ids,
-            past_key_values=cache,
+            **cache_argument(model, cache),
             use_cache=True,
             output_hidden_states=bool(hidden_layers),
         )

@@ -43,6 +43,8 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from headway.decode.kv import cache_argument
+
 __all__ = [
     "EagleConfig",
     "EagleModel",
@@ -277,7 +279,7 @@ class EagleModel(nn.Module):
             fused,
             attention_mask=_four_d(attention_mask, past, length, fused),
             position_ids=position_ids,
-            past_key_values=cache,
+            **cache_argument(self.layers[0], cache),
             use_cache=cache is not None,
             position_embeddings=rotary,
         )

@@ -50,6 +50,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from headway.decode.kv import cache_argument
 from headway.heads.eagle import EagleConfig, additive_mask, causal_mask
 from headway.heads.vocab import DraftVocab
 
@@ -229,7 +230,7 @@ class Eagle3Layer(nn.Module):
             joint,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=cache,
+            **cache_argument(self.self_attn, cache),
         )
         hidden = features + attended  # the residual is the un-normed fused feature
         output: Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))

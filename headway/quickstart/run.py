@@ -10,7 +10,9 @@ stage is skipped; once a stage has run, every later one runs again on its fresh 
    interrupted one resumes from its last checkpoint;
 4. **export** — the heads in an engine layout (``headway export``);
 5. **eval** — the exported drafter against plain decoding on a few MT-bench questions
-   (``headway eval``), greedy, in float32, so outputs must be identical.
+   (``headway eval``), greedy, in float32, so outputs must be identical;
+6. **shipped** — the drafter shipped for the target in ``drafters/`` (if any), on the same
+   prompts and settings, tree sized by cost, so its speedup prints beside the one just trained.
 
 ``--tiny`` runs the same stages on a tiny random target built in-process (seconds): it proves
 the pipeline, not a speedup. Everything lands in one folder (``--out``), with ``quickstart.json``
@@ -28,6 +30,7 @@ from typing import Any
 
 from headway.atomic import write_text_atomic
 from headway.config import load_config
+from headway.drafters.shipped import SHIPPED_DIR
 from headway.errors import HeadwayError
 from headway.eval.report import write_report
 from headway.eval.run import evaluate
@@ -35,12 +38,21 @@ from headway.eval.speed import EvalSettings
 from headway.evalsets import load_prompts
 from headway.locks import exclusive_folder
 from headway.quickstart.plan import SMOLLM2_PLAN, TINY_PLAN, QuickstartPlan
+from headway.quickstart.summaries import (
+    data_summary,
+    eval_summary,
+    figures,
+    run_fingerprint,
+    sources,
+    train_summary,
+)
 from headway.run_config import RunConfig
 from headway.target import Target, check_fingerprint, fingerprint, load_target
 
 __all__ = ["QuickstartResult", "StageReport", "run_quickstart"]
 
 Echo = Callable[[str], None]
+STAGES = 6
 
 
 @dataclass
@@ -84,12 +96,13 @@ class QuickstartResult:
 class _Pipeline:
     """The stages over one output folder (paths, plan, and the fp32 target once loaded)."""
 
-    def __init__(self, plan: QuickstartPlan, out: Path) -> None:
-        self.plan, self.out = plan, out
+    def __init__(self, plan: QuickstartPlan, out: Path, shipped_dir: Path = SHIPPED_DIR) -> None:
+        self.plan, self.out, self.shipped_dir = plan, out, shipped_dir
         self.data_dir = out / "data"
         self.run_dir = out / "run"
         self.export_dir = out / f"export-{plan.export_format}"
         self.eval_dir = out / "eval"
+        self.shipped_eval_dir = out / "eval-shipped"
         self.target_name = plan.target
         self._target: Target | None = None
 
@@ -135,7 +148,7 @@ class _Pipeline:
         target = load_target(self.target_name, dtype=self.plan.regen_dtype, device=self.plan.device)
         items = build_mix(mix, seed=0)
         manifest = regenerate(target, items, self.data_dir, options, mix=mix)
-        return _data_summary(manifest, self.plan.regen_dtype)
+        return data_summary(manifest, self.plan.regen_dtype)
 
     # -- stage 3 ---------------------------------------------------------------------------
     def train_config(self) -> RunConfig:
@@ -159,7 +172,7 @@ class _Pipeline:
         config = self.train_config()
         resume = latest_checkpoint(self.run_dir) is not None
         train(config, resume=resume)
-        return _train_summary(self.run_dir, config, resumed=resume)
+        return train_summary(self.run_dir, config, resumed=resume)
 
     # -- stage 4 ---------------------------------------------------------------------------
     def export(self) -> str:
@@ -178,27 +191,44 @@ class _Pipeline:
         from headway.quickstart.calibrate import quickstart_spec
 
         target = self.target()
-        check_fingerprint(_run_fingerprint(self.run_dir), fingerprint(target.model))
+        check_fingerprint(run_fingerprint(self.run_dir), fingerprint(target.model))
         spec, info = quickstart_spec(
             self.export_dir, target, self.plan, self.data_dir / "data", self._held_out(target)
         )
         drafter = build_drafter(spec, target)
-        prompts = self._prompts()
-        settings = EvalSettings(max_new_tokens=self.plan.eval_max_new_tokens)
         report = evaluate(
             target,
             drafter,
-            prompts,
-            settings,
+            self._prompts(),
+            self._settings(),
             self.eval_dir,
             drafter_info=info,
-            prompt_set=self.plan.eval_prompts or "tiny prompts",
+            prompt_set=self._prompt_set(),
         )
-        sources = _sources(drafter)
-        if sources:  # known only after the run: added to the report it belongs to
-            report["accepted_drafted_tokens_by_source"] = sources
+        by_source = sources(drafter)
+        if by_source:  # known only after the run: added to the report it belongs to
+            report["accepted_drafted_tokens_by_source"] = by_source
             write_report(report, self.eval_dir)
-        return _eval_summary(report)
+        return eval_summary(report)
+
+    # -- stage 6 ---------------------------------------------------------------------------
+    def evaluate_shipped(self) -> str:
+        from headway.quickstart.shipped import evaluate_shipped
+
+        return evaluate_shipped(
+            self.target(),
+            self._prompts(),
+            self._settings(),
+            self.shipped_eval_dir,
+            prompt_set=self._prompt_set(),
+            shipped_dir=self.shipped_dir,
+        )
+
+    def _settings(self) -> EvalSettings:
+        return EvalSettings(max_new_tokens=self.plan.eval_max_new_tokens)
+
+    def _prompt_set(self) -> str:
+        return self.plan.eval_prompts or "tiny prompts"
 
     def _held_out(self, target: Target, limit: int = 8) -> list[tuple[list[int], list[int]]]:
         """Up to ``limit`` samples the training run held out, as (input_ids, loss_mask)."""
@@ -217,58 +247,6 @@ class _Pipeline:
         return load_prompts(self.plan.eval_prompts, limit=self.plan.eval_num_prompts)
 
 
-def _sources(drafter: Any) -> dict[str, int]:
-    """Accepted drafted tokens per source of a merged drafter (warm-up included)."""
-    from headway.heads.drafter_confident import ConfidentMedusaDrafter
-
-    counts = getattr(drafter, "accepted_by_source", None)
-    if counts is None:
-        return {}
-    names = [
-        "medusa heads" if isinstance(d, ConfidentMedusaDrafter) else "prompt lookup"
-        for d in drafter.drafters
-    ]
-    return dict(zip(names, counts, strict=True))
-
-
-def _run_fingerprint(run_dir: Path) -> Any:
-    from headway.target import TargetFingerprint
-
-    config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
-    return TargetFingerprint.from_dict(config["target"])
-
-
-def _data_summary(manifest: dict[str, Any], dtype: str) -> str:
-    return (
-        f"{manifest['rows']} conversations, {manifest['answer_tokens']:,} answer tokens written "
-        f"by the target itself ({dtype}; sources {manifest['sources']})"
-    )
-
-
-def _train_summary(run_dir: Path, config: RunConfig, *, resumed: bool) -> str:
-    lines = (run_dir / "eval.jsonl").read_text(encoding="utf-8").splitlines()
-    held_out = json.loads(lines[-1]) if lines else {}
-    accuracy = ", ".join(
-        f"{name.removeprefix('eval/')} {value:.2f}"
-        for name, value in held_out.items()
-        if name.endswith("/top1") or name.endswith("/top5")
-    )
-    what = f"{config.train.method}, {config.medusa.num_heads} heads"
-    verb = "resumed and finished" if resumed else "trained"
-    return f"{what} {verb} ({config.train.max_steps} steps); held-out {accuracy}"
-
-
-def _eval_summary(report: dict[str, Any]) -> str:
-    tau = report["tau"]
-    speedup = report["speedup"]
-    return (
-        f"{report['num_prompts']} prompts: tau {tau:.2f}, speedup "
-        f"{speedup:.2f}x, identical outputs {report['identical_fraction']:.0%}"
-        if tau is not None and speedup is not None
-        else f"{report['num_prompts']} prompts: no draft step ran"
-    )
-
-
 def _stage(
     result: QuickstartResult,
     echo: Echo,
@@ -280,7 +258,7 @@ def _stage(
     ran in this call (a rerun earlier stage makes every later one run again); print and record
     what it did."""
     number = len(result.stages) + 1
-    echo(f"[{number}/5] {name} ...")
+    echo(f"[{number}/{STAGES}] {name} ...")
     started = time.perf_counter()
     previous = done() if done is not None and not result.downstream_stale else None
     if previous is not None:
@@ -290,20 +268,23 @@ def _stage(
         result.downstream_stale = done is not None
     result.stages.append(report)
     tag = "already done" if report.skipped else f"{report.seconds:.1f} s"
-    echo(f"[{number}/5] {name}: {report.summary} ({tag})")
+    echo(f"[{number}/{STAGES}] {name}: {report.summary} ({tag})")
 
 
-def run_quickstart(out: Path, *, tiny: bool = False, echo: Echo = print) -> QuickstartResult:
+def run_quickstart(
+    out: Path, *, tiny: bool = False, echo: Echo = print, shipped_dir: Path = SHIPPED_DIR
+) -> QuickstartResult:
     """Run (or resume) every stage into ``out``; returns what happened, also written to
-    ``out/quickstart.json``. A second quickstart into the same ``out`` is refused
+    ``out/quickstart.json``. ``shipped_dir`` is where stage 6 looks for the target's shipped
+    drafter. A second quickstart into the same ``out`` is refused
     (:class:`~headway.errors.FolderBusyError`)."""
     _check_own_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     with exclusive_folder(out, what="--out"):
-        return _run_quickstart(out, tiny=tiny, echo=echo)
+        return _run_quickstart(out, tiny=tiny, echo=echo, shipped_dir=shipped_dir)
 
 
-_OWN_ENTRIES = ("data", "run", "eval", "quickstart.json", "draft_vocab.json")
+_OWN_ENTRIES = ("data", "run", "eval", "eval-shipped", "quickstart.json", "draft_vocab.json")
 _OWN_TINY = ("tiny-target", "tiny-chat.jsonl", "tiny-prompts.jsonl")  # the --tiny pipeline's
 
 
@@ -325,9 +306,11 @@ def _check_own_folder(out: Path) -> None:
         )
 
 
-def _run_quickstart(out: Path, *, tiny: bool, echo: Echo) -> QuickstartResult:
+def _run_quickstart(out: Path, *, tiny: bool, echo: Echo, shipped_dir: Path) -> QuickstartResult:
+    from headway.quickstart.shipped import read_shipped_summary
+
     plan = TINY_PLAN if tiny else SMOLLM2_PLAN
-    pipeline = _Pipeline(plan, out)
+    pipeline = _Pipeline(plan, out, shipped_dir)
     result = QuickstartResult(str(out), asdict(plan))
     report_path = pipeline.eval_dir / "report.json"
     _stage(result, echo, "target", pipeline.prepare_target)
@@ -336,7 +319,7 @@ def _run_quickstart(out: Path, *, tiny: bool, echo: Echo) -> QuickstartResult:
         echo,
         "data",
         pipeline.regenerate,
-        lambda: _maybe(pipeline.data_done(), lambda m: _data_summary(m, plan.regen_dtype)),
+        lambda: _maybe(pipeline.data_done(), lambda m: data_summary(m, plan.regen_dtype)),
     )
     _stage(
         result,
@@ -360,17 +343,28 @@ def _run_quickstart(out: Path, *, tiny: bool, echo: Echo) -> QuickstartResult:
         "eval",
         pipeline.evaluate,
         lambda: (
-            _eval_summary(json.loads(report_path.read_text())) if report_path.is_file() else None
+            eval_summary(json.loads(report_path.read_text())) if report_path.is_file() else None
         ),
     )
+    shipped_report = pipeline.shipped_eval_dir / "report.json"
+    _stage(
+        result,
+        echo,
+        "shipped",
+        pipeline.evaluate_shipped,
+        lambda: read_shipped_summary(shipped_report),
+    )
     report = json.loads(report_path.read_text(encoding="utf-8"))
-    result.figures = _figures(report)
+    result.figures = figures(report)
+    if shipped_report.is_file():
+        result.figures["shipped"] = figures(json.loads(shipped_report.read_text("utf-8")))
     result.files = {
         "data": str(pipeline.data_dir / "data"),
         "run": str(pipeline.run_dir),
         "export": str(pipeline.export_dir),
         "report": str(report_path),
         "summary": str(pipeline.eval_dir / "summary.md"),
+        "shipped_report": str(shipped_report) if shipped_report.is_file() else "",
     }
     write_text_atomic(out / "quickstart.json", json.dumps(result.to_dict(), indent=2) + "\n")
     return result
@@ -378,15 +372,3 @@ def _run_quickstart(out: Path, *, tiny: bool, echo: Echo) -> QuickstartResult:
 
 def _maybe(value: Any, render: Callable[[Any], str]) -> str | None:
     return None if value is None else render(value)
-
-
-def _figures(report: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "tau": report["tau"],
-        "speedup": report["speedup"],
-        "tokens_per_s": report["tokens_per_s"],
-        "identical_fraction": report["identical_fraction"],
-        "acceptance_by_depth": report["acceptance_by_depth"],
-        "drafter": report["drafter"],
-        "accepted_drafted_tokens_by_source": report.get("accepted_drafted_tokens_by_source", {}),
-    }

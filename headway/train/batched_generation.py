@@ -39,6 +39,8 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from headway.decode.kv import cache_argument
+
 
 class SlotLayer(DynamicLayer):
     """A cache layer holding keys/values ``[batch, heads, capacity, head_dim]`` with spare room
@@ -220,7 +222,7 @@ class ContinuousBatcher:
                         input_ids=next_tokens[:, None].to(self.device),
                         attention_mask=mask.to(self.device),
                         position_ids=positions.to(self.device),
-                        past_key_values=cache,
+                        **cache_argument(self.model, cache),
                         use_cache=True,
                     ).logits[:, -1]
                 for row in rows:
@@ -270,7 +272,7 @@ class ContinuousBatcher:
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 position_ids=positions.to(self.device),
-                past_key_values=cache,
+                **cache_argument(self.model, cache),
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
