@@ -33,7 +33,9 @@ class LoopSized:
         self.drafter.begin(prompt_ids)
 
     def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
-        return self.sizer.trim(self.drafter.propose(sequence, self.sizer.score_floor()))
+        level_seconds = float(getattr(self.drafter, "level_seconds", 0.0))
+        floor = self.sizer.score_floor(level_seconds)
+        return self.sizer.trim(self.drafter.propose(sequence, floor))
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         self.sizer.observed(new_tokens.numel() - 1)

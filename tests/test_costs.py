@@ -101,6 +101,18 @@ def test_tree_sizer_score_floor_is_the_log_of_the_calibrated_threshold() -> None
     assert TreeSizer([0.01, 0.01, 0.02], max_nodes=2).score_floor() == -math.inf
 
 
+def test_a_draft_level_that_costs_time_raises_the_floor() -> None:
+    """One more level of draft forwards must pay too: its seconds against a plain token's."""
+    flat = TreeSizer([0.01, 0.01, 0.01], max_nodes=2)  # verifying more costs nothing extra
+    assert flat.score_floor() == -math.inf
+    assert flat.score_floor(level_seconds=0.001) == pytest.approx(math.log(0.1))
+    cheaper = TreeSizer([0.01, 0.008, 0.009], max_nodes=2)  # a negative verify share counts 0
+    assert cheaper.score_floor(level_seconds=0.002) == pytest.approx(math.log(0.2))
+    costs = [0.01, 0.02, 0.021, 0.022]  # worth_threshold 0.4, plus a level at 10% of a token
+    assert TreeSizer(costs, max_nodes=3).score_floor(0.001) == pytest.approx(math.log(0.5))
+    assert flat.score_floor(level_seconds=0.05) == 0.0  # dearer than a token: only certainty
+
+
 def test_a_corpus_that_is_always_rejected_stops_being_sent() -> None:
     """Every corpus continuation agrees (shares 1.0), verification accepts none of it: the scale
     falls with every rejected tree until no node pays for its forward."""

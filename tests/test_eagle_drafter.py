@@ -437,3 +437,30 @@ def test_cost_sized_trees_stay_lossless_and_follow_the_costs(family: str) -> Non
     assert result.tokens == truth
     with pytest.raises(ValueError, match="verify_costs has 2 entries"):
         sized([0.01, 0.02])
+
+
+def test_a_cost_sized_tree_prices_its_own_draft_levels() -> None:
+    """On a CPU a cost-sized EAGLE tree times each level's draft forward; once a level costs
+    more than a plain token, no uncertain node pays for it and the tree stops at the root's
+    children (no frontier forward), while a fixed tree never times anything."""
+    model, truth = target_and_truth("llama")
+    sequence = torch.cat([PROMPT, torch.tensor(truth[:5])])
+    fixed = fed(
+        EagleDrafter(trained("llama"), TargetHead.of(model), hidden_layer=LAST, **TREE),
+        model,
+        sequence,
+    )
+    fixed.propose(sequence)
+    assert fixed.level_seconds == 0.0
+    drafter = fed(
+        EagleDrafter(trained("llama"), TargetHead.of(model), hidden_layer=LAST, **TREE),
+        model,
+        sequence,
+    )
+    sized = LoopSized(drafter, [0.01] * TREE["total_tokens"])
+    sized.propose(sequence)  # verifying is free and nothing was timed yet: the whole tree grows
+    assert drafter.level_seconds > 0.0
+    assert drafter._cache.get_seq_length() > drafter._committed  # levels were drafted
+    drafter.level_seconds = 0.02  # twice a plain token's 0.01 s
+    sized.propose(sequence)
+    assert drafter._cache.get_seq_length() == drafter._committed  # no level was drafted

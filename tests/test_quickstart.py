@@ -29,6 +29,7 @@ def test_tiny_quickstart_runs_every_stage_then_resumes(
     for number, stage in enumerate(stages, 1):
         assert f"[{number}/6] {stage}" in printed
     assert "speedup" in printed and "tau" in printed
+    assert f"  shipped   {NONE_SHIPPED}" in printed  # the tiny target has no shipped drafter
     summary = json.loads((out / "quickstart.json").read_text())
     assert [stage["name"] for stage in summary["stages"]] == [
         "target",

@@ -243,12 +243,20 @@ class TreeSizer:
             return tree
         return subtree(tree.tokens, tree.parents, ranking[:count].to(tree.parents.device))
 
-    def score_floor(self) -> float:
+    def score_floor(self, level_seconds: float = 0.0) -> float:
         """The log acceptance estimate (e.g. EAGLE-2's cumulative draft log-probability) below
-        which a node cannot pay for its share of a verify forward, even alone: ``log`` of the
-        calibrated :func:`worth_threshold`; ``-inf`` when a bigger forward costs no more than
-        one token (every node pays), 0 (only a certain node) once the threshold reaches 1."""
-        threshold = worth_threshold(self.costs[: self.max_nodes + 1])
+        which a node is not worth drafting: it must pay for its share of a verify forward
+        (:func:`worth_threshold`, floored at 0) and for the draft forward that makes it,
+        ``level_seconds`` against ``costs[0]``, the seconds one token takes without drafting;
+        calibrated like the sizing. ``-inf`` when neither costs anything (every node pays), 0
+        (only a certain node) once the threshold reaches 1.
+
+        Args:
+            level_seconds: seconds of one more level of draft forwards (0: not measured, or
+                the drafter has none), e.g. an EAGLE drafter's ``level_seconds``.
+        """
+        verify_share = max(0.0, worth_threshold(self.costs[: self.max_nodes + 1]))
+        threshold = verify_share + max(0.0, level_seconds) / self.costs[0]
         if threshold <= 0:
             return -math.inf
         return math.log(min(1.0, threshold / self.calibration.scale))

@@ -30,7 +30,7 @@ SHIPPED_DIR = Path(__file__).resolve().parents[2] / "drafters"
 DEFAULTS: tuple[str, ...] = ()
 """Shipped drafters (folder names under :data:`SHIPPED_DIR`) that are the default for their
 target; a drafter joins only once it beats prompt lookup and retrieval there. None does yet:
-``smollm2-135m-eagle3`` runs 1.16x HF greedy on a 2-core CPU against retrieval's 1.25x
+``smollm2-135m-eagle3`` runs 1.16x HF greedy on a 2-core CPU against retrieval's 1.20x
 (``drafters/smollm2-135m-eagle3/README.md``)."""
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any, Protocol, cast
@@ -163,7 +164,8 @@ class EagleDrafter:
     When the decoding loop sizes trees by cost (``propose`` gets a ``floor``), every node is
     scored by its cumulative draft probability and the loop sends the best that pay for their
     share of the verify forward; the tree also stops growing once no frontier node reaches the
-    floor, which saves draft forwards on unsure steps.
+    floor, which saves draft forwards on unsure steps. On a CPU the drafter times its levels
+    (:attr:`level_seconds`) so that the loop can price one more level into that floor.
     """
 
     def __init__(
@@ -194,6 +196,9 @@ class EagleDrafter:
         self._small_blocks_head = resolve_gemm(head.lm_head, gemm)
         weight = model.fc.weight
         self._device, self._dtype = weight.device, weight.dtype
+        self.level_seconds = 0.0
+        """Seconds one tree level's draft forward takes (a running mean, measured on a CPU when
+        the tree is cost-sized; 0 until then and on a GPU, where timing would need a sync)."""
         self.begin(torch.empty(0, dtype=torch.long))
 
     def _vocabulary_size(self) -> int:
@@ -282,12 +287,12 @@ class EagleDrafter:
         return predicted[0]
 
     def _expand(
-        self, root_feature: Tensor, floor: float = -math.inf
+        self, root_feature: Tensor, floor: float | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Grow the EAGLE-2 candidate tree; returns tokens, parents and cumulative scores of
         every expanded node ``[n]``, parents listed before their children. Starts by dropping the
-        previous tree's entries from the draft cache; stops early (on a CPU) once no frontier
-        node's score reaches ``floor``."""
+        previous tree's entries from the draft cache; with a ``floor`` (cost-sized) on a CPU,
+        times each level and stops early once no frontier node's score reaches the floor."""
         crop_cache(self._cache, self._committed)
         k = self.top_k
         root_scores, root_tokens = self._top_children(root_feature[None], k)
@@ -303,14 +308,18 @@ class EagleDrafter:
         # a GPU a sync per level costs more than the small forwards it saves, and the loop's
         # sizer still trims what does not pay (the one sync of a step). Either way the output
         # is the target's: sizing only decides how much is drafted.
-        check_floor = floor > -math.inf and self._device.type == "cpu"
+        timed = floor is not None and self._device.type == "cpu"
+        limit = floor if timed and floor is not None else -math.inf
         for level in range(1, self.depth):
-            if check_floor and float(frontier_scores.max()) < floor:  # no descendant can pay
-                break
+            if limit > -math.inf and float(frontier_scores.max()) < limit:
+                break  # no descendant can pay
+            started = time.perf_counter()
             predicted = self._forward_frontier(
                 features, frontier_tokens, ancestors, self._committed + level - 1
             )
             child_logp, child_tokens = self._top_children(predicted, k)  # [F, k] each
+            if timed:  # on a CPU the work is done when the call returns
+                self._time_level(time.perf_counter() - started)
             child_scores = (frontier_scores[:, None] + child_logp).flatten()
             tokens.append(child_tokens.flatten())
             scores.append(child_scores)
@@ -325,6 +334,11 @@ class EagleDrafter:
             ancestors = torch.cat([ancestors[parent_row], just_forwarded[parent_row]], dim=1)
         return torch.cat(tokens), torch.cat(parents), torch.cat(scores)
 
+    def _time_level(self, seconds: float) -> None:
+        """Fold one level's measured seconds into :attr:`level_seconds` (mean of the last ~10)."""
+        previous = self.level_seconds
+        self.level_seconds = seconds if previous == 0.0 else 0.9 * previous + 0.1 * seconds
+
     @torch.inference_mode()
     def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         """The best ``total_tokens - 1`` nodes of an EAGLE-2 tree below the root (the last id
@@ -334,9 +348,7 @@ class EagleDrafter:
         if self._root_feature is None:
             return empty_tree()
         with self._routed():
-            tokens, parents, scores = self._expand(
-                self._root_feature, -math.inf if floor is None else floor
-            )
+            tokens, parents, scores = self._expand(self._root_feature, floor)
         best = select_nodes(scores, self.total_tokens - 1)
         tree = subtree(tokens.cpu(), parents.cpu(), best.cpu())
         if floor is None:
