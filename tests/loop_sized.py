@@ -33,8 +33,7 @@ class LoopSized:
         self.drafter.begin(prompt_ids)
 
     def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
-        level_seconds = float(getattr(self.drafter, "level_seconds", 0.0))
-        floor = self.sizer.score_floor(level_seconds)
+        floor = self.sizer.floor_for(self.drafter)
         return self.sizer.trim(self.drafter.propose(sequence, floor))
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:

@@ -111,6 +111,9 @@ def test_a_draft_level_that_costs_time_raises_the_floor() -> None:
     costs = [0.01, 0.02, 0.021, 0.022]  # worth_threshold 0.4, plus a level at 10% of a token
     assert TreeSizer(costs, max_nodes=3).score_floor(0.001) == pytest.approx(math.log(0.5))
     assert flat.score_floor(level_seconds=0.05) == 0.0  # dearer than a token: only certainty
+    timed = type("Timed", (), {"level_seconds": 0.001})()
+    assert flat.floor_for(timed) == pytest.approx(math.log(0.1))  # the drafter's own timing
+    assert flat.floor_for(object()) == -math.inf  # a drafter that times nothing
 
 
 def test_a_corpus_that_is_always_rejected_stops_being_sent() -> None:

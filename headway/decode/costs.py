@@ -243,6 +243,11 @@ class TreeSizer:
             return tree
         return subtree(tree.tokens, tree.parents, ranking[:count].to(tree.parents.device))
 
+    def floor_for(self, drafter: object) -> float:
+        """:meth:`score_floor` for ``drafter``, pricing one more level of its draft forwards when
+        it times them (an EAGLE drafter's ``level_seconds`` on a CPU; others have none)."""
+        return self.score_floor(float(getattr(drafter, "level_seconds", 0.0)))
+
     def score_floor(self, level_seconds: float = 0.0) -> float:
         """The log acceptance estimate (e.g. EAGLE-2's cumulative draft log-probability) below
         which a node is not worth drafting: it must pay for its share of a verify forward

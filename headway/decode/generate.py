@@ -211,9 +211,7 @@ def draft_step(session: _Session) -> None:
     """One speculative step: propose, verify the tree in one forward, keep the accepted path."""
     root = session.sequence[session.length - 1 : session.length]
     sizer = session.sizer
-    # A drafter that times its tree levels (EAGLE on a CPU) gets one more level priced in.
-    level_seconds = float(getattr(session.drafter, "level_seconds", 0.0))
-    floor = None if sizer is None else sizer.score_floor(level_seconds)
+    floor = None if sizer is None else sizer.floor_for(session.drafter)
     tree = session.drafter.propose(session.sequence[: session.length], floor)
     tree = _fit(tree if sizer is None else sizer.trim(tree), session)
     prefix_len = session.length - 1

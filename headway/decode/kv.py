@@ -52,17 +52,17 @@ def cache_argument(module: torch.nn.Module, cache: DynamicCache | None) -> dict[
     """``{"cache": cache}`` for modules whose ``forward`` names the KV cache ``cache``
     (transformers >= 5.2x, where ``past_key_values`` is deprecated and goes in 5.40), else
     ``{"past_key_values": cache}`` (earlier 5.x, GPT-2-style and remote-code models)."""
-    kind = type(module)
-    if kind not in _CACHE_KEYWORDS:
-        try:
-            names = inspect.signature(kind.forward).parameters
-        except (TypeError, ValueError):  # a forward without a readable signature
-            names = {}  # type: ignore[assignment]
-        _CACHE_KEYWORDS[kind] = "cache" if "cache" in names else "past_key_values"
-    return {_CACHE_KEYWORDS[kind]: cache}
+    return {_cache_keyword(type(module).forward): cache}
 
 
-_CACHE_KEYWORDS: dict[type, str] = {}
+@functools.cache
+def _cache_keyword(forward: Callable[..., Any]) -> str:
+    """Read once per forward function: this runs on every forward of the decoding loop."""
+    try:
+        names = inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # a forward without a readable signature
+        return "past_key_values"
+    return "cache" if "cache" in names else "past_key_values"
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
