@@ -30,3 +30,16 @@ def test_pkill_patterns_cannot_match_the_shell_that_runs_them(script: Path) -> N
     words, and SIGSTOP then freezes the caller: patterns start with a bracket class."""
     for pattern in re.findall(r'pkill\s+-\w+\s+-f\s+"([^"]+)"', script.read_text()):
         assert pattern.startswith("["), f"{script.name}: pkill -f {pattern!r}"
+
+
+def test_python_dash_m_headway_is_the_headway_command() -> None:
+    """The scripts run ``python3 -m headway`` from a checkout on PYTHONPATH (nothing installed)."""
+    import sys
+
+    from headway import __version__
+
+    result = subprocess.run(
+        [sys.executable, "-m", "headway", "--version"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert __version__ in result.stdout

@@ -7,7 +7,6 @@ source scripts/device/env.sh
 folder=${1:-data/regenerated/smollm2-sharegpt}
 mix=${2:-sharegpt:12000}
 rm -rf /root/regen && cp -r "$folder" /root/regen
-cd /root && setsid nohup python3 -c "import sys; from headway.cli import main
-sys.argv = ['headway', *sys.argv[1:]]; sys.exit(main())" data regenerate --mix "$mix" \
+cd /root && setsid nohup python3 -m headway data regenerate --mix "$mix" \
     --out /root/regen --max-new-tokens 512 --temperature 0 --shard-size 256 --seed 0 \
     --dtype float32 --batch-size 128 > /root/regen.log 2>&1 < /dev/null &

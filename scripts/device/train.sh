@@ -3,10 +3,9 @@
 # bf16, and bring back the export (split under 16 MiB) and the run's figures.
 source scripts/device/env.sh
 pkill -STOP -f "[d]ata regenerate"  # [d]: never matches a shell whose command names it
-hw() { python3 -c "import sys; from headway.cli import main; sys.argv=['headway']+sys.argv[1:]; sys.exit(main())" "$@"; }
 set -o pipefail
 RUN=${RUN:-/root/run}; timeout 480 python3 -m headway.train --config "$1" train.output_dir=$RUN "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "^train [a-z0-9]*: " | tee "$OUT/train.log"
-rm -rf /root/export; hw export $RUN --format eagle3-hf --out /root/export --dtype bfloat16 || exit 1
+rm -rf /root/export; python3 -m headway export $RUN --format eagle3-hf --out /root/export --dtype bfloat16 || exit 1
 cp $RUN/*.json $RUN/eval.jsonl $RUN/learning_curve.png "$OUT/" 2>/dev/null  # figures and curve
 rm -rf /root/export.tar "$OUT"/export.tar.part-*; tar -C /root -cf /root/export.tar export && split -b 15M -d /root/export.tar "$OUT/export.tar.part-"
 pkill -CONT -f "[d]ata regenerate"
