@@ -1,10 +1,11 @@
-"""``headway data regenerate`` throughput: the continuous engine against HF ``generate`` on
-padded batches, on the same prompts, in one run.
+"""``headway data regenerate`` throughput: the continuous engine (without and with lookahead)
+against HF ``generate`` on padded batches, on the same prompts, in one run.
 
-Both engines answer the same ShareGPT first turns (sorted by length, as regeneration does) with
-the same settings; the script prints answer tokens/s of each, the speedup, how many answers are
-identical (greedy: bf16 batches of other shapes round differently, so a few answers may part),
-and the machine it ran on.
+Every run answers the same ShareGPT first turns (sorted by length, as regeneration does) with
+the same settings; the script prints answer tokens/s of each, the speedups over ``generate`` and
+over the continuous engine without lookahead, how many answers are identical to that of the
+first run (greedy: bf16 batches of other shapes round differently, so answers may part after a
+near tie; in fp32 they are identical), tokens kept per row and forward, and the machine.
 
     .venv/bin/python scripts/bench_regenerate.py --prompts 128 --threads 2
 """
@@ -40,6 +41,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--engines", default=",".join(reversed(ENGINES)), help="engines, in the order run"
     )
+    parser.add_argument(
+        "--lookaheads",
+        default="0,3",
+        help="the continuous engine runs once per value (tokens drafted per row and step)",
+    )
     return parser.parse_args()
 
 
@@ -62,33 +68,49 @@ def main() -> None:
         f"torch {torch.__version__}, {args.dtype}, {len(items)} {args.source} prompts, "
         f"max_new_tokens {args.max_new_tokens}"
     )
+    runs = [
+        (engine, lookahead)
+        for engine in args.engines.split(",")
+        for lookahead in ([0] if engine == "generate" else _ints(args.lookaheads))
+    ]
     results: dict[str, tuple[dict[str, Answer], float]] = {}
-    for engine in args.engines.split(","):
+    for engine, lookahead in runs:
         batch = args.generate_batch_size if engine == "generate" else None
         options = RegenerateOptions(
             max_new_tokens=args.max_new_tokens,
             batch_size=batch or args.batch_size,
             engine=engine,
+            lookahead=lookahead,
         )
+        name = engine if engine == "generate" else f"continuous, lookahead {lookahead}"
         torch.manual_seed(args.seed)
         answers, seconds = run(target, items, options)
         tokens = sum(answer.tokens for answer in answers.values())
-        results[engine] = answers, seconds
+        results[name] = answers, seconds
+        first = next(iter(results.values()))[0]
+        same = sum(first[key].text == answers[key].text for key in answers)
         print(
-            f"{engine:>10}: {tokens:,} answer tokens in {seconds:.1f} s = "
-            f"{tokens / seconds:.0f} tok/s (batch {options.batch_size})"
+            f"{name:>24}: {tokens:,} answer tokens in {seconds:.1f} s = "
+            f"{tokens / seconds:.0f} tok/s (batch {options.batch_size}); "
+            f"identical to the first run {same}/{len(answers)}",
+            flush=True,
         )
-    if set(results) == set(ENGINES):
-        a, b = (results[engine][0] for engine in ENGINES)
-        same = sum(a[key].text == b[key].text for key in a)
-        rates = {
-            name: sum(x.tokens for x in found.values()) / seconds
-            for name, (found, seconds) in results.items()
-        }
-        print(
-            f"continuous / generate: {rates['continuous'] / rates['generate']:.2f}x tokens/s; "
-            f"identical answers {same}/{len(a)}"
-        )
+    rates = {
+        name: sum(x.tokens for x in found.values()) / seconds
+        for name, (found, seconds) in results.items()
+    }
+    for name, rate in rates.items():
+        ratios = [
+            f"{rate / rates[other]:.2f}x {other}"
+            for other in ("generate", "continuous, lookahead 0")
+            if other in rates and other != name
+        ]
+        if ratios:
+            print(f"{name}: " + ", ".join(ratios))
+
+
+def _ints(values: str) -> list[int]:
+    return [int(value) for value in values.split(",") if value]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The continuous batcher: greedy answers equal ``generate`` on each prompt alone (fp32) through
-refills, merges of unequal caches and rows leaving; the sampling rule draws from the target's
-distribution (temperature and nucleus)."""
+refills of unequal prompts and rows leaving (the last live row taking the slot); the sampling
+rule draws from the target's distribution (temperature and nucleus); grouped attention changes
+no logits. Lookahead: tests/test_lookahead.py."""
 
 from __future__ import annotations
 
@@ -126,3 +127,22 @@ def test_grouped_attention_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError), grouped_attention():
         raise RuntimeError
     assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "0"
+
+
+def test_grouped_attention_restores_the_model_and_changes_no_logits() -> None:
+    """Inside the block the tiny Llama (4 query heads over 2 key/value heads) runs its
+    multi-token forward through packed_sdpa; the logits are those of its own sdpa."""
+    from headway.train.grouped_attention import PACKED, grouped_attention
+
+    model = tiny_model("llama")
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        with grouped_attention(model):
+            assert model.config._attn_implementation == PACKED
+            found = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(found[mask.bool()], expected[mask.bool()])

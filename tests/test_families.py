@@ -134,7 +134,7 @@ def test_a_mixed_model_that_takes_one_mask_is_refused_past_the_window(
     config = family_config("gemma2", layers=4)
     config.sliding_window = 8
     model = type(family_model("gemma2"))(config).eval()
-    monkeypatch.setattr(kv, "_takes_mask_mapping", lambda model: False)
+    monkeypatch.setattr(kv, "takes_mask_mapping", lambda model: False)
     truth = hf_greedy(model, PROMPT, NEW_TOKENS, eos=None)
     with pytest.raises(SlidingWindowError, match=r"sliding-window \(8 tokens\) and full"):
         generate(

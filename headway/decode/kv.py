@@ -39,6 +39,7 @@ __all__ = [
     "new_cache",
     "prefill",
     "sliding_window",
+    "takes_mask_mapping",
     "tree_attention_mask",
     "tree_forward",
 ]
@@ -103,7 +104,7 @@ def sliding_window(model: PreTrainedModel) -> tuple[int | None, bool]:
     return int(window), types is not None and any(kind != "sliding_attention" for kind in types)
 
 
-def _takes_mask_mapping(model: PreTrainedModel) -> bool:
+def takes_mask_mapping(model: PreTrainedModel) -> bool:
     """The model's forward accepts one mask per layer type (transformers' ``causal_mask_mapping``
     convention, read off its source: there is no flag for it)."""
     return _forward_takes_mask_mapping(type(model.base_model).forward)
@@ -140,7 +141,7 @@ def windowed_masks(
     windowed = mask.masked_fill(too_far.to(mask.device), torch.finfo(mask.dtype).min)
     if not mixed:
         return windowed
-    if not _takes_mask_mapping(model):
+    if not takes_mask_mapping(model):
         raise SlidingWindowError(
             f"{type(model).__name__} mixes sliding-window ({window} tokens) and full attention "
             "but takes one mask for both; tree decoding past the window is not supported: keep "

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import torch
 
+from headway.decode.gemm import contiguous_head
 from headway.errors import DataError
 from headway.target import Target
 from headway.train.batched_generation import ContinuousBatcher, SamplingRule
@@ -23,7 +24,7 @@ from headway.train.prompts import PromptItem
 
 ENGINES = ("continuous", "generate")
 # Options that decide speed only: a resumed run may change them (the answers are the target's).
-SPEED_OPTIONS = ("batch_size", "engine")
+SPEED_OPTIONS = ("batch_size", "engine", "lookahead")
 
 
 @dataclass
@@ -41,10 +42,15 @@ class RegenerateOptions:
     # "continuous": rows leave when done and waiting prompts join (batched_generation);
     # "generate": HF generate on padded batches (the reference, kept for benchmarks).
     engine: str = "continuous"
+    # continuous only: tokens each row drafts per step by prompt lookup in its own text, all
+    # verified in the same forward (0: one token per step); see headway.train.lookahead.
+    lookahead: int = 3
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1:
             raise DataError("max_new_tokens, batch_size and shard_size must be >= 1")
+        if self.lookahead < 0:
+            raise DataError(f"lookahead must be >= 0, got {self.lookahead}")
         if self.engine not in ENGINES:
             raise DataError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
@@ -89,7 +95,7 @@ def answer_batch(
         if options.temperature > 0
         else {"do_sample": False}
     )
-    with torch.inference_mode():
+    with torch.inference_mode(), contiguous_head(model):
         # PreTrainedModel's stubs lack generate(); every causal LM has it (GenerationMixin).
         output = cast(Any, model).generate(
             **batch,
@@ -137,6 +143,7 @@ def _answer_continuously(
         eos_token_ids=eos_ids,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0],
         rule=SamplingRule(options.temperature, options.top_p),
+        lookahead=options.lookahead,
     )
     by_id = {item.id: item for item in items}
     answers: dict[str, list[Answer]] = {item.id: [] for item in items}

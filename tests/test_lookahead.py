@@ -1,0 +1,107 @@
+"""Lookahead in batched generation: prompt lookup drafts per row, one forward verifies every
+chain; greedy output stays ``generate``'s on each prompt alone (fp32, sliding windows too), and
+sampled tokens keep the target's distribution (chi-square)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from headway.train.batched_generation import ContinuousBatcher
+from headway.train.lookahead import NgramIndex, accept_chains
+from headway.train.sampling_rule import SamplingRule
+from tests.families import FAMILIES, family_config, family_model
+from tests.test_batched_generation import eos_that_ends_some, reference
+from tests.tiny import tiny_model
+
+NEW = 40
+
+
+def test_ngram_index_proposes_what_followed_the_longest_earlier_suffix() -> None:
+    index = NgramIndex([1, 2, 3, 4, 9, 3, 4, 7, 2, 3, 4], max_n=3)
+    # suffix (2, 3, 4) last occurred at the start, followed by 9, 3, 4, 7
+    assert index.propose(4) == [9, 3, 4, 7]
+    index.extend([5])
+    assert index.propose(3) == []  # 5 never occurred before
+    index.extend([6, 2, 3])
+    assert index.propose(2) == [4, 5]  # (2, 3) last followed at index 9: 4, then 5
+    assert index.propose(0) == []
+    assert NgramIndex([], max_n=2).propose(3) == []
+    with pytest.raises(ValueError, match="max_n"):
+        NgramIndex([1], max_n=0)
+
+
+def test_greedy_chains_keep_the_matching_drafts_then_the_target_token() -> None:
+    logits = torch.full((3, 4, 10), -5.0)
+    best = [[4, 5, 6, 7], [1, 2, 3, 3], [8, 8, 8, 8]]
+    for row, tokens in enumerate(best):
+        for position, token in enumerate(tokens):
+            logits[row, position, token] = 5.0
+    drafts = [[4, 5, 6], [1, 9], []]
+    accepted = accept_chains(logits, drafts, SamplingRule())
+    assert accepted.kept == [3, 1, 0]
+    assert accepted.tokens == [[4, 5, 6, 7], [1, 2], [8]]
+
+
+def test_sampled_chains_keep_the_target_distribution() -> None:
+    """The first token is drawn as p0 whatever the draft; after a kept draft the second is
+    drawn as p1 (20,000 identical rows; chi-square at the 0.999 quantile)."""
+    rows, vocab = 20_000, 5
+    logits = torch.tensor([[1.5, 1.0, 0.2, -0.5, -3.0], [0.1, -1.0, 2.0, 0.5, 0.0]])
+    rule = SamplingRule(temperature=0.9)
+    generator = torch.Generator().manual_seed(0)
+    accepted = accept_chains(logits[None].repeat(rows, 1, 1), [[1]] * rows, rule, generator)
+    probs = rule.probabilities(logits).double()
+
+    def chi_square(tokens: list[int], expected: torch.Tensor) -> float:
+        counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+        want = expected * len(tokens)
+        return float(((counts - want) ** 2 / want).sum())
+
+    first = [tokens[0] for tokens in accepted.tokens]
+    assert chi_square(first, probs[0]) < 18.47  # 4 degrees of freedom
+    second = [tokens[1] for tokens in accepted.tokens if len(tokens) == 2]
+    assert abs(len(second) / rows - float(probs[0, 1])) < 0.02  # kept with probability p0(1)
+    assert chi_square(second, probs[1]) < 18.47
+
+
+def answers(
+    model: torch.nn.Module, prompts: dict[str, list[int]], eos: list[int], **options: int
+) -> tuple[dict[str, list[int]], ContinuousBatcher]:
+    batcher = ContinuousBatcher(
+        model, slots=4, max_new_tokens=NEW, eos_token_ids=eos, pad_token_id=0, **options
+    )
+    for key, prompt in prompts.items():
+        batcher.submit(key, prompt)
+    found = {str(c.key): c.tokens for c in batcher.completions()}
+    return found, batcher
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("lookahead", [1, 4])
+def test_greedy_with_lookahead_equals_generate(family: str, lookahead: int) -> None:
+    """Tiny random models fall into loops within 40 tokens, which prompt lookup drafts."""
+    model = tiny_model(family)
+    rng = random.Random(3)
+    prompts = {f"p{i}": [rng.randrange(3, 96) for _ in range(rng.randint(2, 12))] for i in range(8)}
+    eos = eos_that_ends_some(model, list(prompts.values()))
+    found, batcher = answers(model, prompts, eos, lookahead=lookahead, prefill_tokens=40)
+    for key, prompt in prompts.items():
+        assert found[key] == reference(model, prompt, NEW, eos), key
+    assert batcher.tokens_per_row_step > 1.0  # drafts were kept, not only tried
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_greedy_past_a_sliding_window_equals_generate(family: str) -> None:
+    """A 6-token window and 40 new tokens: every row attends past its window."""
+    config = family_config(family, layers=2)
+    config.sliding_window = 6
+    torch.manual_seed(0)
+    model = type(family_model(family))(config).eval()
+    prompts = {f"p{i}": [3 + i, 7, 9, 3 + i, 7, 11 + i, 4][: 3 + i] for i in range(5)}
+    for lookahead in (0, 3):
+        found, _ = answers(model, prompts, [2], lookahead=lookahead)
+        for key, prompt in prompts.items():
+            assert found[key] == reference(model, prompt, NEW, [2]), (family, lookahead, key)
