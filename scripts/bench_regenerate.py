@@ -5,7 +5,8 @@ Every run answers the same ShareGPT first turns (sorted by length, as regenerati
 the same settings; the script prints answer tokens/s of each, the speedups over ``generate`` and
 over the continuous engine without lookahead, how many answers are identical to that of the
 first run (greedy: bf16 batches of other shapes round differently, so answers may part after a
-near tie; in fp32 they are identical), tokens kept per row and forward, and the machine.
+near tie; in fp32 they are identical), and the machine; the continuous engine logs the tokens
+each row kept per forward.
 
     .venv/bin/python scripts/bench_regenerate.py --prompts 128 --threads 2
 """
@@ -13,6 +14,7 @@ near tie; in fp32 they are identical), tokens kept per row and forward, and the 
 from __future__ import annotations
 
 import argparse
+import logging
 import platform
 import random
 import time
@@ -60,6 +62,7 @@ def run(
 
 def main() -> None:
     args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype)
     items = chat_prompts(args.source, args.prompts, rng=random.Random(args.seed), max_turns=1)

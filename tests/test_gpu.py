@@ -68,11 +68,18 @@ def test_greedy_output_equals_transformers_on_cuda(family: str, drafter_name: st
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_continuous_batcher_equals_generate_on_cuda(family: str) -> None:
+@pytest.mark.parametrize("lookahead", [0, 3])
+def test_continuous_batcher_equals_generate_on_cuda(family: str, lookahead: int) -> None:
     model = tiny_model(family).to(CUDA)
     prompts = {f"p{i}": PROMPT[: 2 + i] for i in range(6)}
     batcher = ContinuousBatcher(
-        model, slots=3, max_new_tokens=12, eos_token_ids=[0], pad_token_id=0, prefill_tokens=16
+        model,
+        slots=3,
+        max_new_tokens=12,
+        eos_token_ids=[0],
+        pad_token_id=0,
+        prefill_tokens=16,
+        lookahead=lookahead,
     )
     for key, prompt in prompts.items():
         batcher.submit(key, prompt)

@@ -10,6 +10,7 @@ self-distillation), and the answers are the target's: greedy, or sampled from it
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -21,6 +22,8 @@ from headway.errors import DataError
 from headway.target import Target
 from headway.train.batched_generation import ContinuousBatcher, SamplingRule
 from headway.train.prompts import PromptItem
+
+logger = logging.getLogger(__name__)
 
 ENGINES = ("continuous", "generate")
 # Options that decide speed only: a resumed run may change them (the answers are the target's).
@@ -162,6 +165,12 @@ def _answer_continuously(
             batcher.submit(item.id, _prompt_ids(target, conversation_messages(item, texts, turn)))
         else:
             yield item, answers[item.id]
+    logger.info(
+        "%d forwards, %.2f tokens kept per row and forward (lookahead %d)",
+        batcher.steps,
+        batcher.tokens_per_row_step,
+        options.lookahead,
+    )
 
 
 def eos_token_ids(target: Target) -> list[int]:
