@@ -146,3 +146,19 @@ def test_grouped_attention_restores_the_model_and_changes_no_logits() -> None:
             found = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     assert model.config._attn_implementation == "sdpa"
     torch.testing.assert_close(found[mask.bool()], expected[mask.bool()])
+
+
+def test_a_model_that_refuses_packed_attention_runs_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from headway.train.grouped_attention import grouped_attention
+
+    model = tiny_model("llama")
+
+    def refuse(implementation: str) -> None:
+        raise ValueError(f"{implementation} is not supported")
+
+    monkeypatch.setattr(model, "set_attn_implementation", refuse)
+    with grouped_attention(model):
+        assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "sdpa"

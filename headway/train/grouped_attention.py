@@ -72,16 +72,25 @@ def grouped_attention(model: PreTrainedModel | None = None) -> Iterator[None]:
     environment and ``model``'s attention implementation are restored afterwards."""
     before = os.environ.get(_FORCE_GQA)
     os.environ[_FORCE_GQA] = "1"
-    implementation = getattr(model.config, "_attn_implementation", None) if model else None
-    switch = model is not None and implementation == "sdpa"
+    packed = model if model is not None and _packs(model) else None
     try:
-        if switch:
-            model.set_attn_implementation(PACKED)  # type: ignore[union-attr]
         yield
     finally:
-        if switch:
-            model.set_attn_implementation("sdpa")  # type: ignore[union-attr]
+        if packed is not None:
+            packed.set_attn_implementation("sdpa")
         if before is None:
             del os.environ[_FORCE_GQA]
         else:
             os.environ[_FORCE_GQA] = before
+
+
+def _packs(model: PreTrainedModel) -> bool:
+    """Switch an SDPA ``model`` to :func:`packed_sdpa`; False when it is not SDPA or refuses
+    a registered implementation (it then runs as it is)."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    try:
+        model.set_attn_implementation(PACKED)
+    except ValueError:
+        return False
+    return True

@@ -72,7 +72,9 @@ class RaggedLayer(DynamicLayer):
             setattr(self, name, new)
 
     def get_seq_length(self) -> int:
-        return self.owner.width
+        """Tokens the longest live row held before this step (transformers reads it for its
+        ``cache_position``; positions and the mask are passed explicitly)."""
+        return self.owner.cached
 
 
 class RaggedCache(DynamicCache):
@@ -85,7 +87,8 @@ class RaggedCache(DynamicCache):
         self.layers: list[Any] = [RaggedLayer(self) for _ in range(num_layers)]
         self.layer_class_to_replicate = None
         self.lengths: list[int] = []
-        self.width = 0
+        self.width = 0  # columns the current step's attention reads
+        self.cached = 0  # tokens of the longest live row before it
         self._rows = torch.zeros(0, 1, dtype=torch.long)
         self._columns = torch.zeros(0, 1, dtype=torch.long)
 
@@ -97,7 +100,8 @@ class RaggedCache(DynamicCache):
         """Prepare a forward of ``step`` tokens per live row: the columns each row writes
         ``[rows, step]`` (also their position ids). Grows the buffers when needed."""
         lengths = torch.tensor(self.lengths, dtype=torch.long, device=device)
-        self.width = max(self.lengths) + step
+        self.cached = max(self.lengths)
+        self.width = self.cached + step
         self.reserve(self.width)
         self._columns = lengths[:, None] + torch.arange(step, device=device)
         self._rows = torch.arange(len(self.lengths), device=device)[:, None]
