@@ -36,6 +36,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap")
     parser.add_argument("--batch-size", type=int, default=64, help="rows per batch (both)")
     parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy; above, sampled answers"
+    )
+    parser.add_argument(
         "--generate-batch-size", type=int, help="HF generate's batch size, if other"
     )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch")
@@ -69,7 +72,7 @@ def main() -> None:
     print(
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}, {args.dtype}, {len(items)} {args.source} prompts, "
-        f"max_new_tokens {args.max_new_tokens}"
+        f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}"
     )
     runs = [
         (engine, lookahead)
@@ -81,6 +84,7 @@ def main() -> None:
         batch = args.generate_batch_size if engine == "generate" else None
         options = RegenerateOptions(
             max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
             batch_size=batch or args.batch_size,
             engine=engine,
             lookahead=lookahead,

@@ -105,3 +105,15 @@ def test_batched_greedy_past_a_sliding_window_equals_generate(family: str) -> No
         found, _ = answers(model, prompts, [2], lookahead=lookahead)
         for key, prompt in prompts.items():
             assert found[key] == reference(model, prompt, NEW, [2]), (family, lookahead, key)
+
+
+def test_regeneration_looks_ahead_by_default_only_for_greedy_answers() -> None:
+    from headway.errors import DataError
+    from headway.train.answering import GREEDY_LOOKAHEAD, RegenerateOptions
+
+    assert RegenerateOptions().resolved_lookahead == GREEDY_LOOKAHEAD == 3
+    assert RegenerateOptions(temperature=0.7).resolved_lookahead == 0
+    assert RegenerateOptions(temperature=0.7, lookahead=2).resolved_lookahead == 2
+    assert RegenerateOptions(lookahead=0).resolved_lookahead == 0
+    with pytest.raises(DataError, match="lookahead"):
+        RegenerateOptions(lookahead=-1)

@@ -94,7 +94,7 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         "--engine",
         choices=["continuous", "generate"],
         default="continuous",
-        help="continuous: finished rows leave and waiting prompts join (2.7x HF generate's "
+        help="continuous: finished rows leave and waiting prompts join (2.4x HF generate's "
         "tokens/s on a CPU without lookahead, 3.6x with --lookahead 3; "
         "scripts/bench_regenerate.py); generate: HF generate on padded batches. Either may be "
         "used to resume a folder",
@@ -102,10 +102,12 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--lookahead",
         type=NON_NEGATIVE,
-        default=3,
+        default=None,
         help="continuous engine: tokens each row drafts per step by looking up its own prompt "
         "and answer, verified in the same forward so the answers are unchanged (0 = one token "
-        "per step; 3 was 1.37x faster than 0 on a CPU, scripts/bench_regenerate.py)",
+        "per step). Default: 3 for greedy answers (1.52x faster than 0 on a 2-core CPU, bf16), "
+        "0 when sampling (where fewer drafts are kept: 0.94x at temperature 0.7); "
+        "scripts/bench_regenerate.py measures both",
     )
     parser.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy answers")
     parser.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus threshold if sampling")
