@@ -130,7 +130,11 @@ class ContinuousBatcher:
 
     @torch.inference_mode()
     def completions(self) -> Iterator[Completion]:
-        """Run until no prompt is waiting or live, yielding each answer as it ends."""
+        """Run until no prompt is waiting or live, yielding each answer as it ends.
+
+        Until the generator ends or is closed (between yields too), the model runs with
+        :func:`grouped_attention` and :func:`contiguous_head`; do not use it elsewhere meanwhile.
+        """
         rows: list[_Row] = []
         cache = RaggedCache(self.num_layers, self.slots)
         with grouped_attention(self.model), contiguous_head(self.model):

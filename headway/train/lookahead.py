@@ -3,9 +3,10 @@ text and one forward verifies every row's chain, keeping exactly what the target
 
 Drafting (:class:`NgramIndex`): the longest suffix of the row's tokens (prompt and answer so
 far, up to ``max_n`` tokens) that occurred before proposes the tokens that followed it then.
-Self-distillation answers repeat themselves a lot (SmolLM2-135M's ShareGPT answers accept 2.0
-tokens per forward with 2 drafted, 2.3 with 3), and a batched forward on a CPU is bound by
-reading the KV cache, which a step of 1 + k tokens per row reads once.
+Self-distillation answers repeat themselves a lot (SmolLM2-135M's greedy ShareGPT answers keep
+2.41 tokens per row and forward with 3 drafted, scripts/bench_regenerate.py), and a batched
+forward on a CPU is bound by reading the KV cache, which a step of 1 + k tokens per row reads
+once.
 
 Verification (:func:`accept_chains`) keeps what the target's own decoding would produce:
 
