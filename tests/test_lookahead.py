@@ -117,3 +117,59 @@ def test_regeneration_looks_ahead_by_default_only_for_greedy_answers() -> None:
     assert RegenerateOptions(lookahead=0).resolved_lookahead == 0
     with pytest.raises(DataError, match="lookahead"):
         RegenerateOptions(lookahead=-1)
+
+
+def test_sampling_through_the_batcher_with_lookahead_keeps_the_target_distribution() -> None:
+    """3,000 sampled answers of 3 tokens to a prompt ending in a loop that prompt lookup drafts
+    from: the
+    second and third tokens follow the target's own marginals (computed exactly), chi-square
+    at the 0.999 quantile over the tokens expected at least 10 times (the rest pooled)."""
+    model = tiny_model("qwen2")
+    start = [94, 63, 72, 73, 63]
+    prompt = start + reference(model, start, 16, [0])  # greedy falls into a loop here
+    rule = SamplingRule(temperature=0.3)
+    batcher = ContinuousBatcher(
+        model,
+        slots=64,
+        max_new_tokens=3,
+        eos_token_ids=[model.config.vocab_size],  # never drawn: every answer has 3 tokens
+        pad_token_id=0,
+        rule=rule,
+        generator=torch.Generator().manual_seed(0),
+        lookahead=2,
+        prefill_tokens=64 * len(prompt),
+    )
+    samples = 3000
+    for key in range(samples):
+        batcher.submit(key, prompt)
+    answers = [c.tokens for c in batcher.completions()]
+    assert 1.2 < batcher.tokens_per_row_step < 1.95  # drafts were kept, and some rejected
+
+    def next_probs(prefixes: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(prefixes)).logits[:, -1]
+        return rule.probabilities(logits).double()
+
+    vocab = model.config.vocab_size
+    first = next_probs([prompt])[0]  # [V]
+    second_given = next_probs([[*prompt, t] for t in range(vocab)])  # [V, V]
+    second = first @ second_given
+    pairs = [(a, b) for a in range(vocab) for b in range(vocab)]
+    likely = [(a, b) for a, b in pairs if first[a] * second_given[a, b] > 1e-4]
+    third_given = next_probs([[*prompt, a, b] for a, b in likely])
+    third = sum(first[a] * second_given[a, b] * third_given[i] for i, (a, b) in enumerate(likely))
+    third = third / third.sum()  # the pairs left out carry < 1e-4 each
+
+    def chi_square_p(tokens: list[int], expected: torch.Tensor) -> float:
+        counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+        want = expected * len(tokens)
+        big = want >= 10
+        observed = torch.cat([counts[big], counts[~big].sum()[None]])
+        wanted = torch.cat([want[big], want[~big].sum()[None]])
+        statistic = float(((observed - wanted) ** 2 / wanted).sum())
+        degrees = torch.tensor((len(observed) - 1) / 2, dtype=torch.float64)
+        return float(torch.special.gammaincc(degrees, torch.tensor(statistic / 2)))  # sf
+
+    assert all(len(answer) == 3 for answer in answers)
+    assert chi_square_p([a[1] for a in answers], second) > 1e-3
+    assert chi_square_p([a[2] for a in answers], third) > 1e-3
