@@ -37,7 +37,7 @@ def eos_that_ends_some(model: torch.nn.Module, prompts: list[list[int]]) -> list
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize(("slots", "refill"), [(3, 0.5), (4, 0.0), (16, 1.0)])
+@pytest.mark.parametrize(("slots", "refill"), [(3, 0.5), (4, 0.0), (16, 1.0), (3, 1.0)])
 def test_greedy_equals_generate_on_each_prompt_alone(
     family: str, slots: int, refill: float
 ) -> None:

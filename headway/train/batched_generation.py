@@ -139,7 +139,7 @@ class ContinuousBatcher:
         cache = RaggedCache(self.num_layers, self.slots)
         with grouped_attention(self.model), contiguous_head(self.model):
             while rows or self.waiting:
-                if self.waiting and len(rows) <= self.refill_at:
+                if self.waiting and len(rows) <= min(self.refill_at, self.slots - 1):
                     new_rows, first = self._prefill(cache, self.slots - len(rows))
                     rows.extend(new_rows)
                     added = {len(rows) - len(new_rows) + i: [t] for i, t in enumerate(first)}
