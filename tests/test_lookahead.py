@@ -9,8 +9,9 @@ import random
 import pytest
 import torch
 
+from headway.decode.drafters import NgramIndex
 from headway.train.batched_generation import ContinuousBatcher
-from headway.train.lookahead import NgramIndex, accept_chains
+from headway.train.lookahead import accept_chains
 from headway.train.sampling_rule import SamplingRule
 from tests.families import FAMILIES, family_config, family_model
 from tests.test_batched_generation import eos_that_ends_some, reference
@@ -20,17 +21,18 @@ NEW = 40
 
 
 def test_ngram_index_proposes_what_followed_the_longest_earlier_suffix() -> None:
-    index = NgramIndex([1, 2, 3, 4, 9, 3, 4, 7, 2, 3, 4], max_n=3)
+    index = NgramIndex(min_ngram=1, max_ngram=3)
+    index.extend([1, 2, 3, 4, 9, 3, 4, 7, 2, 3, 4])
     # suffix (2, 3, 4) last occurred at the start, followed by 9, 3, 4, 7
-    assert index.propose(4) == [9, 3, 4, 7]
+    assert index.follow(4) == [9, 3, 4, 7]
     index.extend([5])
-    assert index.propose(3) == []  # 5 never occurred before
+    assert index.follow(3) == []  # 5 never occurred before
     index.extend([6, 2, 3])
-    assert index.propose(2) == [4, 5]  # (2, 3) last followed at index 9: 4, then 5
-    assert index.propose(0) == []
-    assert NgramIndex([], max_n=2).propose(3) == []
-    with pytest.raises(ValueError, match="max_n"):
-        NgramIndex([1], max_n=0)
+    assert index.follow(2) == [4, 5]  # (2, 3) last followed at index 9: 4, then 5
+    assert index.follow(0) == []
+    assert NgramIndex(min_ngram=1, max_ngram=2).follow(3) == []
+    with pytest.raises(ValueError, match="max_ngram"):
+        NgramIndex(min_ngram=1, max_ngram=0)
 
 
 def test_greedy_chains_keep_the_matching_drafts_then_the_target_token() -> None:

@@ -15,6 +15,7 @@ from headway.decode.tree import DraftTree, chain, empty_tree
 __all__ = [
     "DEFAULT_MAX_NODES",
     "AdversarialDrafter",
+    "NgramIndex",
     "OracleDrafter",
     "PromptLookupDrafter",
     "ngrams_ending",
@@ -104,6 +105,44 @@ def ranked_trie(
     return tree, shares
 
 
+class NgramIndex:
+    """Where each n-gram (``min_ngram`` <= n <= ``max_ngram``) of a growing token list ended, for
+    the n-grams a token already followed, updated incrementally: appending costs O(new tokens ·
+    n-gram sizes), a lookup O(n-gram sizes), never a scan of the list."""
+
+    def __init__(self, *, min_ngram: int, max_ngram: int) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+        self._indexed_until = 0  # n-grams ending before this position are indexed
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append ``tokens``, indexing every n-gram that now has a token after it."""
+        self.tokens.extend(tokens)
+        ends = range(self._indexed_until, len(self.tokens) - 1)
+        for ngram, end in ngrams_ending(
+            self.tokens, ends, min_ngram=self.min_ngram, max_ngram=self.max_ngram
+        ):
+            self._ends.setdefault(ngram, []).append(end)
+        self._indexed_until = max(self._indexed_until, len(self.tokens) - 1)
+
+    def longest_match(self) -> list[int]:
+        """The end positions (oldest first) of the longest n-gram ending the list that occurred
+        before; empty when none did."""
+        for size in range(min(self.max_ngram, len(self.tokens)), self.min_ngram - 1, -1):
+            ends = self._ends.get(tuple(self.tokens[-size:]))
+            if ends:
+                return ends
+        return []
+
+    def follow(self, count: int) -> list[int]:
+        """Up to ``count`` tokens that followed the most recent occurrence of the longest match."""
+        ends = self.longest_match() if count > 0 else []
+        return self.tokens[ends[-1] + 1 : ends[-1] + 1 + count] if ends else []
+
+
 class PromptLookupDrafter:
     """Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
 
@@ -126,7 +165,7 @@ class PromptLookupDrafter:
     through it, and the loop sends the best nodes that pay for their verify forward
     (:class:`~headway.decode.costs.TreeSizer`).
 
-    The n-gram index (n-gram → end positions) is updated incrementally with the tokens committed
+    The n-gram index (:class:`NgramIndex`) is updated incrementally with the tokens committed
     since the last call, so a proposal costs O(new tokens · n-gram sizes + tree size), not a scan
     of the sequence. :func:`prompt_lookup_reference` is the plain scan it must agree with (before
     any adaptation).
@@ -143,8 +182,7 @@ class PromptLookupDrafter:
         max_nodes: int = DEFAULT_MAX_NODES,
         adaptive: bool = True,
     ) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        self._index = NgramIndex(min_ngram=min_ngram, max_ngram=max_ngram)  # checks the sizes
         if num_draft_tokens < 1 or max_nodes < 1:
             raise ValueError(
                 f"num_draft_tokens and max_nodes must be >= 1, got {num_draft_tokens}, {max_nodes}"
@@ -154,13 +192,10 @@ class PromptLookupDrafter:
         self.adaptive = adaptive
         self._length = num_draft_tokens  # current continuation length
         self._proposed_depth = 0  # depth of the last proposed tree (0: nothing proposed)
-        self._tokens: list[int] = []
-        self._index: dict[tuple[int, ...], list[int]] = {}
-        self._indexed_until = 0  # n-grams ending before this position are in the index
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget the previous sequence."""
-        self._tokens, self._index, self._indexed_until = [], {}, 0
+        self._index = NgramIndex(min_ngram=self.min_ngram, max_ngram=self.max_ngram)
         self._length, self._proposed_depth = self.num_draft_tokens, 0
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
@@ -176,38 +211,30 @@ class PromptLookupDrafter:
 
     def _sync(self, sequence: Tensor) -> None:
         """Index every n-gram that ends before the root (those whose continuation is known)."""
-        if sequence.numel() < len(self._tokens):  # a new sequence without begin(): start over
+        if sequence.numel() < len(self._index.tokens):  # a new sequence without begin()
             self.begin(sequence)
-        self._tokens.extend(sequence[len(self._tokens) :].tolist())
-        tokens = self._tokens
-        ends = range(self._indexed_until, len(tokens) - 1)
-        for ngram, end in ngrams_ending(
-            tokens, ends, min_ngram=self.min_ngram, max_ngram=self.max_ngram
-        ):
-            self._index.setdefault(ngram, []).append(end)
-        self._indexed_until = max(self._indexed_until, len(tokens) - 1)
+        self._index.extend(sequence[len(self._index.tokens) :].tolist())
 
     def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         """A tree of the continuations that followed the longest matching n-gram; with a
         ``floor`` (cost sizing by the loop) full-length and scored, without adaptation."""
         self._sync(sequence)
-        tokens = self._tokens
-        for size in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
-            ends = self._index.get(tuple(tokens[-size:]))
-            if ends:
-                recent_first = list(reversed(ends[-self.max_nodes :]))
-                if floor is not None:
-                    return self._scored(recent_first)
-                continuations = (tokens[end + 1 : end + 1 + self._length] for end in recent_first)
-                tree = trie_tree(continuations, self.max_nodes)
-                self._proposed_depth = int(tree.depths.max()) if tree.size else 0
-                return tree
-        return empty_tree()
+        tokens, ends = self._index.tokens, self._index.longest_match()
+        if not ends:
+            return empty_tree()
+        recent_first = list(reversed(ends[-self.max_nodes :]))
+        if floor is not None:
+            return self._scored(recent_first)
+        continuations = (tokens[end + 1 : end + 1 + self._length] for end in recent_first)
+        tree = trie_tree(continuations, self.max_nodes)
+        self._proposed_depth = int(tree.depths.max()) if tree.size else 0
+        return tree
 
     def _scored(self, ends: list[int]) -> DraftTree:
         """The continuations after ``ends`` (most recent first), each node scored by its share."""
         length = self.num_draft_tokens
-        found = [(tuple(self._tokens[end + 1 : end + 1 + length]), 1) for end in ends]
+        tokens = self._index.tokens
+        found = [(tuple(tokens[end + 1 : end + 1 + length]), 1) for end in ends]
         tree, shares = ranked_trie(found, self.max_nodes)
         return DraftTree(tree.tokens, tree.parents, scores=shares)
 

@@ -38,10 +38,11 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
+from headway.decode.drafters import NgramIndex
 from headway.decode.gemm import contiguous_head
 from headway.decode.kv import cache_argument
 from headway.train.grouped_attention import grouped_attention
-from headway.train.lookahead import NgramIndex, accept_chains
+from headway.train.lookahead import accept_chains
 from headway.train.ragged_cache import RaggedCache, step_mask
 from headway.train.sampling_rule import SamplingRule
 
@@ -69,10 +70,12 @@ class _Row:
         self.key = key
         self.tokens: list[int] = []
         self.last = -1
-        self.index = NgramIndex(prompt, max_n) if max_n else None
+        self.index = NgramIndex(min_ngram=1, max_ngram=max_n) if max_n else None
+        if self.index is not None:
+            self.index.extend(prompt)
 
     def draft(self, count: int) -> list[int]:
-        return self.index.propose(count) if self.index is not None else []
+        return self.index.follow(count) if self.index is not None else []
 
 
 class ContinuousBatcher:

@@ -1,8 +1,9 @@
 """Lookahead for batched generation: each row drafts a few tokens by prompt lookup in its own
 text and one forward verifies every row's chain, keeping exactly what the target would say.
 
-Drafting (:class:`NgramIndex`): the longest suffix of the row's tokens (prompt and answer so
-far, up to ``max_n`` tokens) that occurred before proposes the tokens that followed it then.
+Drafting (prompt lookup's :class:`~headway.decode.drafters.NgramIndex`, one per row): the
+longest suffix of the row's tokens (prompt and answer so far, up to ``ngram`` tokens) that
+occurred before proposes the tokens that followed its most recent occurrence.
 Self-distillation answers repeat themselves a lot (SmolLM2-135M's greedy ShareGPT answers keep
 2.41 tokens per row and forward with 3 drafted, scripts/bench_regenerate.py), and a batched
 forward on a CPU is bound by reading the KV cache, which a step of 1 + k tokens per row reads
@@ -26,37 +27,6 @@ import torch
 from torch import Tensor
 
 from headway.train.sampling_rule import SamplingRule
-
-
-class NgramIndex:
-    """Where each n-gram (n ≤ ``max_n``) of a growing token list last occurred with a token
-    after it."""
-
-    def __init__(self, tokens: Sequence[int], max_n: int = 4) -> None:
-        if max_n < 1:
-            raise ValueError("max_n must be >= 1")
-        self.max_n = max_n
-        self.tokens: list[int] = []
-        self.follows: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
-        self.extend(tokens)
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Append ``tokens``, recording every n-gram they complete as followed."""
-        for token in tokens:
-            end = len(self.tokens)  # the index `token` gets: it follows tokens[end - n : end]
-            for n in range(1, min(self.max_n, end) + 1):
-                self.follows[n][tuple(self.tokens[end - n : end])] = end
-            self.tokens.append(token)
-
-    def propose(self, count: int) -> list[int]:
-        """Up to ``count`` tokens that followed the longest earlier occurrence of a suffix."""
-        if count < 1:
-            return []
-        for n in range(min(self.max_n, len(self.tokens)), 0, -1):
-            start = self.follows[n].get(tuple(self.tokens[-n:]))
-            if start is not None:
-                return self.tokens[start : start + count]
-        return []
 
 
 @dataclass(frozen=True)
