@@ -42,6 +42,7 @@ __all__ = [
     "takes_mask_mapping",
     "tree_attention_mask",
     "tree_forward",
+    "window_blocked",
 ]
 
 # Layers whose keys/values are plain `[batch, kv_heads, seq, head_dim]` tensors we may re-index
@@ -124,9 +125,24 @@ def windowed_masks(
     model: PreTrainedModel, mask: Tensor, positions: Tensor, prefix_len: int
 ) -> Tensor | dict[str, Tensor]:
     """The tree ``mask`` ``[1, 1, q, prefix_len + q]`` for a model with a sliding window, whose
-    block entries sit at ``positions`` ``[q]``: unchanged while every visible key lies inside the
-    window; past it, keys ``window`` or more positions behind a query are blocked for the sliding
-    layers (the whole mask for an all-sliding model, a per-type mapping for a mixed one).
+    block entries sit at ``positions`` ``[q]``: see :func:`window_blocked`.
+
+    Raises:
+        SlidingWindowError: a mixed model whose forward takes a single mask only.
+    """
+    keys = torch.cat([torch.arange(prefix_len, device=positions.device), positions])
+    behind = positions[:, None] - keys[None, :]
+    return window_blocked(model, mask, behind.to(mask.device), "tree decoding")
+
+
+def window_blocked(
+    model: PreTrainedModel, mask: Tensor, behind: Tensor, doing: str
+) -> Tensor | dict[str, Tensor]:
+    """An additive ``mask`` for a model with a sliding window, given how many positions each key
+    lies ``behind`` each query (broadcastable to ``mask``): unchanged while every key lies
+    inside the window; past it, keys ``window`` or more positions behind a query are blocked for
+    the sliding layers (the whole mask for an all-sliding model, a per-type mapping for a mixed
+    one). ``doing`` names the work in the error.
 
     Raises:
         SlidingWindowError: a mixed model whose forward takes a single mask only.
@@ -134,17 +150,16 @@ def windowed_masks(
     window, mixed = sliding_window(model)
     if window is None:
         return mask
-    keys = torch.cat([torch.arange(prefix_len, device=positions.device), positions])
-    too_far = (positions[:, None] - keys[None, :]) >= window
+    too_far = behind >= window
     if not bool(too_far.any()):
         return mask
-    windowed = mask.masked_fill(too_far.to(mask.device), torch.finfo(mask.dtype).min)
+    windowed = mask.masked_fill(too_far, torch.finfo(mask.dtype).min)
     if not mixed:
         return windowed
     if not takes_mask_mapping(model):
         raise SlidingWindowError(
             f"{type(model).__name__} mixes sliding-window ({window} tokens) and full attention "
-            "but takes one mask for both; tree decoding past the window is not supported: keep "
+            f"but takes one mask for both; {doing} past the window is not supported: keep "
             f"prompt + --max-new-tokens under {window}"
         )
     return {"full_attention": mask, "sliding_attention": windowed}

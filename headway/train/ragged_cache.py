@@ -24,8 +24,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from headway.decode.kv import sliding_window, takes_mask_mapping
-from headway.errors import SlidingWindowError
+from headway.decode.kv import window_blocked
 
 
 class RaggedLayer(DynamicLayer):
@@ -172,25 +171,13 @@ def step_mask(
     each query sees its row's earlier tokens and itself (0), nothing else (``finfo.min``).
 
     A target with a sliding window also gets keys ``window`` or more positions behind a query
-    blocked: the whole mask for an all-sliding model, a per-layer-type mapping for a mixed one.
+    blocked (:func:`~headway.decode.kv.window_blocked`).
 
     Raises:
         SlidingWindowError: a mixed model whose forward takes a single mask, past its window.
     """
     keys = torch.arange(width, device=columns.device)
-    behind = columns[:, :, None] - keys  # [rows, S, width]: how far each key lies behind
-    blocked = torch.finfo(dtype).min
+    behind = (columns[:, :, None] - keys)[:, None]  # [rows, 1, S, width]: how far each key lies
     mask = torch.zeros(behind.shape, dtype=dtype, device=columns.device)
-    mask.masked_fill_(behind < 0, blocked)
-    window, mixed = sliding_window(model)
-    if window is None or not bool((behind >= window).any()):
-        return mask[:, None]
-    windowed = mask.masked_fill(behind >= window, blocked)[:, None]
-    if not mixed:
-        return windowed
-    if not takes_mask_mapping(model):
-        raise SlidingWindowError(
-            f"{type(model).__name__} mixes sliding-window ({window} tokens) and full attention "
-            "but takes one mask for both; batched generation past the window is not supported"
-        )
-    return {"full_attention": mask[:, None], "sliding_attention": windowed}
+    mask.masked_fill_(behind < 0, torch.finfo(dtype).min)
+    return window_blocked(model, mask, behind, "batched generation")
