@@ -45,6 +45,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--retrieval-data", help="also run the retrieval drafter on this corpus")
     parser.add_argument(
+        "--verify",
+        default="both",
+        choices=["eager", "captured", "both"],
+        help="verify forward of headway's rows: eager, captured (CUDA graphs) or both (default)",
+    )
+    parser.add_argument(
         "--train-methods", default="eagle3,medusa1,eagle1", help="methods timed ('' for none)"
     )
     parser.add_argument("--train-data", default="data/regenerated/smollm2-v2/data")
@@ -89,6 +95,7 @@ def decode_figures(args: argparse.Namespace, dtype: str) -> list[dict[str, Any]]
         lookup_tokens=8,
         eagle_depth=4,
         retrieval_data=args.retrieval_data,
+        verify=args.verify,
     )
     target = load_target(args.target, dtype=dtype, device=args.device)
     prompts = load_prompts(args.prompts, limit=args.num_prompts)

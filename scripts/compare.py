@@ -116,6 +116,13 @@ def parse_args() -> argparse.Namespace:
         help="also run the retrieval drafter (prompt lookup, then this corpus of the target's "
         "answers, e.g. data/regenerated/smollm2-v2/data)",
     )
+    parser.add_argument(
+        "--verify",
+        default="eager",
+        choices=["eager", "captured", "both"],
+        help="how headway's rows run the target's verify forward: eager (default), captured "
+        "(a static cache, CUDA graphs on a GPU) or both (every headway row twice)",
+    )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     return parser.parse_args()
 
@@ -148,17 +155,24 @@ def hf_runner(lookup: int | None) -> Runner:
     return make
 
 
-def headway_row(name: str, target: Target, drafter: Drafter, sizing: str = "drafter") -> Row:
+def headway_row(
+    name: str, target: Target, drafter: Drafter, sizing: str = "drafter", verify: str = "eager"
+) -> Row:
     """A row of headway's loop with ``drafter``, its drafting time measured."""
     timed_drafter = TimedDrafter(drafter, target.model.device)
-    return Row(name, headway_runner(target, timed_drafter, sizing), drafter=timed_drafter)
+    runner = headway_runner(target, timed_drafter, sizing, verify)
+    return Row(name, runner, drafter=timed_drafter)
 
 
-def headway_runner(target: Target, drafter: Any, sizing: str = "drafter") -> Runner:
-    """headway's loop with ``drafter`` (greedy), sized by the drafter or by cost through one
-    :class:`Decoder`; the result list collects accept lengths."""
+def headway_runner(
+    target: Target, drafter: Any, sizing: str = "drafter", verify: str = "eager"
+) -> Runner:
+    """headway's loop with ``drafter`` (greedy), sized by the drafter or by cost, its verify
+    forward eager or captured, through one :class:`Decoder`; the result list collects accept
+    lengths."""
     settings = EvalSettings()
-    decoder = Decoder(target.model, drafter, DecodeOptions(sizing=sizing))  # type: ignore[arg-type]
+    options = DecodeOptions(sizing=sizing, verify=verify)  # type: ignore[arg-type]
+    decoder = Decoder(target.model, drafter, options)
 
     def make(
         target: Target, ids: torch.Tensor, new: int
@@ -178,25 +192,27 @@ def run_method(run_dir: str) -> str:
 
 
 def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
-    """Every configuration to compare, baseline first."""
-    lookup = PromptLookupSpec(num_draft_tokens=args.lookup_tokens)
+    """Every configuration to compare, baseline first; each headway row once per verify path
+    of ``--verify`` (``both``: eager, then captured)."""
     rows = [
         Row("hf greedy", hf_runner(None)),
         Row("hf prompt lookup", hf_runner(args.lookup_tokens)),
-        headway_row("prompt lookup", target, build_drafter(lookup, target)),
     ]
+    paths = ["eager", "captured"] if args.verify == "both" else [args.verify]
+
+    def add(name: str, spec: Any, sizing: str = "drafter") -> None:
+        for verify in paths:  # a drafter per row: drafters keep state between steps
+            suffix = ", captured" if verify == "captured" else ""
+            drafter = build_drafter(spec, target)
+            rows.append(headway_row(name + suffix, target, drafter, sizing, verify))
+
+    add("prompt lookup", PromptLookupSpec(num_draft_tokens=args.lookup_tokens))
     # cost-sized: full-length continuations ranked by share (the sizer replaces adaptation)
     sized_lookup = PromptLookupSpec(num_draft_tokens=args.lookup_tokens, adaptive=False)
-    rows.append(
-        headway_row(
-            "prompt lookup, cost-sized", target, build_drafter(sized_lookup, target), "cost"
-        )
-    )
+    add("prompt lookup, cost-sized", sized_lookup, "cost")
     if args.retrieval_data:
-        retrieval = build_drafter(RetrievalSpec(data=(args.retrieval_data,)), target)
-        rows.append(
-            headway_row("retrieval (prompt lookup, then corpus)", target, retrieval, "cost")
-        )
+        retrieval = RetrievalSpec(data=(args.retrieval_data,))
+        add("retrieval (prompt lookup, then corpus)", retrieval, "cost")
     for run_dir in args.runs:
         method = run_method(run_dir)
         name = Path(run_dir).name
@@ -208,21 +224,14 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
             )
         spec = spec_for(heads=run_dir)
         if isinstance(spec, MedusaSpec):
-            medusa = build_drafter(spec, target)
-            rows.append(headway_row(f"{method} {name}", target, medusa))
-            sized = build_drafter(spec, target)
-            rows.append(headway_row(f"{method} cost-sized {name}", target, sized, "cost"))
+            add(f"{method} {name}", spec)
+            add(f"{method} cost-sized {name}", spec, "cost")
         elif isinstance(spec, EagleSpec):
             depth = args.eagle_depth
-            chain = build_drafter(EagleSpec(heads=run_dir, top_k=1, depth=depth), target)
+            add(f"{method} chain {name}", EagleSpec(heads=run_dir, top_k=1, depth=depth))
             tree = EagleSpec(heads=run_dir, depth=depth)
-            rows.append(headway_row(f"{method} chain {name}", target, chain))
-            dynamic = build_drafter(tree, target)
-            rows.append(headway_row(f"{method} dynamic tree {name}", target, dynamic))
-            sized = build_drafter(tree, target)
-            rows.append(
-                headway_row(f"{method} dynamic tree, cost-sized {name}", target, sized, "cost")
-            )
+            add(f"{method} dynamic tree {name}", tree)
+            add(f"{method} dynamic tree, cost-sized {name}", tree, "cost")
     return rows
 
 

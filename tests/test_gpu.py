@@ -10,9 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from headway.decode.captured import StaticForward
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
-from headway.decode.generate import generate
+from headway.decode.forwards import EagerForward
+from headway.decode.generate import Decoder, Drafter, generate
 from headway.decode.kv import new_cache, prefill, tree_forward
+from headway.decode.options import DecodeOptions
 from headway.decode.tree import root_to_leaf_paths
 from headway.train.batched_generation import ContinuousBatcher
 from tests.test_generate import hf_greedy as cpu_hf_greedy
@@ -29,6 +32,15 @@ PROMPT = [1, 5, 17, 33, 8, 40, 41, 9]
 def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy decoding on CUDA (tests/test_generate.py's, given a CUDA prompt)."""
     return cpu_hf_greedy(model, torch.tensor(prompt, device=CUDA), new_tokens, eos=None)
+
+
+def make_drafter(name: str, truth: list[int]) -> Drafter | None:
+    """The drafters the CUDA equality tests run: none, an oracle tree and prompt lookup."""
+    return {
+        "none": None,
+        "oracle-tree": OracleDrafter(truth, 4, width=3),
+        "prompt-lookup": PromptLookupDrafter(num_draft_tokens=5, max_nodes=12),
+    }[name]
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -52,11 +64,7 @@ def test_tree_logits_equal_each_path_on_cuda(family: str) -> None:
 def test_greedy_output_equals_transformers_on_cuda(family: str, drafter_name: str) -> None:
     model = tiny_model(family).to(CUDA)
     truth = hf_greedy(model, PROMPT, 40)
-    drafter = {
-        "none": None,
-        "oracle-tree": OracleDrafter(truth, 4, width=3),
-        "prompt-lookup": PromptLookupDrafter(num_draft_tokens=5, max_nodes=12),
-    }[drafter_name]
+    drafter = make_drafter(drafter_name, truth)
     result = generate(
         model,
         torch.tensor(PROMPT, device=CUDA),
@@ -89,3 +97,46 @@ def test_continuous_batcher_equals_generate_on_cuda(family: str, lookahead: int)
         if 0 in expected:
             expected = expected[: expected.index(0)]
         assert answers[key] == expected
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("drafter_name", ["none", "oracle-tree", "prompt-lookup"])
+def test_captured_verify_equals_transformers_on_cuda(family: str, drafter_name: str) -> None:
+    """``verify="captured"``: verify forwards replayed from CUDA graphs (one per padded block
+    size, captured on first use) give transformers' greedy output, twice from one Decoder."""
+    model = tiny_model(family).to(CUDA)
+    truth = hf_greedy(model, PROMPT, 40)
+    drafter = make_drafter(drafter_name, truth)
+    decoder = Decoder(model, drafter, DecodeOptions(verify="captured"))
+    assert isinstance(decoder.target, StaticForward) and decoder.target.capture
+    for _ in range(2):
+        result = decoder.generate(
+            torch.tensor(PROMPT, device=CUDA), max_new_tokens=40, eos_token_ids=()
+        )
+        assert result.tokens == truth
+    graphs = [shape.graph for shape in decoder.target._shapes.values()]
+    assert graphs and all(graph is not None for graph in graphs)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_captured_logits_equal_the_eager_path_on_cuda(family: str) -> None:
+    """The replayed graph's logits equal the eager forward's at every step of a tree decode
+    (first use captures, later uses replay with new inputs)."""
+    model = tiny_model(family).to(CUDA)
+    prompt = torch.tensor([PROMPT], device=CUDA)
+    parents = torch.tensor([-1, 0, 0, 1, -1])
+    paths = {"eager": EagerForward(model, small_blocks=False), "captured": StaticForward(model)}
+    logits: dict[str, list[torch.Tensor]] = {name: [] for name in paths}
+    with torch.inference_mode():
+        for name, path in paths.items():
+            path.begin(64)
+            path.prefill(prompt, ())
+            length = len(PROMPT)
+            for step in range(4):
+                block = torch.tensor([[7 + step, 11, 12 + step, 13, 14, 15]])
+                out, _ = path.verify(block, parents, length, ())
+                logits[name].append(out.clone())
+                path.compact(length, torch.tensor([0, 2]))
+                length += 2
+    for eager, captured in zip(logits["eager"], logits["captured"], strict=True):
+        torch.testing.assert_close(captured, eager, atol=1e-4, rtol=0)

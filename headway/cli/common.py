@@ -58,7 +58,7 @@ def target_from_flags(args: argparse.Namespace) -> Target:
 
 
 def add_decode_flags(parser: argparse.ArgumentParser) -> None:
-    """``--sizing``, ``--gemm``, ``--acceptance``: the :class:`DecodeOptions`
+    """``--sizing``, ``--gemm``, ``--acceptance``, ``--verify``: the :class:`DecodeOptions`
     (:func:`decode_options`)."""
     parser.add_argument(
         "--sizing",
@@ -85,11 +85,23 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
         "its distribution). typical: Medusa's typical acceptance, LOSSY when sampling (accepts "
         "more drafts; the output no longer follows the target's distribution)",
     )
+    parser.add_argument(
+        "--verify",
+        default="eager",
+        choices=["eager", "captured"],
+        help="eager (default): the target's own forward over a growing KV cache. captured: a "
+        "static KV cache, and on CUDA each verify forward replayed from a CUDA graph captured "
+        "once per block size (1, 2, 4, ... tokens; a tree is padded to the next), which removes "
+        "the kernel-launch cost of a small target. Same tokens either way; off CUDA it runs "
+        "uncaptured and is slower than eager",
+    )
 
 
 def decode_options(args: argparse.Namespace) -> DecodeOptions:
     """The :class:`DecodeOptions` of :func:`add_decode_flags`."""
-    return DecodeOptions(sizing=args.sizing, gemm=args.gemm, acceptance=args.acceptance)
+    return DecodeOptions(
+        sizing=args.sizing, gemm=args.gemm, acceptance=args.acceptance, verify=args.verify
+    )
 
 
 def option_value(text: str) -> Any:

@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from headway.decode.captured import StaticForward, block_bucket
 from headway.decode.costs import TreeSizer, verify_cost_table
+from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.gemm import resolve_gemm
-from headway.decode.kv import compact_cache, new_cache, prefill, tree_forward
+from headway.decode.kv import context_limit
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams, probs_from_logits, sample
 from headway.decode.tree import DraftTree, empty_tree, limit_depth
@@ -42,7 +43,7 @@ __all__ = ["Decoder", "Drafter", "GenerationResult", "StopReason", "generate"]
 logger = logging.getLogger(__name__)
 
 INITIAL_ROOM = 4096
-"""Answer tokens the sequence buffer holds before :func:`commit` first doubles it."""
+"""Answer tokens the sequence buffer (and a static cache) holds before they are first grown."""
 
 StopReason = Literal["eos", "max_new_tokens", "stop_sequence", "context_limit"]
 GREEDY = SamplingParams()
@@ -125,12 +126,10 @@ class GenerationResult:
 class _Session:
     """Everything one generation carries between steps (never stored on the model)."""
 
-    model: PreTrainedModel
+    target: TargetForward
     drafter: Drafter
-    cache: DynamicCache
     sampling: SamplingParams
     options: DecodeOptions
-    small_blocks: bool
     sizer: TreeSizer | None
     generator: torch.Generator | None
     max_new_tokens: int
@@ -139,7 +138,7 @@ class _Session:
     stop_sequences: tuple[tuple[int, ...], ...]
     stop_check: Callable[[list[int]], bool] | None
     on_tokens: Callable[[list[int]], None] | None
-    sequence: Tensor  # LongTensor buffer, grown as tokens are committed; the first `length` valid
+    sequence: Tensor  # LongTensor buffer, grown as tokens are committed; `length` of them valid
     length: int
     generated: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
@@ -193,9 +192,7 @@ def _first_token(session: _Session, logits: Tensor) -> int:
 def prefill_step(session: _Session) -> None:
     """Run the prompt, commit the first generated token, let the drafter observe."""
     prompt = session.sequence[: session.length]
-    logits, hidden = prefill(
-        session.model, session.cache, prompt[None], session.drafter.hidden_layers
-    )
+    logits, hidden = session.target.prefill(prompt[None], session.drafter.hidden_layers)
     committed = commit(session, [_first_token(session, logits)])
     observed = torch.cat([prompt[1:], torch.tensor(committed)])
     session.drafter.observe(observed, hidden)
@@ -216,31 +213,18 @@ def draft_step(session: _Session) -> None:
     tree = _fit(tree if sizer is None else sizer.trim(tree), session)
     prefix_len = session.length - 1
     block = torch.cat([root, tree.tokens.cpu()])[None]
-    logits, hidden = tree_forward(
-        session.model,
-        session.cache,
-        block,
-        tree.parents,
-        prefix_len,
-        session.drafter.hidden_layers,
-        small_blocks=session.small_blocks,
+    logits, hidden = session.target.verify(
+        block, tree.parents, prefix_len, session.drafter.hidden_layers
     )
     rule = session.options.acceptance
     accepted = verify(tree, logits, session.sampling, session.generator, rule)
-    compact_cache(session.cache, prefix_len, accepted.path)
+    session.target.compact(prefix_len, accepted.path)
     committed = commit(session, accepted.tokens.tolist())
     if sizer is not None:  # the bonus token is not a drafted one
         sizer.observed(len(committed) - 1)
     path = accepted.path[: len(committed)]
     observed_hidden = tuple(layer[path.to(layer.device)] for layer in hidden)
     session.drafter.observe(torch.tensor(committed), observed_hidden)
-
-
-def _context_limit(model: PreTrainedModel) -> int:
-    """Longest sequence (prompt + output) the model's position table allows; unbounded if the
-    config names none."""
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    return int(limit) if limit else sys.maxsize
 
 
 def _prompt(prompt_ids: Tensor | Sequence[int]) -> Tensor:
@@ -257,11 +241,13 @@ def _prompt(prompt_ids: Tensor | Sequence[int]) -> Tensor:
 
 class Decoder:
     """Speculative decoding of one ``model`` with one ``drafter`` under ``options``, for any number
-    of prompts. What it works out once lives as long as it: the GEMM routing of verify forwards
-    and, with ``options.sizing == "cost"``, the verify cost table (timed on the first
-    :meth:`generate`) and the acceptance calibration of the one :class:`TreeSizer` every step is
-    sized by. ``drafter=None`` is plain decoding through the same loop. ``verify_costs``, a
-    :func:`~headway.decode.costs.verify_cost_table` timed elsewhere, is used instead of timing.
+    of prompts. What it works out once lives as long as it: how the target runs
+    (:mod:`headway.decode.forwards`: the GEMM routing of eager verify forwards, or the static
+    cache and captured graphs of ``verify="captured"``) and, with ``options.sizing == "cost"``,
+    the verify cost table (timed on the first :meth:`generate`) and the acceptance calibration
+    of the one :class:`TreeSizer` every step is sized by. ``drafter=None`` is plain decoding
+    through the same loop. ``verify_costs``, a :func:`~headway.decode.costs.verify_cost_table`
+    timed elsewhere, is used instead of timing.
     """
 
     def __init__(
@@ -275,7 +261,11 @@ class Decoder:
         self.model = model
         self.drafter: Drafter = drafter if drafter is not None else _NoDrafter()
         self.options = options
-        self.small_blocks = resolve_gemm(model, options.gemm)
+        self.target: TargetForward = (
+            StaticForward(model)
+            if options.verify == "captured"
+            else EagerForward(model, resolve_gemm(model, options.gemm))
+        )
         self.sizer: TreeSizer | None = None
         self._costs = None if verify_costs is None else list(verify_costs)
 
@@ -286,7 +276,7 @@ class Decoder:
         if self.sizer is None:
             nodes = self.drafter.max_nodes
             costs = self._costs or verify_cost_table(
-                self.model, nodes + 1, small_blocks=self.small_blocks
+                self.model, nodes + 1, seconds=self.target.seconds
             )
             self.sizer = TreeSizer(costs, nodes, budget=f"a drafter of max_nodes={nodes}")
         self.sizer.forget()  # a tree the last generation stopped after is never verified
@@ -316,27 +306,27 @@ class Decoder:
         """
         model = self.model
         prompt = _prompt(prompt_ids)
-        _check_request(prompt, max_new_tokens, stop_sequences, _context_limit(model))
+        _check_request(prompt, max_new_tokens, stop_sequences, context_limit(model))
         if max_new_tokens == 0:
             return GenerationResult([], [], 0, "max_new_tokens")
+        sizer = self._tree_sizer()  # may time the target: before its cache is set up
+        answer = min(max_new_tokens, INITIAL_ROOM)  # a huge max_new_tokens is a cap: grown later
+        block = block_bucket(getattr(self.drafter, "max_nodes", 0))
+        self.target.begin(prompt.numel() + answer + block)
         session = _Session(
-            model=model,
+            target=self.target,
             drafter=self.drafter,
-            cache=new_cache(model),
             sampling=sampling,
             options=self.options,
-            small_blocks=self.small_blocks,
-            sizer=self._tree_sizer(),
+            sizer=sizer,
             generator=generator,
             max_new_tokens=max_new_tokens,
-            context_limit=_context_limit(model),
+            context_limit=context_limit(model),
             eos=frozenset(int(token) for token in eos_token_ids),
             stop_sequences=tuple(tuple(int(t) for t in stop) for stop in stop_sequences),
             stop_check=stop_check,
             on_tokens=on_tokens,
-            # room for the answer, up to INITIAL_ROOM tokens at first (commit grows it): a huge
-            # max_new_tokens is a cap, not an allocation
-            sequence=torch.cat([prompt, prompt.new_zeros(min(max_new_tokens, INITIAL_ROOM))]),
+            sequence=torch.cat([prompt, prompt.new_zeros(answer)]),  # commit grows it
             length=prompt.numel(),
         )
         _run(session, prompt)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ from headway.errors import SlidingWindowError
 __all__ = [
     "cache_argument",
     "compact_cache",
+    "context_limit",
     "crop_cache",
     "new_cache",
     "prefill",
@@ -65,6 +67,13 @@ def _cache_keyword(forward: Callable[..., Any]) -> str:
     except (TypeError, ValueError):  # a forward without a readable signature
         return "past_key_values"
     return "cache" if "cache" in names else "past_key_values"
+
+
+def context_limit(model: PreTrainedModel) -> int:
+    """Longest sequence (prompt + output) the model's position table allows; unbounded if the
+    config names none."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return int(limit) if limit else sys.maxsize
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:

@@ -2,8 +2,8 @@
 
 One frozen value, given to :class:`~headway.decode.generate.Decoder` (or
 :func:`~headway.decode.generate.generate`), that the command line builds from ``--sizing``,
-``--gemm`` and ``--acceptance``. None of it changes what greedy decoding outputs; ``acceptance``
-alone can change what sampling outputs (``"typical"`` is lossy).
+``--gemm``, ``--acceptance`` and ``--verify``. None of it changes what greedy decoding outputs;
+``acceptance`` alone can change what sampling outputs (``"typical"`` is lossy).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Literal
 from headway.decode.gemm import GemmChoice
 from headway.decode.verify import AcceptanceRule
 
-__all__ = ["DecodeOptions", "Sizing"]
+__all__ = ["DecodeOptions", "Sizing", "VerifyPath"]
 
 Sizing = Literal["drafter", "cost"]
+VerifyPath = Literal["eager", "captured"]
 
 
 @dataclass(frozen=True)
@@ -32,17 +33,22 @@ class DecodeOptions:
         (:mod:`headway.decode.gemm`), resolved once per :class:`~headway.decode.generate.Decoder`.
     acceptance: ``"lossless"`` (the target's own output) or Medusa's ``"typical"`` (LOSSY when
         sampling; :func:`headway.decode.verify.verify_typical`).
+    verify: ``"eager"``: the model's own forward over a ``DynamicCache``. ``"captured"``: a
+        static cache, each verify forward replayed from a CUDA graph captured per padded block
+        size (:mod:`headway.decode.captured`; uncaptured off CUDA). Same tokens either way.
     """
 
     sizing: Sizing = field(default="drafter")
     gemm: GemmChoice = field(default="auto")
     acceptance: AcceptanceRule = field(default="lossless")
+    verify: VerifyPath = field(default="eager")
 
     def __post_init__(self) -> None:
         for name, kind in (
             ("sizing", Sizing),
             ("gemm", GemmChoice),
             ("acceptance", AcceptanceRule),
+            ("verify", VerifyPath),
         ):
             valid = typing.get_args(kind)
             if getattr(self, name) not in valid:

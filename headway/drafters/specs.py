@@ -189,7 +189,12 @@ SPEC_TYPES = (PromptLookupSpec, RetrievalSpec, MedusaSpec, EagleSpec, LookupMedu
 DRAFTER_NAMES: dict[str, type[Any]] = {spec.name: spec for spec in SPEC_TYPES}
 """``--drafter`` name -> spec type (``medusa`` and ``eagle`` are picked from a heads folder)."""
 
-_DECODE_OPTIONS = {"sizing": "--sizing", "gemm": "--gemm", "acceptance": "--acceptance"}
+_DECODE_OPTIONS = {
+    "sizing": "--sizing",
+    "gemm": "--gemm",
+    "acceptance": "--acceptance",
+    "verify": "--verify",
+}
 
 
 def _union_args(annotation: Any) -> tuple[Any, ...]:

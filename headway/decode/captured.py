@@ -1,0 +1,341 @@
+"""The target's verify forward over a static KV cache, replayed from captured CUDA graphs.
+
+On a GPU a small target's forward is bound by launching kernels, not by arithmetic (SmolLM2-135M
+runs ~450 kernels per forward). ``DecodeOptions(verify="captured")`` runs the target through
+:class:`StaticForward` instead of the model's eager forward over a ``DynamicCache``:
+
+- Keys/values live in fixed buffers ``[1, kv_heads, capacity, head_dim]`` per layer
+  (:class:`StaticCache`); column ``c`` holds the token at position ``c``. A forward writes its
+  block at the columns after the prefix and attends over all ``capacity`` columns through a 4-D
+  mask that blocks everything but the prefix and each entry's ancestors (stale columns left by
+  earlier steps included). Compaction gathers the accepted path's columns to follow the prefix.
+- A block of n + 1 entries is padded to the next power of two (:func:`block_bucket`); padding
+  entries see only themselves, their logits are dropped and their columns overwritten later, so
+  a handful of shapes covers every tree.
+- On CUDA the verify forward of each padded size is captured as a CUDA graph the first time it is
+  needed (two warm-up runs on a side stream, then capture) and replayed afterwards; a step copies
+  its ids, positions and mask into the graph's input buffers. The prefill runs eagerly. Off CUDA
+  the same static path runs uncaptured (what the CPU tests check; slower than eager there).
+
+Exactness: the blocked columns add exactly zero attention weight, so fp32 logits equal the eager
+path's up to summation order, and greedy output is identical to ``generate``
+(tests/test_captured.py; on CUDA, tests/test_gpu.py). Sliding-window targets get their window
+blocked in the same mask (:func:`headway.decode.kv.window_blocked`).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from headway.decode.kv import cache_argument, sliding_window, takes_mask_mapping, window_blocked
+from headway.decode.tree import ancestor_mask, depths
+
+__all__ = ["StaticCache", "StaticForward", "block_bucket"]
+
+logger = logging.getLogger(__name__)
+
+MIN_CAPACITY = 256
+"""Columns of the smallest static cache; capacities are powers of two from there."""
+
+WARMUP_RUNS = 2
+"""Eager runs on a side stream before a graph is captured (lazy initialisations happen there)."""
+
+
+def block_bucket(size: int) -> int:
+    """The padded length of a block of ``size`` entries: the next power of two (1, 2, 4, ...)."""
+    return 1 << max(size - 1, 0).bit_length()
+
+
+class StaticLayer(DynamicLayer):
+    """One layer of a :class:`StaticCache`: ``keys``/``values`` are the whole buffers
+    ``[1, kv_heads, capacity, head_dim]``, allocated on the first write (the prefill)."""
+
+    def __init__(self, owner: StaticCache) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        capacity = self.owner.capacity
+        self.keys = key_states.new_zeros((1, key_states.shape[1], capacity, key_states.shape[3]))
+        self.values = value_states.new_zeros(
+            (1, value_states.shape[1], capacity, value_states.shape[3])
+        )
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
+        """Write ``[1, kv_heads, S, head_dim]`` at the owner's ``columns[:S]``; return the
+        whole buffers (the mask decides which columns count)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self.keys is not None and self.values is not None
+        columns = self.owner.columns[: key_states.shape[2]]
+        self.keys.index_copy_(2, columns, key_states)
+        self.values.index_copy_(2, columns, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        """Committed tokens (transformers reads it; positions and the mask are explicit)."""
+        return self.owner.length
+
+
+class StaticCache(DynamicCache):
+    """Static per-layer buffers of ``capacity`` columns; ``length`` tokens are committed and
+    ``columns`` ``[capacity]`` (a device buffer) names where the next forward writes."""
+
+    def __init__(self, num_layers: int, capacity: int, device: torch.device) -> None:
+        super().__init__()
+        self.layers: list[Any] = [StaticLayer(self) for _ in range(num_layers)]
+        self.layer_class_to_replicate = None
+        self.capacity = capacity
+        self.length = 0
+        self.columns = torch.arange(capacity, device=device)
+
+    def static_layers(self) -> list[StaticLayer]:
+        """The layers holding buffers already (all of them after a prefill)."""
+        return [layer for layer in self.layers if layer.is_initialized]
+
+
+@dataclass
+class _Shape:
+    """Input buffers of one padded block size and, once captured, its graph and outputs."""
+
+    ids: Tensor  # [1, S]
+    positions: Tensor  # [1, S]
+    masks: dict[str, Tensor]  # each [1, 1, S, capacity]; key "" for a single mask
+    graph: Any = None  # torch.cuda.CUDAGraph
+    logits: Tensor | None = None  # [S, V]
+    hidden: tuple[Tensor, ...] = field(default_factory=tuple)
+
+
+class StaticForward:
+    """The target over a :class:`StaticCache`, verify forwards replayed from CUDA graphs when
+    ``capture`` (default: on CUDA). See the module docstring."""
+
+    def __init__(self, model: PreTrainedModel, *, capture: bool | None = None) -> None:
+        on_cuda = model.device.type == "cuda"
+        if capture and not on_cuda:
+            raise ValueError(f"CUDA graphs need a CUDA device; the target is on {model.device}")
+        self.model = model
+        self.capture = on_cuda if capture is None else capture
+        if not on_cuda:
+            logger.info("no CUDA: the static verify path runs uncaptured on %s", model.device)
+        window, mixed = sliding_window(model)
+        self._mask_keys = (
+            ("full_attention", "sliding_attention")
+            if window is not None and mixed and takes_mask_mapping(model)
+            else ("",)
+        )
+        self._layers = int(model.config.get_text_config().num_hidden_layers)
+        self.cache = StaticCache(self._layers, MIN_CAPACITY, model.device)
+        self._shapes: dict[tuple[int, tuple[int, ...]], _Shape] = {}
+        self._pool: Any = None
+
+    def begin(self, columns: int) -> None:
+        self.reserve(columns)
+        self.cache.length = 0
+
+    def reserve(self, columns: int) -> None:
+        """Hold at least ``columns`` columns: a larger power of two, the committed columns
+        copied over and every graph of the smaller cache dropped (captured anew on use)."""
+        if columns <= self.cache.capacity:
+            return
+        capacity = max(MIN_CAPACITY, block_bucket(columns))
+        old, new = self.cache, StaticCache(self._layers, capacity, self.model.device)
+        new.length = old.length
+        for source, target in zip(old.layers, new.layers, strict=True):
+            if source.is_initialized:
+                target.lazy_initialization(source.keys, source.values)
+                target.keys[:, :, : old.length] = source.keys[:, :, : old.length]
+                target.values[:, :, : old.length] = source.values[:, :, : old.length]
+        self.cache = new
+        self._shapes.clear()
+
+    def prefill(
+        self, ids: Tensor, hidden_layers: tuple[int, ...]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        start, count = self.cache.length, ids.shape[1]
+        self.reserve(start + count)
+        device = self.model.device
+        positions = torch.arange(start, start + count, device=device)
+        self.cache.columns[:count].copy_(positions)
+        keys = torch.arange(self.cache.capacity, device=device)
+        behind = positions[:, None] - keys[None, :]
+        mask = torch.zeros(behind.shape, dtype=self.model.dtype, device=device)
+        mask.masked_fill_(behind < 0, torch.finfo(mask.dtype).min)
+        masks = self._windowed(mask, behind, "prefill")
+        logits, hidden = self._run(ids.to(device), positions[None], masks, hidden_layers, 1)
+        self.cache.length = start + count
+        return logits[-1], hidden
+
+    def verify(
+        self, block: Tensor, parents: Tensor, prefix_len: int, hidden_layers: tuple[int, ...]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """See :meth:`headway.decode.forwards.TargetForward.verify`; the returned tensors are
+        views of the graph's outputs, valid until the next verify forward."""
+        entries = block.shape[1]
+        if entries != parents.numel() + 1:
+            raise ValueError(
+                f"block has {entries} entries but parents describes {parents.numel()} nodes"
+            )
+        if prefix_len != self.cache.length:
+            raise ValueError(
+                f"prefix_len={prefix_len} but the cache holds {self.cache.length} tokens"
+            )
+        size = block_bucket(entries)
+        self.reserve(prefix_len + size)
+        shape = self._shape(size, hidden_layers)
+        self._fill(shape, block, parents.cpu(), prefix_len)
+        if not self.capture:
+            shape.logits, shape.hidden = self._run(
+                shape.ids, shape.positions, shape.masks, hidden_layers, 0
+            )
+        elif shape.graph is None:
+            self._capture(shape, hidden_layers)
+        else:
+            shape.graph.replay()
+        self.cache.length = prefix_len + entries
+        assert shape.logits is not None
+        return shape.logits[:entries], tuple(layer[:entries] for layer in shape.hidden)
+
+    def compact(self, prefix_len: int, keep: Tensor) -> None:
+        count = keep.numel()
+        if int(keep[-1]) != count - 1:  # not the block's first entries: gather them
+            source = keep.to(self.model.device) + prefix_len
+            target = slice(prefix_len, prefix_len + count)
+            for layer in self.cache.static_layers():
+                for buffer in (layer.keys, layer.values):
+                    assert buffer is not None
+                    buffer[:, :, target] = buffer.index_select(2, source)
+        self.cache.length = prefix_len + count
+
+    def seconds(self, size: int) -> float:
+        """Median seconds of a verify forward of a one-level tree of ``size`` entries after a
+        random 128-token prefix (resets the cache)."""
+        vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        generator = torch.Generator().manual_seed(0)
+        prefix = torch.randint(0, vocab, (1, 128), generator=generator)
+        self.begin(128 + block_bucket(size))
+        self.prefill(prefix, ())
+        block = prefix[:, -1:].repeat(1, size)
+        parents = torch.full((size - 1,), -1, dtype=torch.long)
+        times = []
+        for _ in range(4):
+            _synchronize(self.model.device)
+            start = time.perf_counter()
+            self.verify(block, parents, 128, ())
+            _synchronize(self.model.device)
+            times.append(time.perf_counter() - start)
+            self.cache.length = 128
+        self.cache.length = 0
+        return statistics.median(times[1:])
+
+    def _shape(self, size: int, hidden_layers: tuple[int, ...]) -> _Shape:
+        key = (size, hidden_layers)
+        if key not in self._shapes:
+            device, capacity = self.model.device, self.cache.capacity
+            self._shapes[key] = _Shape(
+                ids=torch.zeros(1, size, dtype=torch.long, device=device),
+                positions=torch.zeros(1, size, dtype=torch.long, device=device),
+                masks={
+                    name: torch.zeros(1, 1, size, capacity, dtype=self.model.dtype, device=device)
+                    for name in self._mask_keys
+                },
+            )
+        return self._shapes[key]
+
+    def _fill(self, shape: _Shape, block: Tensor, parents: Tensor, prefix_len: int) -> None:
+        """Copy one step's inputs into ``shape``'s buffers and point the cache's writes after
+        the prefix; padding entries sit at ``prefix_len`` and see only themselves."""
+        size, entries = shape.ids.shape[1], block.shape[1]
+        device = self.model.device
+        ids = torch.zeros(size, dtype=torch.long)
+        ids[:entries] = block[0].cpu()
+        positions = torch.full((size,), prefix_len, dtype=torch.long)
+        positions[:entries] = depths(parents) + prefix_len
+        visible = torch.eye(size, dtype=torch.bool)
+        visible[:entries, :entries] = ancestor_mask(parents)
+        shape.ids.copy_(ids[None])
+        shape.positions.copy_(positions[None])
+        columns = torch.arange(prefix_len, prefix_len + size, device=device)
+        self.cache.columns[:size].copy_(columns)
+        mask = torch.full(
+            (size, self.cache.capacity),
+            torch.finfo(self.model.dtype).min,
+            dtype=self.model.dtype,
+            device=device,
+        )
+        mask[:, :prefix_len] = 0
+        mask[:, prefix_len : prefix_len + size].masked_fill_(visible.to(device), 0)
+        if self._mask_keys == ("",) and sliding_window(self.model)[0] is None:
+            shape.masks[""][0, 0].copy_(mask)
+            return
+        keys = torch.arange(self.cache.capacity, device=device)
+        keys[prefix_len : prefix_len + size] = positions.to(device)
+        behind = positions.to(device)[:, None] - keys[None, :]
+        for name, windowed in self._windowed(mask, behind, "captured verification").items():
+            shape.masks[name][0, 0].copy_(windowed[0, 0])
+
+    def _windowed(self, mask: Tensor, behind: Tensor, doing: str) -> dict[str, Tensor]:
+        """``mask [q, capacity]`` as this target's mask inputs ``[1, 1, q, capacity]`` each,
+        the window blocked for sliding layers (:func:`~headway.decode.kv.window_blocked`)."""
+        result = window_blocked(self.model, mask[None, None], behind[None, None], doing)
+        if isinstance(result, dict):
+            return result
+        return {name: result for name in self._mask_keys}
+
+    def _run(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        masks: dict[str, Tensor],
+        hidden_layers: tuple[int, ...],
+        logits_to_keep: int,
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        outputs = self.model(
+            input_ids=ids,
+            attention_mask=masks.get("", masks),
+            position_ids=positions,
+            **cache_argument(self.model, self.cache),
+            use_cache=True,
+            output_hidden_states=bool(hidden_layers),
+            logits_to_keep=logits_to_keep,
+        )
+        return outputs.logits[0], tuple(outputs.hidden_states[i][0] for i in hidden_layers)
+
+    def _capture(self, shape: _Shape, hidden_layers: tuple[int, ...]) -> None:
+        """Warm up, capture ``shape``'s forward as a CUDA graph, then replay it once (capture
+        records kernels without running them)."""
+        device = self.model.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                self._run(shape.ids, shape.positions, shape.masks, hidden_layers, 0)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            shape.logits, shape.hidden = self._run(
+                shape.ids, shape.positions, shape.masks, hidden_layers, 0
+            )
+        shape.graph = graph
+        graph.replay()
+        logger.info("captured the verify forward of %d tokens", shape.ids.shape[1])
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
