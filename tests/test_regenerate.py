@@ -25,6 +25,7 @@ from headway.train.prompts import (
 )
 from headway.train.regenerate import (
     RegenerateOptions,
+    frozen_prompt_ids,
     prompts_from_self_instruct,
     prompts_path,
     read_jsonl,
@@ -232,3 +233,33 @@ def test_read_jsonl_keeps_unicode_line_separators_inside_strings(tmp_path: Path,
     path = tmp_path / name
     path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
     assert read_jsonl(path) == rows
+
+
+def test_exclude_answers_the_rest_of_a_source_in_a_second_folder(
+    tmp_path: Path, tiny_chat_target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--exclude FIRST`: a second folder asked for the same source takes the conversations the
+    first did not answer, in the same shuffled order, and a folder without a prompt list is
+    refused in one line."""
+    from headway.cli import data as cli_data
+    from headway.cli import main
+
+    data = tmp_path / "mine.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+        for i in range(9)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    monkeypatch.setattr(cli_data, "target_from_flags", lambda args: tiny_chat_target)
+    flags = ["--max-new-tokens", "4", "--batch-size", "4", "--shard-size", "3"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(["data", "regenerate", "--out", str(first), "--mix", f"{data}:4", *flags]) == 0
+    argv = ["data", "regenerate", "--out", str(second), "--mix", f"{data}:9", "--exclude"]
+    assert main([*argv, str(first), *flags]) == 0
+    taken = [[row["id"] for row in read_all(folder)] for folder in (first, second)]
+    assert len(taken[0]) == 4 and len(taken[1]) == 5 and not set(taken[0]) & set(taken[1])
+    everything = [item.id for item in build_mix({str(data): 9}, seed=0)]
+    assert sorted(taken[0] + taken[1]) == sorted(everything)
+    assert frozen_prompt_ids(second) == frozenset(everything[4:])
+    with pytest.raises(DataError, match="not a regeneration folder"):
+        frozen_prompt_ids(tmp_path)

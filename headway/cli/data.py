@@ -31,7 +31,12 @@ def run_regenerate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from headway.train.prompts import build_mix, parse_mix
-    from headway.train.regenerate import RegenerateOptions, prompts_path, regenerate
+    from headway.train.regenerate import (
+        RegenerateOptions,
+        frozen_prompt_ids,
+        prompts_path,
+        regenerate,
+    )
 
     mix = parse_mix(args.mix)
     options = RegenerateOptions(
@@ -48,13 +53,16 @@ def run_regenerate(args: argparse.Namespace) -> int:
     # A folder being resumed has its prompt list frozen (and its manifest checks that --mix and
     # the other settings are unchanged): the source packages are not needed to go on.
     resuming = prompts_path(Path(args.out)).is_file()
-    items = (
-        []
-        if resuming
-        else build_mix(
-            mix, seed=args.seed, max_turns=args.max_turns, max_prompt_chars=args.max_prompt_chars
+    items = []
+    if not resuming:
+        exclude = frozenset().union(*(frozen_prompt_ids(Path(f)) for f in args.exclude))
+        items = build_mix(
+            mix,
+            seed=args.seed,
+            max_turns=args.max_turns,
+            max_prompt_chars=args.max_prompt_chars,
+            exclude=exclude,
         )
-    )
     manifest = regenerate(target, items, Path(args.out), options, mix=mix)
     print(
         f"{manifest['rows']} conversations, {manifest['answer_tokens']:,} answer tokens "
@@ -126,6 +134,15 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         default=DEFAULT_MAX_PROMPT_CHARS,
         help="leave out chat conversations whose first user turn is longer (later turns stop "
         "at the first longer one)",
+    )
+    parser.add_argument(
+        "--exclude",
+        nargs="+",
+        default=[],
+        metavar="FOLDER",
+        help="leave out the chat conversations these regeneration folders answer (their frozen "
+        "prompt lists), e.g. to answer the rest of ShareGPT in a second folder; read only when "
+        "the folder is started, not on a resume",
     )
     parser.set_defaults(handler=run_regenerate)
 

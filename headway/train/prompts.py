@@ -158,8 +158,10 @@ def chat_prompts(
     rng: random.Random,
     max_turns: int,
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+    exclude: frozenset[str] = frozenset(),
 ) -> list[PromptItem]:
-    """Up to `count` conversations' user turns (at most `max_turns` each) from a chat source.
+    """Up to `count` conversations' user turns (at most `max_turns` each) from a chat source,
+    none whose id is in `exclude` (the shuffle is the same with or without it).
 
     Conversations whose first user turn is longer than `max_prompt_chars` (pasted documents;
     a long prefill costs more than its answer teaches) or empty are left out; later turns stop
@@ -182,6 +184,10 @@ def chat_prompts(
         if users:
             items.append(PromptItem(f"{Path(source).name}/{index}", source, users, system))
     rng.shuffle(items)
+    if exclude:
+        kept = [item for item in items if item.id not in exclude]
+        logger.info("%s: %d conversations left out (--exclude)", source, len(items) - len(kept))
+        items = kept
     return items[:count]
 
 
@@ -287,8 +293,10 @@ def build_mix(
     seed: int,
     max_turns: int = 1,
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+    exclude: frozenset[str] = frozenset(),
 ) -> list[PromptItem]:
-    """The prompt items of `mix` (source -> count), deterministic in `seed`.
+    """The prompt items of `mix` (source -> count), deterministic in `seed`; chat conversations
+    whose id is in `exclude` are skipped (e.g. those another folder answered).
 
     Raises:
         DataError: when a source yields fewer items than asked and none at all.
@@ -304,7 +312,12 @@ def build_mix(
             chunk = self_instruct_meta_prompts(count, rng=rng)
         else:
             chunk = chat_prompts(
-                source, count, rng=rng, max_turns=max_turns, max_prompt_chars=max_prompt_chars
+                source,
+                count,
+                rng=rng,
+                max_turns=max_turns,
+                max_prompt_chars=max_prompt_chars,
+                exclude=exclude,
             )
         if not chunk:
             raise DataError(f"prompt source {source!r} produced no prompts")

@@ -215,6 +215,20 @@ def prompts_path(out_dir: Path) -> Path:
     return plain if plain.is_file() else out_dir / "prompts.jsonl.gz"
 
 
+def frozen_prompt_ids(out_dir: Path) -> frozenset[str]:
+    """The ids of the prompts a regeneration folder answers (its frozen prompt list).
+
+    Raises:
+        DataError: ``out_dir`` holds no prompt list.
+    """
+    path = prompts_path(out_dir)
+    if not path.is_file():
+        raise DataError(
+            f"{out_dir}: not a regeneration folder (no {path.name}); name one to exclude"
+        )
+    return frozenset(str(row.get("id")) for row in read_jsonl(path))
+
+
 def _load_or_write_prompts(out_dir: Path, items: Sequence[PromptItem]) -> list[PromptItem]:
     path = prompts_path(out_dir)
     if path.is_file():
