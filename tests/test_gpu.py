@@ -17,9 +17,15 @@ from headway.decode.generate import Decoder, Drafter, generate
 from headway.decode.kv import new_cache, prefill, tree_forward
 from headway.decode.options import DecodeOptions
 from headway.decode.tree import root_to_leaf_paths
+from headway.heads.drafter_eagle3 import Eagle3Drafter
+from headway.heads.eagle import TargetHead
+from headway.heads.eagle3 import Eagle3Config, Eagle3Model
+from headway.heads.vocab import DraftVocab
 from headway.train.batched_generation import ContinuousBatcher
+from tests.test_eagle3 import TREE as EAGLE3_TREE
+from tests.test_eagle3 import tiny4
 from tests.test_generate import hf_greedy as cpu_hf_greedy
-from tests.tiny import TINY_FAMILIES, tiny_model
+from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -140,3 +146,19 @@ def test_captured_logits_equal_the_eager_path_on_cuda(family: str) -> None:
                 length += 2
     for eager, captured in zip(logits["eager"], logits["captured"], strict=True):
         torch.testing.assert_close(captured, eager, atol=1e-4, rtol=0)
+
+
+def test_captured_verify_feeds_an_eagle3_drafter_on_cuda() -> None:
+    """The graph's hidden-state outputs reach a drafter that reads three target layers, trees
+    sized by the captured path's own timing: still transformers' greedy output."""
+    model = tiny4("llama").to(CUDA)
+    truth = hf_greedy(model, PROMPT, 30)
+    torch.manual_seed(1)
+    vocab = DraftVocab.identity(64, TINY_VOCAB)
+    draft = Eagle3Model(Eagle3Config.from_target(model, draft_vocab_size=vocab.size))
+    draft.set_vocab(vocab)
+    drafter = Eagle3Drafter(draft.to(CUDA).eval(), TargetHead.of(model), **EAGLE3_TREE)
+    decoder = Decoder(model, drafter, DecodeOptions(verify="captured", sizing="cost"))
+    prompt = torch.tensor(PROMPT, device=CUDA)
+    result = decoder.generate(prompt, max_new_tokens=30, eos_token_ids=())
+    assert result.tokens == truth
