@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from headway.decode.kv import crop_cache, new_cache, prefill, tree_forward
+from headway.decode.forwards import EagerForward, TargetForward
 
 T = TypeVar("T")
 
@@ -79,9 +79,19 @@ def forward_seconds(
     with blocks of 2..8 tokens multiplied as ``(W · xᵀ)ᵀ`` if ``small_blocks``
     (:mod:`headway.decode.gemm`).
     """
-    cache = new_cache(model)
-    prefill(model, cache, prefix.unsqueeze(0))
-    prefix_len = cache.get_seq_length()
+    eager = EagerForward(model, small_blocks)
+    return target_seconds(eager, prefix, new_tokens, repeats=repeats, tree=tree)
+
+
+@torch.inference_mode()
+def target_seconds(
+    target: TargetForward, prefix: Tensor, new_tokens: int, *, repeats: int = 5, tree: bool = False
+) -> float:
+    """:func:`forward_seconds` through ``target``, however it runs the model (eager, or a
+    static cache with captured graphs); starts a generation of its own on ``target``."""
+    prefix_len = prefix.numel()
+    target.begin(prefix_len + new_tokens)
+    target.prefill(prefix.unsqueeze(0), ())
     tokens = prefix[-1:].repeat(new_tokens).unsqueeze(0)
     if tree:  # every drafted node a child of the root
         parents = torch.full((new_tokens - 1,), -1, dtype=torch.long, device=prefix.device)
@@ -90,9 +100,9 @@ def forward_seconds(
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        tree_forward(model, cache, tokens, parents, prefix_len, small_blocks=small_blocks)
+        target.verify(tokens, parents, prefix_len, ())
         if prefix.device.type == "cuda":
             torch.cuda.synchronize(prefix.device)
         times.append(time.perf_counter() - start)
-        crop_cache(cache, prefix_len)
+        target.truncate(prefix_len)
     return statistics.median(times[1:])

@@ -26,8 +26,6 @@ blocked in the same mask (:func:`headway.decode.kv.window_blocked`).
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +130,7 @@ class StaticForward:
         if not on_cuda:
             logger.info("no CUDA: the static verify path runs uncaptured on %s", model.device)
         window, mixed = sliding_window(model)
+        self._window = window
         self._mask_keys = (
             ("full_attention", "sliding_attention")
             if window is not None and mixed and takes_mask_mapping(model)
@@ -220,26 +219,10 @@ class StaticForward:
                     buffer[:, :, target] = buffer.index_select(2, source)
         self.cache.length = prefix_len + count
 
-    def seconds(self, size: int) -> float:
-        """Median seconds of a verify forward of a one-level tree of ``size`` entries after a
-        random 128-token prefix (resets the cache)."""
-        vocab = int(self.model.get_output_embeddings().weight.shape[0])
-        generator = torch.Generator().manual_seed(0)
-        prefix = torch.randint(0, vocab, (1, 128), generator=generator)
-        self.begin(128 + block_bucket(size))
-        self.prefill(prefix, ())
-        block = prefix[:, -1:].repeat(1, size)
-        parents = torch.full((size - 1,), -1, dtype=torch.long)
-        times = []
-        for _ in range(4):
-            _synchronize(self.model.device)
-            start = time.perf_counter()
-            self.verify(block, parents, 128, ())
-            _synchronize(self.model.device)
-            times.append(time.perf_counter() - start)
-            self.cache.length = 128
-        self.cache.length = 0
-        return statistics.median(times[1:])
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.cache.length:
+            raise ValueError(f"cannot truncate a cache of {self.cache.length} tokens to {length}")
+        self.cache.length = length
 
     def _shape(self, size: int, hidden_layers: tuple[int, ...]) -> _Shape:
         key = (size, hidden_layers)
@@ -270,17 +253,13 @@ class StaticForward:
         shape.positions.copy_(positions[None])
         columns = torch.arange(prefix_len, prefix_len + size, device=device)
         self.cache.columns[:size].copy_(columns)
-        mask = torch.full(
-            (size, self.cache.capacity),
-            torch.finfo(self.model.dtype).min,
-            dtype=self.model.dtype,
-            device=device,
-        )
+        mask = shape.masks[self._mask_keys[0]][0, 0]  # [S, capacity], built in its buffer
+        mask.fill_(torch.finfo(mask.dtype).min)
         mask[:, :prefix_len] = 0
         mask[:, prefix_len : prefix_len + size].masked_fill_(visible.to(device), 0)
-        if self._mask_keys == ("",) and sliding_window(self.model)[0] is None:
-            shape.masks[""][0, 0].copy_(mask)
+        if self._window is None:
             return
+        mask = mask.clone()  # the causal tree mask, kept before the buffers are overwritten
         keys = torch.arange(self.cache.capacity, device=device)
         keys[prefix_len : prefix_len + size] = positions.to(device)
         behind = positions.to(device)[:, None] - keys[None, :]
@@ -334,8 +313,3 @@ class StaticForward:
         shape.graph = graph
         graph.replay()
         logger.info("captured the verify forward of %d tokens", shape.ids.shape[1])
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

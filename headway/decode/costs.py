@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headway.decode.bench import forward_seconds
+from headway.decode.bench import target_seconds
+from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.tree import DraftTree, subtree
 
 __all__ = [
@@ -38,21 +39,25 @@ logger = logging.getLogger(__name__)
 
 
 def verify_timer(
-    target_model: Any, prefix_tokens: int, *, small_blocks: bool = False
+    target_model: Any,
+    prefix_tokens: int,
+    *,
+    small_blocks: bool = False,
+    forward: TargetForward | None = None,
 ) -> Callable[[int], float]:
     """``N -> seconds`` of one verify forward of ``target_model`` over N block tokens (a
     one-level tree, :func:`~headway.decode.bench.forward_seconds`, median of 3) after a random
     committed prefix of ``prefix_tokens`` tokens, multiplied as real verify forwards will be
-    (``small_blocks``, :mod:`headway.decode.gemm`)."""
+    (``small_blocks``, :mod:`headway.decode.gemm`), or run by ``forward`` (e.g. the decoding
+    loop's own :class:`~headway.decode.forwards.TargetForward`, whose cache it resets)."""
+    runner = forward if forward is not None else EagerForward(target_model, small_blocks)
     weight = target_model.get_output_embeddings().weight
     generator = torch.Generator().manual_seed(0)
     vocab = int(weight.shape[0])
     prefix = torch.randint(0, vocab, (prefix_tokens,), generator=generator).to(weight.device)
 
     def seconds(size: int) -> float:
-        return forward_seconds(
-            target_model, prefix, size, repeats=3, tree=True, small_blocks=small_blocks
-        )
+        return target_seconds(runner, prefix, size, repeats=3, tree=True)
 
     return seconds
 

@@ -12,14 +12,12 @@ Both give the same tokens; :func:`target_forward` builds the one the options nam
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from headway.decode.costs import verify_timer
-from headway.decode.kv import compact_cache, new_cache, prefill, tree_forward
+from headway.decode.kv import compact_cache, crop_cache, new_cache, prefill, tree_forward
 
 __all__ = ["EagerForward", "TargetForward"]
 
@@ -50,10 +48,8 @@ class TargetForward(Protocol):
     def compact(self, prefix_len: int, keep: Tensor) -> None:
         """Keep the prefix and the block entries ``keep [k]`` (root first, increasing)."""
 
-    def seconds(self, size: int) -> float:
-        """Seconds of one verify forward over ``size`` block tokens as this object runs them
-        (for the cost sizer's table); may reset the cache: call before :meth:`begin`."""
-        ...
+    def truncate(self, length: int) -> None:
+        """Roll the cache back to its first ``length`` tokens (timing repeats one forward)."""
 
 
 class EagerForward:
@@ -64,7 +60,6 @@ class EagerForward:
         self.model = model
         self.small_blocks = small_blocks
         self.cache: DynamicCache = new_cache(model)
-        self._timer: Callable[[int], float] | None = None
 
     def begin(self, columns: int) -> None:
         self.cache = new_cache(self.model)
@@ -90,7 +85,5 @@ class EagerForward:
     def compact(self, prefix_len: int, keep: Tensor) -> None:
         compact_cache(self.cache, prefix_len, keep)
 
-    def seconds(self, size: int) -> float:
-        if self._timer is None:
-            self._timer = verify_timer(self.model, 128, small_blocks=self.small_blocks)
-        return self._timer(size)
+    def truncate(self, length: int) -> None:
+        crop_cache(self.cache, length)

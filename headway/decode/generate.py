@@ -29,7 +29,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from headway.decode.captured import StaticForward, block_bucket
-from headway.decode.costs import TreeSizer, verify_cost_table
+from headway.decode.costs import TreeSizer, verify_cost_table, verify_timer
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.gemm import resolve_gemm
 from headway.decode.kv import context_limit
@@ -276,7 +276,7 @@ class Decoder:
         if self.sizer is None:
             nodes = self.drafter.max_nodes
             costs = self._costs or verify_cost_table(
-                self.model, nodes + 1, seconds=self.target.seconds
+                self.model, nodes + 1, seconds=verify_timer(self.model, 128, forward=self.target)
             )
             self.sizer = TreeSizer(costs, nodes, budget=f"a drafter of max_nodes={nodes}")
         self.sizer.forget()  # a tree the last generation stopped after is never verified
