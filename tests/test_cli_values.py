@@ -16,7 +16,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from headway.cli import build_parser, main
-from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, integer, number
+from headway.cli.values import (
+    NON_NEGATIVE,
+    POSITIVE,
+    SEED,
+    TEMPERATURE,
+    TOP_P,
+    integer,
+    number,
+    text,
+)
 
 # Commands whose every run here must end fast: (argv prefix, arguments that make it fail at load).
 COMMANDS: dict[tuple[str, ...], list[str]] = {
@@ -128,11 +137,11 @@ def test_any_value_runs_or_fails_in_one_line(
     ],
 )
 def test_value_types(parse: object, good: dict[str, object], bad: list[str]) -> None:
-    for text, expected in good.items():
-        assert parse(text) == expected  # type: ignore[operator]
-    for text in bad:
+    for value, expected in good.items():
+        assert parse(value) == expected  # type: ignore[operator]
+    for value in bad:
         with pytest.raises(argparse.ArgumentTypeError):
-            parse(text)  # type: ignore[operator]
+            parse(value)  # type: ignore[operator]
 
 
 @pytest.mark.parametrize(
@@ -199,3 +208,11 @@ def test_malformed_command_lines_are_one_line_errors(
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2, argv
     assert len(err) == 1 and err[0].startswith("headway") and "Traceback" not in err[0], err
+
+
+def test_text_values_refuse_empty_and_nul() -> None:
+    parse = text("--out")
+    assert parse("runs/x") == "runs/x"
+    for bad, message in (("  ", "--out is empty"), ("a\x00b", "--out contains a NUL byte")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(bad)

@@ -62,11 +62,14 @@ def number(
 
 
 def text(what: str) -> Callable[[str], str]:
-    """A non-empty value that does not look like a flag (``--out --seed`` forgot a value)."""
+    """A non-empty value that does not look like a flag (``--out --seed`` forgot a value), and
+    holds no NUL byte (no path can; a shell never passes one, ``main(argv)`` from Python can)."""
 
     def parse(value: str) -> str:
         if not value.strip():
             raise argparse.ArgumentTypeError(f"{what} is empty")
+        if "\x00" in value:
+            raise argparse.ArgumentTypeError(f"{what} contains a NUL byte")
         return value
 
     parse.__name__ = "str"
