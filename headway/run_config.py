@@ -66,6 +66,14 @@ class DataConfig:
             "inside each sample), so a step trains on tokens rather than padding; online only"
         ),
     )
+    loop_repeats: int = field(
+        default=0,
+        metadata=_help(
+            "take an answer's repetition loops out of the samples after their first N periods "
+            "(what followed the loop follows them): greedy self-distilled answers of small "
+            "targets often end in loops; 0 keeps every token"
+        ),
+    )
     eval_fraction: float = field(
         default=0.02, metadata=_help("fraction of samples held out for evaluation")
     )
@@ -88,6 +96,13 @@ class DataConfig:
             raise ConfigError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
         if self.features == "offline" and not self.features_dir:
             raise ConfigError("data.features=offline needs data.features_dir (a feature cache)")
+        if self.loop_repeats < 0:
+            raise ConfigError(f"data.loop_repeats={self.loop_repeats} must be >= 0 (0 = off)")
+        if self.features == "offline" and self.loop_repeats:
+            raise ConfigError(
+                "data.loop_repeats applies when samples are tokenized; offline features were "
+                "cached already: pass --loop-repeats to `headway data cache-features` instead"
+            )
         if self.features == "offline" and self.pack:
             raise ConfigError(
                 "data.pack=true packs samples for the target's forward, but offline features "
@@ -114,6 +129,13 @@ class TrainConfig:
         default="no", metadata=_help("accelerate mixed precision")
     )
     seed: int = field(default=0, metadata=_help("seed for weights, data order and noise"))
+    init_from: str | None = field(
+        default=None,
+        metadata=_help(
+            "fine-tune: start the drafter from these heads (a run directory or an export headway "
+            "reads) instead of fresh weights; EAGLE-3 keeps their draft vocabulary"
+        ),
+    )
     eval_every: int = field(default=200, metadata=_help("steps between held-out evaluations"))
     save_every: int = field(default=200, metadata=_help("steps between checkpoints"))
     log_with: list[str] = field(
@@ -135,6 +157,11 @@ class TrainConfig:
         if self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
             raise ConfigError(
                 f"train.warmup_steps={self.warmup_steps} must be in [0, max_steps={self.max_steps}]"
+            )
+        if self.init_from is not None and self.method == "medusa2":
+            raise ConfigError(
+                "train.init_from starts medusa1, eagle1 and eagle3 heads; medusa2 also trains a "
+                "LoRA adapter on the target: leave init_from unset"
             )
         if self.max_grad_norm < 0:
             raise ConfigError(f"train.max_grad_norm={self.max_grad_norm} must be >= 0")

@@ -6,9 +6,11 @@ the same settings; the script prints answer tokens/s of each, the speedups over 
 over the continuous engine without lookahead, how many answers are identical to that of the
 first run (greedy: bf16 batches of other shapes round differently, so answers may part after a
 near tie; in fp32 they are identical), and the machine; the continuous engine logs the tokens
-each row kept per forward.
+each row kept per forward. ``--stop-loops N`` adds a continuous run (the last lookahead) whose
+answers stop at repetition loops: fewer answer tokens, so it is compared by the seconds it takes
+to answer the same prompts, and its answers are checked to be prefixes of the first run's.
 
-    .venv/bin/python scripts/bench_regenerate.py --prompts 128 --threads 2
+    .venv/bin/python scripts/bench_regenerate.py --prompts 128 --threads 2 --stop-loops 2
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ def parse_args() -> argparse.Namespace:
         default="0,3",
         help="the continuous engine runs once per value (tokens drafted per row and step)",
     )
+    parser.add_argument(
+        "--stop-loops",
+        default="",
+        help="comma-separated N: one more continuous run per value, answers ending at their first "
+        "token past N periods of a repetition loop (headway data regenerate --stop-loops)",
+    )
     return parser.parse_args()
 
 
@@ -75,12 +83,14 @@ def main() -> None:
         f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}"
     )
     runs = [
-        (engine, lookahead)
+        (engine, lookahead, 0)
         for engine in args.engines.split(",")
         for lookahead in ([0] if engine == "generate" else _ints(args.lookaheads))
     ]
+    last_lookahead = _ints(args.lookaheads)[-1]
+    runs += [("continuous", last_lookahead, stop) for stop in _ints(args.stop_loops) if stop]
     results: dict[str, tuple[dict[str, Answer], float]] = {}
-    for engine, lookahead in runs:
+    for engine, lookahead, stop in runs:
         batch = args.generate_batch_size if engine == "generate" else None
         options = RegenerateOptions(
             max_new_tokens=args.max_new_tokens,
@@ -88,20 +98,30 @@ def main() -> None:
             batch_size=batch or args.batch_size,
             engine=engine,
             lookahead=lookahead,
+            stop_loops=stop,
         )
         name = engine if engine == "generate" else f"continuous, lookahead {lookahead}"
+        name += f", stop-loops {stop}" if stop else ""
         torch.manual_seed(args.seed)
         answers, seconds = run(target, items, options)
         tokens = sum(answer.tokens for answer in answers.values())
         results[name] = answers, seconds
-        first = next(iter(results.values()))[0]
+        (first_name, (first, first_seconds)) = next(iter(results.items()))
         same = sum(first[key].text == answers[key].text for key in answers)
-        print(
+        line = (
             f"{name:>24}: {tokens:,} answer tokens in {seconds:.1f} s = "
             f"{tokens / seconds:.0f} tok/s (batch {options.batch_size}); "
-            f"identical to the first run {same}/{len(answers)}",
-            flush=True,
+            f"identical to the first run {same}/{len(answers)}"
         )
+        if stop:
+            prefixes = sum(first[key].text.startswith(answers[key].text) for key in answers)
+            loops = sum(answer.finish_reason == "loop" for answer in answers.values())
+            line += (
+                f", {loops} stopped at a loop, prefixes of the first run's {prefixes}/"
+                f"{len(answers)}; the same prompts in {first_seconds / seconds:.2f}x less time "
+                f"than {first_name}"
+            )
+        print(line, flush=True)
     rates = {
         name: sum(x.tokens for x in found.values()) / seconds
         for name, (found, seconds) in results.items()

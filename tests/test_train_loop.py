@@ -18,6 +18,7 @@ from headway.config import load_config
 from headway.run_config import RunConfig
 from headway.target import load_target
 from headway.train import loop
+from headway.train.curves import record_eval
 from headway.train.data import build_dataset, pad_collate, pad_id_of
 from headway.train.features import (
     CachedFeatureDataset,
@@ -96,8 +97,8 @@ def test_training_saves_heads_checkpoints_eval_and_summary(workspace: Path) -> N
 def test_eval_log_drops_the_rows_a_resumed_run_redoes(tmp_path: Path) -> None:
     log = tmp_path / "eval.jsonl"
     for step in (2, 4, 6):
-        loop._record_eval(log, {"step": step, "eval/loss": 1.0})
-    loop._record_eval(log, {"step": 4, "eval/loss": 0.5})  # resumed from the step-3 checkpoint
+        record_eval(log, {"step": step, "eval/loss": 1.0})
+    record_eval(log, {"step": 4, "eval/loss": 0.5})  # resumed from the step-3 checkpoint
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(row["step"], row["eval/loss"]) for row in rows] == [(2, 1.0), (4, 0.5)]
 

@@ -16,7 +16,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     target = target_from_flags(args)
     color = sys.stdout.isatty() and not args.no_color
     text = inspect_samples(
-        target.tokenizer, args.data, n=args.n, max_length=args.max_length, color=color
+        target.tokenizer,
+        args.data,
+        n=args.n,
+        max_length=args.max_length,
+        color=color,
+        loop_repeats=args.loop_repeats,
     )
     print(text)
     return 0
@@ -48,6 +53,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         engine=args.engine,
         lookahead=args.lookahead,
+        stop_loops=args.stop_loops,
     )
     target = target_from_flags(args)
     # A folder being resumed has its prompt list frozen (and its manifest checks that --mix and
@@ -117,6 +123,16 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         "0 when sampling (where fewer drafts are kept: 0.94x at temperature 0.7); "
         "scripts/bench_regenerate.py measures both",
     )
+    parser.add_argument(
+        "--stop-loops",
+        type=NON_NEGATIVE,
+        default=0,
+        metavar="N",
+        help="end an answer at its first token past N periods of a repetition loop (finish "
+        "reason 'loop'): greedy answers of small targets often repeat a line until "
+        "--max-new-tokens, and those tails teach a drafter nothing prompt lookup does not "
+        "draft; 0 (the default) lets answers run",
+    )
     parser.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy answers")
     parser.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus threshold if sampling")
     parser.add_argument("--seed", type=SEED, default=0, help="seed of the mix and the sampling")
@@ -161,6 +177,7 @@ def run_cache_features(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         limit=args.limit,
         skip_bad_rows=args.skip_bad_rows,
+        loop_repeats=args.loop_repeats,
     )
     for report in reports:
         print(report.summary())
@@ -247,7 +264,20 @@ def _add_cache_features(actions: argparse._SubParsersAction) -> None:
         "an accelerate launch)",
     )
     parser.add_argument("--skip-bad-rows", action="store_true", help="skip malformed rows")
+    _add_loop_repeats(parser)
     parser.set_defaults(handler=run_cache_features)
+
+
+def _add_loop_repeats(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--loop-repeats",
+        type=NON_NEGATIVE,
+        default=0,
+        metavar="N",
+        help="take an answer's repetition loops out of the samples after their first N periods "
+        "(what followed the loop follows them), as data.loop_repeats does in training; 0 (the "
+        "default) keeps every token",
+    )
 
 
 def add_data(commands: argparse._SubParsersAction) -> None:
@@ -268,6 +298,7 @@ def add_data(commands: argparse._SubParsersAction) -> None:
     inspect.add_argument("--n", type=POSITIVE, default=1, help="number of samples to show")
     inspect.add_argument("--max-length", type=POSITIVE, default=1024, help="truncate samples here")
     inspect.add_argument("--no-color", action="store_true", help="mark with [[ ]] instead")
+    _add_loop_repeats(inspect)
     inspect.set_defaults(handler=run_inspect)
     _add_regenerate(actions)
     _add_cache_features(actions)

@@ -21,6 +21,7 @@ from headway.decode.gemm import contiguous_head
 from headway.errors import DataError
 from headway.target import Target
 from headway.train.batched_generation import ContinuousBatcher, SamplingRule
+from headway.train.loops import loop_cut
 from headway.train.prompts import PromptItem
 
 logger = logging.getLogger(__name__)
@@ -51,10 +52,16 @@ class RegenerateOptions:
     # None: GREEDY_LOOKAHEAD for greedy answers, 0 when sampling (fewer drafts are kept there:
     # 1.40 tokens per forward at temperature 0.7, where lookahead 3 ran 0.94x of none).
     lookahead: int | None = None
+    # > 0: an answer stops at its first token past this many periods of a repetition loop
+    # (headway.train.loops), finish_reason "loop". Greedy answers of small targets often loop
+    # until max_new_tokens: half of smollm2-sharegpt-2's answer tokens were such tails.
+    stop_loops: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1:
             raise DataError("max_new_tokens, batch_size and shard_size must be >= 1")
+        if self.stop_loops < 0:
+            raise DataError(f"stop_loops must be >= 0, got {self.stop_loops}")
         if self.lookahead is not None and self.lookahead < 0:
             raise DataError(f"lookahead must be >= 0, got {self.lookahead}")
         if self.engine not in ENGINES:
@@ -74,7 +81,7 @@ class RegenerateOptions:
 class Answer:
     text: str
     tokens: int
-    finish_reason: str  # "eos" or "length"
+    finish_reason: str  # "eos", "length" or "loop"
 
 
 def conversation_messages(
@@ -120,8 +127,10 @@ def answer_batch(
     for row in output[:, batch["input_ids"].shape[1] :].tolist():
         ends = [i for i, token in enumerate(row) if token in eos_ids]
         length = ends[0] if ends else len(row)
-        text = str(tokenizer.decode(row[:length], skip_special_tokens=True)).strip()
-        answers.append(Answer(text, length + bool(ends), "eos" if ends else "length"))
+        cut = loop_cut(row[:length], repeats=options.stop_loops)  # as the continuous engine stops
+        reason = "loop" if cut < length else "eos" if ends else "length"
+        text = str(tokenizer.decode(row[:cut], skip_special_tokens=True)).strip()
+        answers.append(Answer(text, cut + (reason == "eos"), reason))
     return answers
 
 
@@ -157,6 +166,7 @@ def _answer_continuously(
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0],
         rule=SamplingRule(options.temperature, options.top_p),
         lookahead=options.resolved_lookahead,
+        stop_loops=options.stop_loops,
     )
     by_id = {item.id: item for item in items}
     answers: dict[str, list[Answer]] = {item.id: [] for item in items}

@@ -43,6 +43,7 @@ from headway.decode.gemm import contiguous_head
 from headway.decode.kv import cache_argument
 from headway.train.grouped_attention import grouped_attention
 from headway.train.lookahead import accept_chains
+from headway.train.loops import ends_in_loop
 from headway.train.ragged_cache import RaggedCache, step_mask
 from headway.train.sampling_rule import SamplingRule
 
@@ -60,7 +61,7 @@ class Completion:
 
     key: Hashable
     tokens: list[int]
-    finish_reason: str  # "eos" or "length"
+    finish_reason: str  # "eos", "length" or "loop"
 
 
 class _Row:
@@ -84,7 +85,9 @@ class ContinuousBatcher:
     ``submit`` may be called while :meth:`completions` runs (e.g. the next turn of a
     conversation once this turn's answer is in): the prompt joins at the next refill.
     ``lookahead`` is the most tokens a row drafts per step (0: plain decoding), ``ngram`` the
-    longest suffix prompt lookup matches.
+    longest suffix prompt lookup matches. ``stop_loops`` > 0 ends a row (``"loop"``) at the
+    first token past that many periods of a repetition loop, that token left out
+    (:func:`~headway.train.loops.ends_in_loop`).
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class ContinuousBatcher:
         prefill_tokens: int = 8192,
         lookahead: int = 0,
         ngram: int = 4,
+        stop_loops: int = 0,
     ) -> None:
         if slots < 1 or max_new_tokens < 1 or not eos_token_ids:
             raise ValueError("slots and max_new_tokens must be >= 1, eos_token_ids non-empty")
@@ -112,7 +116,7 @@ class ContinuousBatcher:
         self.rule = rule or SamplingRule()  # greedy
         self.refill_at = max(0, int(slots * refill_fraction))
         self.prefill_tokens = prefill_tokens
-        self.lookahead, self.ngram = lookahead, ngram
+        self.lookahead, self.ngram, self.stop_loops = lookahead, ngram, stop_loops
         self.waiting: deque[tuple[Hashable, list[int]]] = deque()
         self.device = next(model.parameters()).device
         self.num_layers = int(model.config.get_text_config().num_hidden_layers)
@@ -168,6 +172,9 @@ class ContinuousBatcher:
             if token in self.eos:
                 return Completion(row.key, row.tokens, "eos")
             row.tokens.append(token)
+            if self.stop_loops and ends_in_loop(row.tokens, repeats=self.stop_loops):
+                row.tokens.pop()
+                return Completion(row.key, row.tokens, "loop")
             if len(row.tokens) >= self.max_new_tokens:
                 return Completion(row.key, row.tokens, "length")
         if row.index is not None:

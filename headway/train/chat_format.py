@@ -29,6 +29,7 @@ import jinja2
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from headway.errors import DataError
+from headway.train.loops import remove_loops
 from headway.train.samples import BadRowError, Message, Sample
 
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -37,11 +38,13 @@ _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 @dataclass
 class TokenizedSample:
     """Token ids of one sample and its loss mask, both ``[seq]`` with ``seq <= max_length``;
-    ``truncated`` says the tail was dropped to fit."""
+    ``truncated`` says the tail was dropped to fit, ``loop_removed`` how many assistant tokens
+    of repetition loops were taken out (:mod:`headway.train.loops`)."""
 
     input_ids: list[int]
     loss_mask: list[int]
     truncated: bool = False
+    loop_removed: int = 0
 
     @property
     def trained_tokens(self) -> int:
@@ -49,10 +52,11 @@ class TokenizedSample:
 
 
 def tokenize_sample(
-    tokenizer: PreTrainedTokenizerBase, sample: Sample, *, max_length: int
+    tokenizer: PreTrainedTokenizerBase, sample: Sample, *, max_length: int, loop_repeats: int = 0
 ) -> TokenizedSample:
     """Tokenize ``sample`` and build its assistant-only loss mask, keeping the first
-    ``max_length`` tokens.
+    ``max_length`` tokens. With ``loop_repeats > 0``, the assistant tokens of a repetition loop
+    past that many periods are taken out first (:func:`~headway.train.loops.remove_loops`).
 
     Plain-text samples are tokenized with the tokenizer's own special tokens (e.g. a BOS) and
     every token is trained. Conversations need a chat template and a fast tokenizer; messages after
@@ -71,10 +75,12 @@ def tokenize_sample(
     else:
         assert sample.messages is not None  # Sample holds exactly one of text or messages
         input_ids, loss_mask = _tokenize_conversation(tokenizer, sample.messages, sample.origin)
+    input_ids, loss_mask, removed = remove_loops(input_ids, loss_mask, repeats=loop_repeats)
     return TokenizedSample(
         input_ids=input_ids[:max_length],
         loss_mask=loss_mask[:max_length],
         truncated=len(input_ids) > max_length,
+        loop_removed=removed,
     )
 
 

@@ -15,15 +15,27 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
-from headway.atomic import atomic_file
+from headway.atomic import atomic_file, write_text_atomic
 
 _ACCURACY = re.compile(r"^(?:eval/)?(?:head|depth)(\d+)/top1$")
 CURVE_FILE = "learning_curve.png"
+
+
+def record_eval(path: Path, row: Mapping[str, Any]) -> None:
+    """Add ``row`` to the eval log ``path`` (JSON lines), dropping rows of its step or later (a
+    resumed run redoes the steps after its checkpoint), and replace the file atomically."""
+    kept = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip() and json.loads(line)["step"] < row["step"]:
+                kept.append(line)
+    write_text_atomic(path, "".join(line + "\n" for line in [*kept, json.dumps(row)]))
 
 
 def simulated_tau(metrics: Mapping[str, float]) -> float | None:

@@ -54,6 +54,7 @@ TOKENIZED_FEATURES = datasets.Features(
         "skip_reason": datasets.Value("string"),  # "" for kept samples
         "origin": datasets.Value("string"),
         "truncated": datasets.Value("bool"),
+        "loop_removed": datasets.Value("int32"),
     }
 )
 NO_TRAINED_TOKEN = "no trained token within max_length"
@@ -68,6 +69,7 @@ def build_dataset(
     skip_bad_rows: bool = False,
     limit: int | None = None,
     num_proc: int | None = None,
+    loop_repeats: int = 0,
 ) -> tuple[datasets.Dataset, DataReport]:
     """Load ``source`` and tokenize every sample; returns a dataset with columns ``input_ids``
     and ``loss_mask`` (each row ``[seq]``, ``seq <= max_length``) and the report.
@@ -76,6 +78,8 @@ def build_dataset(
     counted (the row is fine, the length budget is not); bad rows raise DataError unless
     ``skip_bad_rows``. Raises DataError if nothing is left. ``num_proc`` tokenizes in that many
     processes: rendering chat templates is pure Python (~30 ms for a 30-turn conversation).
+    ``loop_repeats > 0`` takes the assistant tokens of repetition loops past that many periods
+    out of the samples (:mod:`headway.train.loops`).
     """
     samples, report = load_conversations(source, skip_bad_rows=skip_bad_rows, limit=limit)
     if any(sample.messages is not None for sample in samples):
@@ -86,7 +90,12 @@ def build_dataset(
         batched=True,
         remove_columns=["messages", "text"],
         features=TOKENIZED_FEATURES,
-        fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "skip": skip_bad_rows},
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "max_length": max_length,
+            "skip": skip_bad_rows,
+            "loop_repeats": loop_repeats,
+        },
         num_proc=num_proc,
         desc="tokenize",
     )
@@ -102,6 +111,7 @@ def build_dataset(
     report.truncated = sum(kept["truncated"])
     report.tokens = sum(len(ids) for ids in kept["input_ids"])
     report.trained_tokens = sum(sum(mask) for mask in kept["loss_mask"])
+    report.loop_removed = sum(kept["loop_removed"])
     return kept.select_columns(["input_ids", "loss_mask"]), report
 
 
@@ -112,13 +122,19 @@ def build_datasets(
     max_length: int,
     skip_bad_rows: bool = False,
     limit: int | None = None,
+    loop_repeats: int = 0,
 ) -> tuple[datasets.Dataset, list[DataReport]]:
     """:func:`build_dataset` over several sources, concatenated in order (``input_ids`` and
     ``loss_mask`` columns), with one report per source."""
     parts, reports = [], []
     for source in sources:
         part, report = build_dataset(
-            tokenizer, source, max_length=max_length, skip_bad_rows=skip_bad_rows, limit=limit
+            tokenizer,
+            source,
+            max_length=max_length,
+            skip_bad_rows=skip_bad_rows,
+            limit=limit,
+            loop_repeats=loop_repeats,
         )
         parts.append(part)
         reports.append(report)
@@ -126,7 +142,12 @@ def build_datasets(
 
 
 def _tokenize_batch(
-    batch: dict[str, list[Any]], *, tokenizer: PreTrainedTokenizerBase, max_length: int, skip: bool
+    batch: dict[str, list[Any]],
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    skip: bool,
+    loop_repeats: int,
 ) -> dict[str, list[Any]]:
     """``datasets.map`` body: tokenize a batch of sample records; a sample that cannot be used
     keeps its row with a ``skip_reason`` (so reasons survive multiprocessing), or raises."""
@@ -136,7 +157,9 @@ def _tokenize_batch(
     ):
         sample = Sample(messages=messages, text=text, origin=origin)
         try:
-            tokenized = tokenize_sample(tokenizer, sample, max_length=max_length)
+            tokenized = tokenize_sample(
+                tokenizer, sample, max_length=max_length, loop_repeats=loop_repeats
+            )
             reason = "" if tokenized.trained_tokens else NO_TRAINED_TOKEN
         except BadRowError as error:
             if not skip:
@@ -147,6 +170,7 @@ def _tokenize_batch(
         out["skip_reason"].append(reason)
         out["origin"].append(origin)
         out["truncated"].append(tokenized.truncated)
+        out["loop_removed"].append(tokenized.loop_removed)
     return out
 
 
@@ -222,14 +246,19 @@ def inspect_samples(
     max_length: int = 2048,
     color: bool = False,
     skip_bad_rows: bool = False,
+    loop_repeats: int = 0,
 ) -> str:
     """The first ``n`` samples of ``source`` as :func:`headway data inspect` prints them: a header
     naming each sample's origin, the sample with trained tokens marked, and its summary."""
     samples, report = load_conversations(source, skip_bad_rows=skip_bad_rows, limit=n)
     sections = []
     for sample in samples:
-        tokenized = tokenize_sample(tokenizer, sample, max_length=max_length)
+        tokenized = tokenize_sample(
+            tokenizer, sample, max_length=max_length, loop_repeats=loop_repeats
+        )
         note = f" (truncated to {max_length} tokens)" if tokenized.truncated else ""
+        if tokenized.loop_removed:
+            note += f" ({tokenized.loop_removed} tokens in repetition loops removed)"
         body = format_inspection(tokenizer, tokenized.input_ids, tokenized.loss_mask, color=color)
         sections.append(f"=== {sample.origin}{note} ===\n{body}")
     if report.skipped:

@@ -36,7 +36,7 @@ from headway.heads.io import save_heads
 from headway.locks import exclusive_folder, rank_lock_name
 from headway.run_config import RunConfig
 from headway.target import fingerprint, load_target
-from headway.train.curves import CURVE_FILE, simulated_tau, write_learning_curve
+from headway.train.curves import CURVE_FILE, record_eval, simulated_tau, write_learning_curve
 from headway.train.loop_data import feature_source, training_data
 from headway.train.methods import build_method
 
@@ -330,6 +330,8 @@ def _run_steps(
         dynamic_ncols=True,
     )
     batches = _epochs(train_loader, accelerator, progress)
+    if progress.step == 0 and settings.init_from is not None:  # the heads it starts from
+        _evaluate_and_record(method, eval_loader, features, accelerator, progress, run_dir)
     while progress.step < settings.max_steps:
         with accelerator.accumulate(method):
             batch = next(batches)
@@ -351,15 +353,7 @@ def _run_steps(
         bar.set_postfix({k: f"{v:.3g}" for k, v in logs.items() if k in _SHOWN})
         accelerator.log(logs, step=progress.step)
         if progress.step % settings.eval_every == 0 or progress.step == settings.max_steps:
-            logs = evaluate(method, eval_loader, features, accelerator)
-            tau = simulated_tau(logs)
-            if tau is not None:
-                logs["eval/tau_sim"] = tau
-            accelerator.log(logs, step=progress.step)
-            if accelerator.is_main_process:
-                row = {"step": progress.step, "trained_tokens": progress.trained_tokens, **logs}
-                _record_eval(run_dir / "eval.jsonl", row)
-                write_learning_curve(run_dir / "eval.jsonl", run_dir / CURVE_FILE)
+            _evaluate_and_record(method, eval_loader, features, accelerator, progress, run_dir)
         if progress.step % settings.save_every == 0 or progress.step == settings.max_steps:
             _save_checkpoint(accelerator, run_dir, progress.step)
             after_checkpoint(progress)
@@ -369,19 +363,29 @@ def _run_steps(
 _SHOWN = {"loss", "head1/top1", "depth1/top1"}
 
 
+def _evaluate_and_record(
+    method: Any,
+    eval_loader: Any,
+    features: Any,
+    accelerator: Accelerator,
+    progress: Progress,
+    run_dir: Path,
+) -> None:
+    """Held-out metrics and tau_sim at ``progress.step``: logged, added to ``eval.jsonl`` and
+    drawn into the learning curve."""
+    logs = evaluate(method, eval_loader, features, accelerator)
+    tau = simulated_tau(logs)
+    if tau is not None:
+        logs["eval/tau_sim"] = tau
+    accelerator.log(logs, step=progress.step)
+    if accelerator.is_main_process:
+        row = {"step": progress.step, "trained_tokens": progress.trained_tokens, **logs}
+        record_eval(run_dir / "eval.jsonl", row)
+        write_learning_curve(run_dir / "eval.jsonl", run_dir / CURVE_FILE)
+
+
 def after_checkpoint(progress: Progress) -> None:
     """Called after every checkpoint; a seam for tests that stop a run there."""
-
-
-def _record_eval(path: Path, row: dict[str, Any]) -> None:
-    """Add ``row`` to the eval log, dropping rows of this step or later (a resumed run redoes
-    the steps after its checkpoint), and replace the file atomically."""
-    kept = []
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip() and json.loads(line)["step"] < row["step"]:
-                kept.append(line)
-    write_text_atomic(path, "".join(line + "\n" for line in [*kept, json.dumps(row)]))
 
 
 def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

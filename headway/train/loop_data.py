@@ -53,6 +53,7 @@ def training_data(config: RunConfig, target: Target) -> tuple[Dataset[Any], Data
         max_length=config.data.max_length,
         skip_bad_rows=config.data.skip_bad_rows,
         limit=config.data.limit,
+        loop_repeats=config.data.loop_repeats,
     )
     for report in reports:
         logger.info("%s", report.summary())

@@ -25,9 +25,11 @@ from torch import Tensor, nn
 
 from headway.heads.drafter_medusa import final_hidden_layer
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
+from headway.heads.loading import FoundHeads
 from headway.run_config import RunConfig
 from headway.target import Target
 from headway.train.batching import document_attention_mask
+from headway.train.init_weights import check_head_config, load_initial
 from headway.train.losses import LossOutput
 from headway.train.losses_eagle import eagle_loss
 
@@ -56,10 +58,15 @@ class Eagle1(nn.Module):
 
     name = "eagle1"
 
-    def __init__(self, config: RunConfig, target: Target) -> None:
+    def __init__(
+        self, config: RunConfig, target: Target, *, init: FoundHeads | None = None
+    ) -> None:
         super().__init__()
         self.head_config = EagleConfig.from_target(target.model, fc_bias=config.eagle.fc_bias)
         self.draft = EagleModel(self.head_config)
+        if init is not None:
+            check_head_config(self.head_config, init, "eagle", ("fc_bias",))
+            load_initial(self.draft, init)
         self.target_head = TargetHead.of(target.model)  # a plain attribute: not a submodule
         self.feature_layers = (final_hidden_layer(target.model),)
         self.settings = config.eagle

@@ -40,12 +40,14 @@ from headway.errors import ConfigError
 from headway.heads.drafter_medusa import final_hidden_layer
 from headway.heads.eagle import TargetHead, additive_mask
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
+from headway.heads.loading import FoundHeads
 from headway.heads.vocab import DraftVocab, TokenCounts, choose_vocab, token_counts
 from headway.run_config import RunConfig
 from headway.target import Target
 from headway.train.batching import document_attention_mask
 from headway.train.data import build_datasets
 from headway.train.features import CachedFeatureDataset
+from headway.train.init_weights import check_head_config, load_initial
 from headway.train.losses import LossOutput
 from headway.train.losses_eagle import eagle3_loss
 
@@ -166,6 +168,7 @@ def training_token_counts(
         max_length=config.data.max_length,
         skip_bad_rows=config.data.skip_bad_rows,
         limit=config.data.limit,
+        loop_repeats=config.data.loop_repeats,
     )
     return token_counts(zip(dataset["input_ids"], dataset["loss_mask"], strict=True), vocab_size)
 
@@ -186,7 +189,12 @@ class Eagle3(nn.Module):
     name = "eagle3"
 
     def __init__(
-        self, config: RunConfig, target: Target, *, vocab: DraftVocab | None = None
+        self,
+        config: RunConfig,
+        target: Target,
+        *,
+        vocab: DraftVocab | None = None,
+        init: FoundHeads | None = None,
     ) -> None:
         super().__init__()
         settings = config.eagle3
@@ -198,6 +206,11 @@ class Eagle3(nn.Module):
         )
         self.final_layer = final_hidden_layer(target.model)
         self.feature_layers = (*self.head_config.feature_layers, self.final_layer)
+        if init is not None:
+            check_head_config(
+                self.head_config, init, "eagle3", ("draft_vocab_size", "feature_layers")
+            )
+            vocab = DraftVocab.from_tensors(init.state_dict["d2t"], init.state_dict["t2d"])
         if vocab is None:
             counts = training_token_counts(config, target, self.feature_layers)
             vocab = choose_vocab(counts, self.head_config.draft_vocab_size)
@@ -210,6 +223,8 @@ class Eagle3(nn.Module):
             assert isinstance(weight, Tensor)
             self.draft.lm_head.weight.data.copy_(weight.detach()[vocab.target_ids])
         self.steps, self.decay = settings.ttt_steps, settings.loss_decay
+        if init is not None:
+            load_initial(self.draft, init)
 
     @property
     def dtype(self) -> torch.dtype:

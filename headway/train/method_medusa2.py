@@ -49,6 +49,7 @@ from transformers.pytorch_utils import Conv1D
 
 from headway.errors import ConfigError
 from headway.heads.drafter_medusa import final_hidden_layer
+from headway.heads.loading import FoundHeads
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.heads.medusa2 import (
     add_lora,
@@ -127,8 +128,12 @@ class Medusa2(nn.Module):
 
     name = "medusa2"
 
-    def __init__(self, config: RunConfig, target: Target) -> None:
+    def __init__(
+        self, config: RunConfig, target: Target, *, init: FoundHeads | None = None
+    ) -> None:
         super().__init__()
+        if init is not None:  # TrainConfig refuses init_from for medusa2
+            raise ConfigError("train.init_from does not start medusa2 runs; leave it unset")
         if config.data.features != "online":
             raise ConfigError(MEDUSA2_NEEDS_ONLINE)
         settings = config.medusa

@@ -7,16 +7,17 @@ frozen target's hidden states (layer -> ``[B, T, H]``) from the online or offlin
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from headway.errors import ConfigError
+from headway.heads.loading import FoundHeads
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.run_config import RunConfig
 from headway.target import Target
+from headway.train.init_weights import check_head_config, initial_heads, load_initial
 from headway.train.losses import LossOutput, medusa_loss
 from headway.train.method_eagle import Eagle1
 from headway.train.method_eagle3 import Eagle3
@@ -51,7 +52,9 @@ class Medusa1(nn.Module):
 
     name = "medusa1"
 
-    def __init__(self, config: RunConfig, target: Target) -> None:
+    def __init__(
+        self, config: RunConfig, target: Target, *, init: FoundHeads | None = None
+    ) -> None:
         super().__init__()
         text_config = target.model.config.get_text_config()
         lm_head = target.model.get_output_embeddings().weight.detach()
@@ -64,6 +67,9 @@ class Medusa1(nn.Module):
         self.heads = MedusaHeads(self.head_config, lm_head_weight=lm_head.float())
         self.decay = config.medusa.loss_decay
         self.feature_layers = (last_layer(target),)
+        if init is not None:
+            check_head_config(self.head_config, init, "medusa", ("num_heads", "num_layers"))
+            load_initial(self.heads, init)
 
     def forward(self, batch: dict[str, Tensor], hidden: dict[int, Tensor]) -> LossOutput:
         logits = self.heads(hidden[self.feature_layers[0]].to(self.heads_dtype))
@@ -89,7 +95,12 @@ class Medusa1(nn.Module):
         return asdict(self.head_config), state
 
 
-MethodBuilder = Callable[[RunConfig, Target], nn.Module]
+class MethodBuilder(Protocol):
+    def __call__(
+        self, config: RunConfig, target: Target, *, init: FoundHeads | None = None
+    ) -> nn.Module: ...
+
+
 METHODS: dict[str, MethodBuilder] = {
     "medusa1": Medusa1,
     "medusa2": Medusa2,
@@ -99,11 +110,12 @@ METHODS: dict[str, MethodBuilder] = {
 
 
 def build_method(config: RunConfig, target: Target) -> nn.Module:
-    """The trainable module of ``config.train.method`` for `target`."""
+    """The trainable module of ``config.train.method`` for `target`, its heads started from
+    ``train.init_from`` when set (:mod:`headway.train.init_weights`)."""
     builder = METHODS.get(config.train.method)
     if builder is None:
         raise ConfigError(
             f"train.method={config.train.method!r} is not available yet; "
             f"available: {', '.join(sorted(METHODS))}"
         )
-    return builder(config, target)
+    return builder(config, target, init=initial_heads(config, target))

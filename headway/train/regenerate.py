@@ -297,6 +297,8 @@ def _regenerate(
 ) -> dict[str, Any]:
     # What decides the answers; the speed options may change on a resume.
     what = {k: v for k, v in asdict(options).items() if k not in SPEED_OPTIONS}
+    if not options.stop_loops:  # folders written before the option resume unchanged
+        del what["stop_loops"]
     settings = {**what, "mix": mix, "target": fingerprint(target.model).to_dict()}
     manifest_path = out_dir / "manifest.json"
     _check_manifest(manifest_path, settings)
@@ -326,6 +328,7 @@ def _regenerate(
         "rows": len(rows),
         "answer_tokens": sum(row["answer_tokens"] for row in rows),
         "truncated_answers": sum(row["finish_reason"] == "length" for row in rows),
+        "loop_stopped_answers": sum(row["finish_reason"] == "loop" for row in rows),
         "processes": ranks.world,
         "seconds_this_run": round(time.perf_counter() - started, 1),
     }

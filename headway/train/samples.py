@@ -70,6 +70,7 @@ class DataReport:
     truncated: int = 0
     tokens: int = 0
     trained_tokens: int = 0
+    loop_removed: int = 0
 
     def record_skip(self, reason: str, location: str) -> None:
         """Count one skipped row (or sample) under ``reason``."""
@@ -94,4 +95,6 @@ class DataReport:
                 f", {self.truncated} truncated, {self.tokens:,} tokens, "
                 f"{self.trained_tokens:,} trained ({share:.1%})"
             )
+        if self.loop_removed:
+            line += f", {self.loop_removed:,} in repetition loops removed"
         return line

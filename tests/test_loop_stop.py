@@ -1,0 +1,82 @@
+"""Regeneration that stops at repetition loops (``--stop-loops``): the incremental check a
+generator makes equals the cut of the whole answer; the continuous batcher ends a looping row
+there, as ``generate`` followed by the cut does; both engines write the same rows."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from headway.target import Target
+from headway.train.answering import ENGINES
+from headway.train.batched_generation import ContinuousBatcher
+from headway.train.loops import ends_in_loop, loop_cut, remove_loops
+from headway.train.regenerate import RegenerateOptions, regenerate
+from tests.test_batched_generation import reference
+from tests.test_regenerate import OPTIONS, items, read_all
+from tests.test_regenerate import tiny_chat_target as tiny_chat_target  # a fixture
+from tests.tiny import tiny_model
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=160), st.integers(1, 4))
+def test_the_incremental_check_finds_the_cut_of_the_whole_answer(
+    tokens: list[int], repeats: int
+) -> None:
+    cut = loop_cut(tokens, repeats=repeats)
+    first = next(
+        (i for i in range(len(tokens)) if ends_in_loop(tokens[: i + 1], repeats=repeats)),
+        len(tokens),
+    )
+    assert cut == first
+    kept = tokens[:cut]  # an answer stopped there has nothing left for training to remove
+    assert remove_loops(kept, [1] * len(kept), repeats=repeats)[2] == 0
+
+
+def test_the_batcher_ends_looping_rows_where_the_cut_is() -> None:
+    model = tiny_model("llama")
+    rng = random.Random(3)
+    prompts = {f"p{i}": [rng.randrange(3, 96) for _ in range(rng.randint(1, 12))] for i in range(8)}
+    batcher = ContinuousBatcher(
+        model, slots=3, max_new_tokens=80, eos_token_ids=[1], pad_token_id=0, stop_loops=2
+    )
+    for key, prompt in prompts.items():
+        batcher.submit(key, prompt)
+    answers = {c.key: c for c in batcher.completions()}
+    reasons = set()
+    for key, prompt in prompts.items():
+        whole = reference(model, prompt, 80, [1])
+        cut = loop_cut(whole, repeats=2)
+        assert answers[key].tokens == whole[:cut], key
+        reason = "loop" if cut < len(whole) else "length" if len(whole) == 80 else "eos"
+        assert answers[key].finish_reason == reason
+        reasons.add(reason)
+    assert "loop" in reasons  # a random tiny model falls into loops
+
+
+def test_both_engines_stop_at_loops_alike(tiny_chat_target: Target, tmp_path: Path) -> None:
+    rows = {}
+    for engine in ENGINES:
+        options = replace(OPTIONS, engine=engine, max_new_tokens=60, stop_loops=1)
+        manifest = regenerate_folder(tiny_chat_target, tmp_path / engine, options)
+        rows[engine] = read_all(tmp_path / engine)
+        assert manifest["settings"]["stop_loops"] == 1
+        assert (
+            manifest["loop_stopped_answers"]
+            == sum(row["finish_reason"] == "loop" for row in rows[engine])
+            > 0
+        )
+    assert rows["continuous"] == rows["generate"]
+    plain = regenerate_folder(tiny_chat_target, tmp_path / "plain", replace(OPTIONS))
+    assert "stop_loops" not in plain["settings"]  # older folders resume unchanged
+
+
+def regenerate_folder(target: Target, out: Path, options: RegenerateOptions) -> dict[str, Any]:
+    regenerate(target, items(), out, options, mix={"test": 8})
+    return dict(json.loads((out / "manifest.json").read_text()))
