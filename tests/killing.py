@@ -341,7 +341,7 @@ def kill_and_resume(
     _wait(_start(pipeline.command(out), log), log)
     outcome = pipeline.outcome(out)
     differences = tuple(
-        key
+        key if key != "leftovers" else f"leftovers {outcome.get(key)}"  # name what was left
         for key in sorted(reference.outcome.keys() | outcome.keys())
         if reference.outcome.get(key) != outcome.get(key)
     )

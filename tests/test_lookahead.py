@@ -90,9 +90,36 @@ def test_greedy_with_lookahead_equals_generate(family: str, lookahead: int) -> N
     prompts = {f"p{i}": [rng.randrange(3, 96) for _ in range(rng.randint(2, 12))] for i in range(8)}
     eos = eos_that_ends_some(model, list(prompts.values()))
     found, batcher = answers(model, prompts, eos, lookahead=lookahead, prefill_tokens=40)
+    kept = 0
     for key, prompt in prompts.items():
         assert found[key] == reference(model, prompt, NEW, eos), key
+        kept += len(found[key]) + (len(found[key]) < NEW) - 1  # + its EOS, - the prefill's token
     assert batcher.tokens_per_row_step > 1.0  # drafts were kept, not only tried
+    # it counts what rows kept: never drafts accepted past an EOS or the length cap
+    assert batcher.tokens_per_row_step * batcher.row_steps == pytest.approx(kept)
+
+
+def test_tokens_per_row_step_counts_no_draft_accepted_past_an_eos() -> None:
+    """A prompt that ends in the model's own loop, and an EOS inside the loop: prompt lookup
+    drafts the loop past the EOS and the target agrees, but the row keeps only up to its EOS."""
+    model = tiny_model("llama")
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(20):
+        prompt = [rng.randrange(3, 96) for _ in range(6)]
+        looped = prompt + reference(model, prompt, 40, [0])
+        after = reference(model, looped, 6, [0])
+        if len(after) < 2:
+            continue
+        batcher = ContinuousBatcher(
+            model, slots=1, max_new_tokens=20, eos_token_ids=[after[1]], pad_token_id=0, lookahead=4
+        )
+        batcher.submit("row", looped)
+        (completion,) = list(batcher.completions())
+        assert completion.tokens == after[:1] and completion.finish_reason == "eos"
+        assert batcher.tokens_per_row_step * batcher.row_steps == 1  # the EOS, nothing past it
+        checked += 1
+    assert checked >= 10
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -150,11 +150,17 @@ class ContinuousBatcher:
                     new_rows, first = self._prefill(cache, self.slots - len(rows))
                     rows.extend(new_rows)
                     added = {len(rows) - len(new_rows) + i: [t] for i, t in enumerate(first)}
+                    stepped = False
                 else:
                     added = dict(enumerate(self._step(cache, rows)))
+                    stepped = True
                 done: list[int] = []
                 for index, tokens in added.items():
+                    before = len(rows[index].tokens)
                     completion = self._extend(rows[index], tokens)
+                    if stepped:  # what the row kept: not drafts past its EOS, cap or loop
+                        ended = completion is not None and completion.finish_reason == "eos"
+                        self.generated += len(rows[index].tokens) - before + ended
                     if completion is not None:
                         done.append(index)
                         yield completion
@@ -203,7 +209,6 @@ class ContinuousBatcher:
         cache.advance([1 + kept for kept in accepted.kept])
         self.steps += 1
         self.row_steps += len(rows)
-        self.generated += sum(len(tokens) for tokens in accepted.tokens)
         return accepted.tokens
 
     def _prefill(self, cache: RaggedCache, room: int) -> tuple[list[_Row], list[int]]:
