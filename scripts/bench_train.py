@@ -30,7 +30,7 @@ from headway.run_config import RunConfig
 from headway.target import load_target
 from headway.train.features import OnlineFeatures
 from headway.train.loop_data import training_data
-from headway.train.methods import build_method
+from headway.train.methods import build_method, feature_layers
 
 RECIPES = {name: f"configs/{name}-smollm2.yaml" for name in ("medusa1", "eagle1", "eagle3")}
 VARIANTS = {"before": (False, False), "after": (True, True)}  # (pack, target autocast)
@@ -97,7 +97,7 @@ def run(method_name: str, variant: str, args: argparse.Namespace) -> dict[str, f
     torch.manual_seed(0)
     method = build_method(config, target).to(device)
     optimizer = torch.optim.AdamW(method.parameter_groups(config.train.lr, 0.0))  # type: ignore[operator]
-    layers = tuple(method.feature_layers)  # type: ignore[arg-type]
+    layers = feature_layers(method)
     mixed = config.train.mixed_precision == "bf16"
     features = OnlineFeatures(
         target.model, layers, autocast=torch.bfloat16 if mixed and target_autocast else None

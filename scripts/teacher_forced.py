@@ -30,7 +30,7 @@ from headway.run_config import RunConfig
 from headway.target import DEFAULT_TARGET, load_target
 from headway.train.curves import simulated_tau
 from headway.train.features import OnlineFeatures
-from headway.train.methods import build_method
+from headway.train.methods import build_method, feature_layers
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,7 +56,7 @@ def main() -> None:
     method_name = find_heads(args.heads, target.model).method
     overrides = [f"train.method={method_name}", f"train.init_from={args.heads}"]
     method = build_method(load_config(RunConfig, None, overrides), target).eval()
-    layers: tuple[int, ...] = tuple(method.feature_layers)  # type: ignore[arg-type]
+    layers = feature_layers(method)
     features = OnlineFeatures(target.model, layers)
     by_category: dict[str, list[dict[str, float]]] = defaultdict(list)
     prompts = load_prompts(args.prompts, limit=args.num_prompts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ def tiny_family(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def tiny_target(tiny_family: str) -> torch.nn.Module:
+def tiny_target(tiny_family: str) -> Any:
     """A tiny random causal LM of each family, fp32, CPU."""
     return tiny_model(tiny_family)
 

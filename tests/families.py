@@ -43,7 +43,7 @@ LLAMA3_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
-MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
 def family_config(family: str, *, layers: int = 2) -> PretrainedConfig:

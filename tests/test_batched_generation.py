@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Hashable
+from typing import Any
 
 import pytest
 import torch
@@ -17,9 +18,9 @@ from tests.tiny import tiny_model
 EOS = [5, 17]
 
 
-def reference(model: torch.nn.Module, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
+def reference(model: Any, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
     """``generate`` on the prompt alone, the answer cut before its first EOS."""
-    output = model.generate(  # type: ignore[operator]
+    output = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         max_new_tokens=max_new,
@@ -30,7 +31,7 @@ def reference(model: torch.nn.Module, prompt: list[int], max_new: int, eos: list
     return output[: next((i for i, t in enumerate(output) if t in eos), len(output))]
 
 
-def eos_that_ends_some(model: torch.nn.Module, prompts: list[list[int]]) -> list[int]:
+def eos_that_ends_some(model: Any, prompts: list[list[int]]) -> list[int]:
     """Tokens that greedy answers reach after a few steps, so some rows end early."""
     answers = [reference(model, prompt, 6, [0]) for prompt in prompts[:3]]
     return sorted({answer[-1] for answer in answers if len(answer) >= 4})
@@ -74,7 +75,8 @@ def test_prompts_submitted_while_running_are_answered() -> None:
     seen: list[Hashable] = []
     for completion in batcher.completions():
         seen.append(completion.key)
-        name, turn = completion.key  # type: ignore[misc]
+        assert isinstance(completion.key, tuple)
+        name, turn = completion.key
         if turn == 0:
             batcher.submit((name, 1), [30, *completion.tokens, 31])
     assert sorted(seen) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]  # type: ignore[type-var]

@@ -12,7 +12,7 @@ import torch
 
 from headway.decode.captured import MIN_CAPACITY, StaticForward, block_bucket
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
-from headway.decode.forwards import EagerForward
+from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
@@ -44,7 +44,10 @@ def test_tree_logits_equal_the_eager_path(family: str) -> None:
     and hidden states equal the eager path's (padding, stale columns and the wide mask add
     nothing)."""
     model = tiny_model(family)
-    paths = {"eager": EagerForward(model, small_blocks=False), "static": StaticForward(model)}
+    paths: dict[str, TargetForward] = {
+        "eager": EagerForward(model, small_blocks=False),
+        "static": StaticForward(model),
+    }
     parents = torch.tensor([-1, 0, 0, 1, -1])  # 5 nodes: padded to 8 block entries
     block = torch.tensor([[7, 11, 12, 13, 14, 15]])
     results: dict[str, list[Any]] = {}
@@ -89,7 +92,10 @@ def test_the_cache_grows_past_its_first_capacity_and_stays_exact() -> None:
     prompt = torch.arange(3, 3 + MIN_CAPACITY - 20) % TINY_VOCAB
     parents = torch.tensor([-1, 0, 1, 0, 3])
     block = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    paths = {"eager": EagerForward(model, small_blocks=False), "static": StaticForward(model)}
+    paths: dict[str, TargetForward] = {
+        "eager": EagerForward(model, small_blocks=False),
+        "static": StaticForward(model),
+    }
     logits: dict[str, list[torch.Tensor]] = {name: [] for name in paths}
     with torch.inference_mode():
         for name, path in paths.items():

@@ -32,9 +32,9 @@ def test_every_flag_has_help(command: str, capsys: pytest.CaptureFixture[str]) -
         parser.parse_args([*command.split(), "--help"])
     out = capsys.readouterr().out
     assert "usage: headway" in out
-    sub = parser._subparsers._group_actions[0].choices[command.split()[0]]  # type: ignore[union-attr]
+    sub = parser._subparsers._group_actions[0].choices[command.split()[0]]  # type: ignore[union-attr, index]
     if " " in command:
-        sub = sub._subparsers._group_actions[0].choices[command.split()[1]]  # type: ignore[union-attr]
+        sub = sub._subparsers._group_actions[0].choices[command.split()[1]]
     for action in sub._actions:
         if action.option_strings and action.dest != "help":
             assert action.help, f"{command} {action.option_strings} has no help"

@@ -57,7 +57,7 @@ def test_the_factory_builds_what_the_spec_says_and_decoding_stays_exact() -> Non
     assert isinstance(drafter, PromptLookupDrafter) and drafter.max_nodes == 3
     truth = hf_greedy(model, PROMPT, 16, eos=None)
     for sizing in ("drafter", "cost"):
-        decoder = Decoder(model, drafter, DecodeOptions(sizing=sizing))  # type: ignore[arg-type]
+        decoder = Decoder(model, drafter, DecodeOptions(sizing=sizing))
         assert decoder.generate(PROMPT, max_new_tokens=16, eos_token_ids=()).tokens == truth
 
 

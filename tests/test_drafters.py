@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def test_prompt_lookup_prefers_longer_ngrams_and_respects_min_ngram() -> None:
 def test_prompt_lookup_index_equals_the_plain_scan() -> None:
     rng = random.Random(0)
     for trial in range(20):
-        settings = {
+        settings: dict[str, Any] = {
             "max_ngram": rng.randint(1, 4),
             "num_draft_tokens": rng.randint(1, 6),
             "max_nodes": rng.randint(1, 12),

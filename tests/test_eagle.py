@@ -314,6 +314,7 @@ def test_method_pairs_each_feature_with_the_next_token(workspace: Path) -> None:
     position t, the pairing the drafter uses at inference (tests/test_eagle_drafter.py)."""
     target = load_target(workspace / "target", device="cpu")
     method = build_method(config_for(workspace, "unused"), target).eval()
+    assert isinstance(method, Eagle1)
     dataset, _ = build_dataset(target.tokenizer, workspace / "chat.jsonl", max_length=64)
     batch = pad_collate([dataset[3]], pad_token_id=pad_id_of(target.tokenizer))
     layer = method.feature_layers[0]
@@ -340,6 +341,7 @@ def test_a_packed_block_gives_the_loss_of_its_samples_padded(workspace: Path) ->
     config = config_for(workspace, "unused")
     target = load_target(workspace / "target", device="cpu")
     method = build_method(config, target).eval()
+    assert isinstance(method, Eagle1)
     dataset, _ = build_dataset(target.tokenizer, workspace / "chat.jsonl", max_length=64)
     rows = [dataset[i] for i in (0, 1)]
     padded = pad_collate(rows, pad_token_id=pad_id_of(target.tokenizer))

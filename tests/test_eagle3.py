@@ -30,8 +30,8 @@ from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_config
 PROMPT = torch.tensor([1, 5, 17, 33, 8, 40, 41, 9])
 NEW_TOKENS = 32
 TAPS = (1, 2, 3)  # default_feature_layers(4)
-CHAIN = {"top_k": 1, "depth": 4, "total_tokens": 5}
-TREE = {"top_k": 4, "depth": 4, "total_tokens": 12}
+CHAIN: dict[str, Any] = {"top_k": 1, "depth": 4, "total_tokens": 5}
+TREE: dict[str, Any] = {"top_k": 4, "depth": 4, "total_tokens": 12}
 ENGINE_NAMES = sorted(
     [
         "fc.weight",

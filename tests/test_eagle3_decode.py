@@ -99,7 +99,7 @@ def test_the_drafter_reads_what_training_fed_and_drafts_its_argmax() -> None:
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_kv_rollback_gives_the_drafts_of_a_fresh_drafter(family: str) -> None:
     model, _ = target_and_truth(family)
-    recorder = Recorder(Eagle3Drafter(trained(family), TargetHead.of(model), **TREE))  # type: ignore[arg-type]
+    recorder = Recorder(Eagle3Drafter(trained(family), TargetHead.of(model), **TREE))
     generate(model, PROMPT, drafter=recorder, max_new_tokens=20, eos_token_ids=())
     assert len(recorder.proposals) > 3
     fresh = Eagle3Drafter(trained(family), TargetHead.of(model), **TREE)
@@ -128,7 +128,7 @@ def test_sampling_follows_the_target_distribution() -> None:
         dim=1,
     )
     draft = fit_method(model, extended, steps=120, size=TINY_VOCAB).draft
-    drafter = Recorder(Eagle3Drafter(draft, TargetHead.of(model), top_k=3, depth=2, total_tokens=7))  # type: ignore[arg-type]
+    drafter = Recorder(Eagle3Drafter(draft, TargetHead.of(model), top_k=3, depth=2, total_tokens=7))
     generator = torch.Generator().manual_seed(5)
     counts = torch.zeros(TINY_VOCAB * TINY_VOCAB)
     accepted = 0

@@ -26,6 +26,7 @@ from headway.train.features import (
     cached_hidden,
     collate_cached,
 )
+from headway.train.method_eagle3 import Eagle3
 from headway.train.methods import build_method
 from tests.drafting import heads_drafter as load_drafter
 from tests.test_eagle3 import TAPS, TREE, tiny4
@@ -117,6 +118,7 @@ def test_offline_features_give_the_online_vocabulary_and_loss(
     target = load_target(workspace / "target", device="cpu")
     torch.manual_seed(0)
     online = build_method(load_config(RunConfig, None, overrides), target)
+    assert isinstance(online, Eagle3)
     dataset, _ = build_dataset(target.tokenizer, workspace / "chat.jsonl", max_length=64)
     dataset = dataset.select_columns(["input_ids", "loss_mask"])
     cache_features(
@@ -134,6 +136,7 @@ def test_offline_features_give_the_online_vocabulary_and_loss(
     ]
     torch.manual_seed(0)
     offline = build_method(load_config(RunConfig, None, offline_config), target)
+    assert isinstance(offline, Eagle3)
     assert torch.equal(offline.draft.d2t, online.draft.d2t)
     batch = pad_collate([dataset[i] for i in range(5)], pad_token_id=0)
     cached = CachedFeatureDataset(tmp_path / "cache")

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
 from torch import Tensor
 
-from headway.decode.generate import generate
+from headway.decode.generate import Drafter, generate
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree, ancestor_mask
 from headway.errors import ConfigError
@@ -35,8 +35,8 @@ from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model
 PROMPT = torch.tensor([1, 5, 17, 33, 8, 40, 41, 9])
 NEW_TOKENS = 32
 LAST = 2  # the tiny models have 2 layers: output_hidden_states[2] is the LM head's input
-CHAIN = {"top_k": 1, "depth": 4, "total_tokens": 5}
-TREE = {"top_k": 4, "depth": 4, "total_tokens": 12}
+CHAIN: dict[str, Any] = {"top_k": 1, "depth": 4, "total_tokens": 5}
+TREE: dict[str, Any] = {"top_k": 4, "depth": 4, "total_tokens": 12}
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -73,7 +73,7 @@ def fit_drafter(model: Any, sequences: Tensor, *, steps: int = 150, seed: int = 
     return draft.eval()
 
 
-def random_drafter(model: Any, seed: int = 1, **settings: int) -> EagleDrafter:
+def random_drafter(model: Any, seed: int = 1, **settings: Any) -> EagleDrafter:
     torch.manual_seed(seed)
     draft = EagleModel(EagleConfig.from_target(model))
     return EagleDrafter(draft, TargetHead.of(model), hidden_layer=LAST, **settings)
@@ -92,7 +92,10 @@ def trained(family: str) -> EagleModel:
     return fit_drafter(model, torch.cat([PROMPT, torch.tensor(truth)])[None])
 
 
-def fed(drafter: EagleDrafter, model: Any, sequence: Tensor) -> EagleDrafter:
+FedDrafter = TypeVar("FedDrafter", bound=Drafter)
+
+
+def fed(drafter: FedDrafter, model: Any, sequence: Tensor) -> FedDrafter:
     """``drafter`` after begin + observe of every pair of ``sequence`` in one go (true features)."""
     drafter.begin(sequence[:1])
     drafter.observe(sequence[1:], (last_features(model, sequence[None])[0, :-1],))
@@ -182,7 +185,8 @@ def reference_tree(drafter: EagleDrafter, model: Any, sequence: Tensor) -> tuple
     for _ in range(drafter.depth - 1):
         level_start = len(nodes)
         for index in frontier:
-            path, node = [], index
+            path: list[int] = []
+            node = index
             while node >= 0:
                 path.insert(0, node)
                 node = nodes[node]["parent"]
@@ -237,9 +241,10 @@ def test_greedy_output_equals_transformers(family: str, kind: str, mode: str) ->
 class Recorder:
     """Wraps a drafter and keeps every (sequence, proposed tree)."""
 
-    def __init__(self, inner: EagleDrafter) -> None:
+    def __init__(self, inner: Drafter) -> None:
         self.inner = inner
         self.hidden_layers = inner.hidden_layers
+        self.max_nodes = inner.max_nodes
         self.proposals: list[tuple[Tensor, DraftTree]] = []
 
     def begin(self, prompt_ids: Tensor) -> None:

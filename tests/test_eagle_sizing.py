@@ -64,7 +64,7 @@ def test_cost_sized_trees_stay_lossless_and_follow_the_costs(family: str) -> Non
         sequence,
     ).propose(sequence)
 
-    def sized(costs: list[float]) -> EagleDrafter:
+    def sized(costs: list[float]) -> LoopSized:
         return LoopSized(
             EagleDrafter(trained(family), TargetHead.of(model), hidden_layer=LAST, **TREE), costs
         )

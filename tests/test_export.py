@@ -72,7 +72,7 @@ def test_reference_layout(run: Path, tmp_path: Path) -> None:
         "base_model_name_or_path": "org/tiny-base",
     }
     tensors = load_file(out / "medusa_lm_head.safetensors")
-    expected = {}
+    expected: dict[str, tuple[int, ...]] = {}
     for h in range(K):
         for l in range(L):  # noqa: E741
             expected[f"{h}.{l}.linear.weight"] = (H, H)
@@ -103,7 +103,7 @@ def test_vllm_layout(run: Path, tmp_path: Path) -> None:
         "medusa_fc_bias": True,
     }
     tensors = load_file(out / "model.safetensors")
-    expected = {}
+    expected: dict[str, tuple[int, ...]] = {}
     for h in range(K):
         for l in range(L):  # noqa: E741
             expected[f"blocks.{h}.layers.{l}.weight"] = (H, H)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
-from headway.decode.generate import generate
+from headway.decode.generate import Drafter, generate
 from headway.decode.kv import sliding_window
 from headway.errors import HeadwayError, SlidingWindowError, TargetError
 from headway.heads.drafter_eagle3 import Eagle3Drafter
@@ -34,7 +34,7 @@ def test_greedy_output_equals_transformers(family: str) -> None:
     model = family_model(family)
     truth = hf_greedy(model, PROMPT, NEW_TOKENS, eos=None)
     assert len(set(truth)) > 3  # a model that repeats one token would prove nothing
-    drafters = {
+    drafters: dict[str, Drafter] = {
         "prompt-lookup": PromptLookupDrafter(num_draft_tokens=5, max_nodes=12),
         "oracle-tree": OracleDrafter(truth, 4, width=3),
     }
@@ -113,7 +113,7 @@ def test_decoding_past_a_sliding_window_is_exact(
     vocab = DraftVocab.identity(64, VOCAB)
     draft = Eagle3Model(Eagle3Config.from_target(model, draft_vocab_size=vocab.size))
     draft.set_vocab(vocab)
-    drafters = {
+    drafters: dict[str, Drafter] = {
         "prompt-lookup": PromptLookupDrafter(num_draft_tokens=5, max_nodes=12),
         "oracle-tree": OracleDrafter(truth, 4, width=3),
         "eagle3": Eagle3Drafter(draft.eval(), TargetHead.of(model), **EAGLE3_TREE),

@@ -32,7 +32,7 @@ def random_run(directory: Path, method: str, target: Any) -> Path:
     torch.manual_seed(0)
     text = target.config.get_text_config()
     config: MedusaConfig | EagleConfig | Eagle3Config
-    model: torch.nn.Module
+    model: Any
     if method == "medusa1":
         config = MedusaConfig(2, 1, int(text.hidden_size), int(text.vocab_size))
         model = MedusaHeads(config)

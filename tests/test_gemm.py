@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -119,7 +121,7 @@ def test_routing_is_scoped_and_leaves_other_layers_alone() -> None:
     assert "forward" not in plain.__dict__  # removed on error too
 
 
-def _routed_flags(model: nn.Module, block: int, route: bool) -> tuple[torch.Tensor, list[bool]]:
+def _routed_flags(model: Any, block: int, route: bool) -> tuple[torch.Tensor, list[bool]]:
     """Logits of one tree forward over a chain of ``block`` tokens after PROMPT, and whether the
     LM head ran with the routed forward installed."""
     cache = new_cache(model)

@@ -24,12 +24,10 @@ NEW_TOKENS = 40
 DEPTH = 4  # oracle depth: a fully accepted step commits DEPTH + 1 tokens
 
 
-def hf_greedy(
-    model: torch.nn.Module, prompt: Tensor, new_tokens: int, eos: int | None
-) -> list[int]:
+def hf_greedy(model: Any, prompt: Tensor, new_tokens: int, eos: int | None) -> list[int]:
     """transformers' own greedy decoding (the reference), generated ids only, cut after EOS."""
     ids = prompt[None]
-    out = model.generate(  # type: ignore[operator]
+    out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
         do_sample=False,
@@ -55,7 +53,7 @@ DRAFTERS: dict[str, Callable[[list[int]], Drafter | None]] = {
 
 
 @pytest.mark.parametrize("drafter_name", list(DRAFTERS))
-def test_greedy_output_equals_transformers(tiny_target: torch.nn.Module, drafter_name: str) -> None:
+def test_greedy_output_equals_transformers(tiny_target: Any, drafter_name: str) -> None:
     truth = hf_greedy(tiny_target, PROMPT, NEW_TOKENS, eos=None)
     streamed: list[int] = []
     result = generate(
@@ -100,7 +98,7 @@ def _eos_inside_a_draft(truth: list[int]) -> tuple[int, int]:
     raise AssertionError(f"no usable EOS candidate in {truth}")
 
 
-def test_eos_inside_an_accepted_draft_stops_right_after_it(tiny_target: torch.nn.Module) -> None:
+def test_eos_inside_an_accepted_draft_stops_right_after_it(tiny_target: Any) -> None:
     truth = hf_greedy(tiny_target, PROMPT, NEW_TOKENS, eos=None)
     eos, index = _eos_inside_a_draft(truth)
     result = generate(
@@ -176,6 +174,7 @@ class RecordingDrafter:
     """Wraps an oracle tree and records everything the loop tells it."""
 
     hidden_layers: tuple[int, ...] = (0, 1, -1)
+    max_nodes = 64
 
     def __init__(self, inner: OracleDrafter) -> None:
         self.inner = inner
@@ -195,7 +194,7 @@ class RecordingDrafter:
         self.hidden.append(hidden)
 
 
-def test_drafter_observes_the_state_before_each_new_token(tiny_target: torch.nn.Module) -> None:
+def test_drafter_observes_the_state_before_each_new_token(tiny_target: Any) -> None:
     truth = hf_greedy(tiny_target, PROMPT, 20, eos=None)
     drafter = RecordingDrafter(OracleDrafter(truth, 3, width=2))
     result = generate(tiny_target, PROMPT, drafter=drafter, max_new_tokens=20, eos_token_ids=())
@@ -256,7 +255,7 @@ def sharp_gpt2() -> Any:
     return model
 
 
-def exact_two_token_probs(model: torch.nn.Module, params: SamplingParams) -> tuple[Tensor, Tensor]:
+def exact_two_token_probs(model: Any, params: SamplingParams) -> tuple[Tensor, Tensor]:
     """p(t1) ``[V]`` and p(t2 | t1) ``[V, V]`` by enumerating every first token (one batch)."""
     with torch.no_grad():
         first = model(PROMPT[None]).logits[0, -1]
@@ -272,6 +271,7 @@ class TableDrafter:
     chain of ``depth - 1`` further tokens below it."""
 
     hidden_layers: tuple[int, ...] = ()
+    max_nodes = 64
 
     def __init__(self, table: Tensor, *, width: int, depth: int, random: bool, seed: int) -> None:
         self.table, self.width, self.depth, self.random = table, width, depth, random

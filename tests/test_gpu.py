@@ -7,12 +7,14 @@ greedy output equals transformers' ``generate`` token for token, for every draft
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from headway.decode.captured import StaticForward
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
-from headway.decode.forwards import EagerForward
+from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.generate import Decoder, Drafter, generate
 from headway.decode.kv import new_cache, prefill, tree_forward
 from headway.decode.options import DecodeOptions
@@ -35,7 +37,7 @@ CUDA = torch.device("cuda")
 PROMPT = [1, 5, 17, 33, 8, 40, 41, 9]
 
 
-def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+def hf_greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy decoding on CUDA (tests/test_generate.py's, given a CUDA prompt)."""
     return cpu_hf_greedy(model, torch.tensor(prompt, device=CUDA), new_tokens, eos=None)
 
@@ -131,7 +133,10 @@ def test_captured_logits_equal_the_eager_path_on_cuda(family: str) -> None:
     model = tiny_model(family).to(CUDA)
     prompt = torch.tensor([PROMPT], device=CUDA)
     parents = torch.tensor([-1, 0, 0, 1, -1])
-    paths = {"eager": EagerForward(model, small_blocks=False), "captured": StaticForward(model)}
+    paths: dict[str, TargetForward] = {
+        "eager": EagerForward(model, small_blocks=False),
+        "captured": StaticForward(model),
+    }
     logits: dict[str, list[torch.Tensor]] = {name: [] for name in paths}
     with torch.inference_mode():
         for name, path in paths.items():

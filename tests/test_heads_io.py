@@ -28,11 +28,11 @@ CONFIG = MedusaConfig(num_heads=2, num_layers=1, hidden_size=32, vocab_size=TINY
 
 
 @pytest.fixture(scope="module")
-def target() -> torch.nn.Module:
+def target() -> Any:
     return tiny_model("llama")
 
 
-def trained_like_heads(target: torch.nn.Module, seed: int = 0) -> dict[str, Tensor]:
+def trained_like_heads(target: Any, seed: int = 0) -> dict[str, Tensor]:
     """A Medusa state dict for ``target`` with every tensor non-trivial."""
     torch.manual_seed(seed)
     heads = MedusaHeads(CONFIG, target.get_output_embeddings().weight.detach())
@@ -42,9 +42,7 @@ def trained_like_heads(target: torch.nn.Module, seed: int = 0) -> dict[str, Tens
     return heads.state_dict()
 
 
-def save(
-    directory: Path, target: torch.nn.Module, state: dict[str, Tensor], **overrides: Any
-) -> Path:
+def save(directory: Path, target: Any, state: dict[str, Tensor], **overrides: Any) -> Path:
     arguments: dict[str, Any] = {
         "method": "medusa1",
         "head_config": CONFIG.to_dict(),
@@ -56,7 +54,7 @@ def save(
     return save_heads(directory, **arguments)
 
 
-def test_save_load_round_trip(tmp_path: Path, target: torch.nn.Module) -> None:
+def test_save_load_round_trip(tmp_path: Path, target: Any) -> None:
     state = trained_like_heads(target)
     run = save(tmp_path / "run", target, state)
     assert sorted(path.name for path in run.iterdir()) == ["config.json", "model.safetensors"]
@@ -80,9 +78,7 @@ def test_save_load_round_trip(tmp_path: Path, target: torch.nn.Module) -> None:
         assert torch.equal(loaded.state_dict[name], tensor), name
 
 
-def test_resave_replaces_files_and_keeps_other_entries(
-    tmp_path: Path, target: torch.nn.Module
-) -> None:
+def test_resave_replaces_files_and_keeps_other_entries(tmp_path: Path, target: Any) -> None:
     run = save(tmp_path / "run", target, trained_like_heads(target, seed=0))
     (run / "training_state").mkdir()
     (run / "training_state" / "step.txt").write_text("100")
@@ -105,7 +101,7 @@ def crash_mid_write(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_crash_during_the_first_save_leaves_nothing(
-    tmp_path: Path, target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, target: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     crash_mid_write(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
@@ -114,7 +110,7 @@ def test_a_crash_during_the_first_save_leaves_nothing(
 
 
 def test_a_crash_during_a_resave_keeps_the_old_heads(
-    tmp_path: Path, target: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, target: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     old = trained_like_heads(target, seed=0)
     run = save(tmp_path / "run", target, old)
@@ -126,7 +122,7 @@ def test_a_crash_during_a_resave_keeps_the_old_heads(
     assert [path.name for path in tmp_path.iterdir()] == ["run"]
 
 
-def test_weights_from_another_save_are_detected(tmp_path: Path, target: torch.nn.Module) -> None:
+def test_weights_from_another_save_are_detected(tmp_path: Path, target: Any) -> None:
     """A kill between moving the weights and the config leaves a mixed pair; load refuses it."""
     first = save(tmp_path / "first", target, trained_like_heads(target, seed=0))
     second = save(tmp_path / "second", target, trained_like_heads(target, seed=1))
@@ -136,9 +132,7 @@ def test_weights_from_another_save_are_detected(tmp_path: Path, target: torch.nn
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
-def test_corrupt_weights_give_one_clear_error(
-    tmp_path: Path, target: torch.nn.Module, damage: str
-) -> None:
+def test_corrupt_weights_give_one_clear_error(tmp_path: Path, target: Any, damage: str) -> None:
     run = save(tmp_path / "run", target, trained_like_heads(target))
     weights = run / "model.safetensors"
     data = weights.read_bytes()
@@ -156,7 +150,7 @@ def test_corrupt_weights_give_one_clear_error(
     assert type(error.value.__cause__).__name__ == "SafetensorError"
 
 
-def test_missing_folder_config_and_weights(tmp_path: Path, target: torch.nn.Module) -> None:
+def test_missing_folder_config_and_weights(tmp_path: Path, target: Any) -> None:
     with pytest.raises(HeadsError, match="no run directory"):
         load_heads(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
@@ -171,7 +165,7 @@ def test_missing_folder_config_and_weights(tmp_path: Path, target: torch.nn.Modu
         load_heads(run)
 
 
-def test_unknown_method_is_refused(tmp_path: Path, target: torch.nn.Module) -> None:
+def test_unknown_method_is_refused(tmp_path: Path, target: Any) -> None:
     run = save(tmp_path / "run", target, trained_like_heads(target))
     config = json.loads((run / "config.json").read_text())
     config["method"] = "medusa9"
@@ -182,7 +176,7 @@ def test_unknown_method_is_refused(tmp_path: Path, target: torch.nn.Module) -> N
         save(tmp_path / "other", target, trained_like_heads(target), method="medusa9")
 
 
-def test_missing_and_misshapen_tensors_are_named(tmp_path: Path, target: torch.nn.Module) -> None:
+def test_missing_and_misshapen_tensors_are_named(tmp_path: Path, target: Any) -> None:
     state = trained_like_heads(target)
     incomplete = {
         name: tensor for name, tensor in state.items() if name != "heads.1.lm_head.weight"
@@ -203,7 +197,7 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path: Path, target: torch.n
 
 
 def test_load_drafter_checks_the_target_fingerprint(
-    tmp_path: Path, target: torch.nn.Module, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, target: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     run = save(tmp_path / "run", target, trained_like_heads(target))
     drafter = load_drafter(run, target, choices=[[0], [0, 0]])

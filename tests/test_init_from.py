@@ -18,6 +18,7 @@ from headway.heads.loading import ENGINE_FORMATS
 from headway.run_config import RunConfig
 from headway.target import load_target
 from headway.train import loop
+from headway.train.method_eagle3 import Eagle3
 from headway.train.methods import build_method
 from tests.test_eagle3_training import workspace  # noqa: F401 (a fixture)
 
@@ -93,10 +94,12 @@ def test_eagle3_starts_from_an_export_and_keeps_its_draft_vocabulary(
     overrides = ["train.method=eagle3", f"data.sources={other}"]
     target = load_target(workspace / "target", device="cpu")
     fresh = build_method(config(workspace, "unused", *overrides), target)
+    assert isinstance(fresh, Eagle3)
     assert not torch.equal(fresh.draft.d2t, start["d2t"])  # this data alone chooses otherwise
     tuned = build_method(
         config(workspace, "unused", *overrides, f"train.init_from={exported}"), target
     )
+    assert isinstance(tuned, Eagle3)
     assert torch.equal(tuned.draft.d2t, start["d2t"]) and torch.equal(tuned.draft.t2d, start["t2d"])
     for name, value in tuned.draft.state_dict().items():
         torch.testing.assert_close(value, start[name].to(value.dtype), msg=name)

@@ -5,6 +5,7 @@ sampled tokens keep the target's distribution (chi-square)."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -70,7 +71,7 @@ def test_sampled_chains_keep_the_target_distribution() -> None:
 
 
 def answers(
-    model: torch.nn.Module, prompts: dict[str, list[int]], eos: list[int], **options: int
+    model: Any, prompts: dict[str, list[int]], eos: list[int], **options: Any
 ) -> tuple[dict[str, list[int]], ContinuousBatcher]:
     batcher = ContinuousBatcher(
         model, slots=4, max_new_tokens=NEW, eos_token_ids=eos, pad_token_id=0, **options
@@ -186,7 +187,9 @@ def test_sampling_through_the_batcher_with_lookahead_keeps_the_target_distributi
     pairs = [(a, b) for a in range(vocab) for b in range(vocab)]
     likely = [(a, b) for a, b in pairs if first[a] * second_given[a, b] > 1e-4]
     third_given = next_probs([[*prompt, a, b] for a, b in likely])
-    third = sum(first[a] * second_given[a, b] * third_given[i] for i, (a, b) in enumerate(likely))
+    third = torch.stack(
+        [first[a] * second_given[a, b] * third_given[i] for i, (a, b) in enumerate(likely)]
+    ).sum(0)
     third = third / third.sum()  # the pairs left out carry < 1e-4 each
 
     def chi_square_p(tokens: list[int], expected: torch.Tensor) -> float:

@@ -10,9 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from headway.errors import DataError
 from headway.target import Target
 from headway.train.answering import ENGINES
 from headway.train.batched_generation import ContinuousBatcher
@@ -73,8 +75,21 @@ def test_both_engines_stop_at_loops_alike(tiny_chat_target: Target, tmp_path: Pa
             > 0
         )
     assert rows["continuous"] == rows["generate"]
-    plain = regenerate_folder(tiny_chat_target, tmp_path / "plain", replace(OPTIONS))
-    assert "stop_loops" not in plain["settings"]  # older folders resume unchanged
+
+
+def test_folder_from_before_an_option_resumes(tiny_chat_target: Target, tmp_path: Path) -> None:
+    """A manifest written before `stop_loops` existed lacks it: the folder ran as its default
+    (0), so it resumes under 0 and is refused under another value."""
+    out = tmp_path / "old"
+    plain = regenerate_folder(tiny_chat_target, out, OPTIONS)
+    assert plain["settings"]["stop_loops"] == 0
+    del plain["settings"]["stop_loops"]  # as an older headway wrote it
+    (out / "manifest.json").write_text(json.dumps(plain))
+    rows = read_all(out)
+    assert regenerate_folder(tiny_chat_target, out, OPTIONS)["rows"] == len(rows)
+    assert read_all(out) == rows
+    with pytest.raises(DataError, match="stop_loops differ"):
+        regenerate_folder(tiny_chat_target, out, replace(OPTIONS, stop_loops=2))
 
 
 def regenerate_folder(target: Target, out: Path, options: RegenerateOptions) -> dict[str, Any]:

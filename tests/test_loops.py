@@ -82,6 +82,7 @@ def test_datasets_reports_and_inspect_take_the_loop_out(tmp_path: Path) -> None:
     assert len(trimmed[0]["input_ids"]) == len(whole[0]["input_ids"]) - report.loop_removed
     assert "in repetition loops removed" in report.summary()
     text = tokenizer.decode(trimmed[0]["input_ids"])
+    assert isinstance(text, str)
     assert text.count("| a | b |") in (3, 4) and text.endswith("Done.<|im_end|>\n")
     fits = len(trimmed[0]["input_ids"])
     sample = tokenize_sample(tokenizer, conversation(LOOPING["messages"]), max_length=fits)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -58,9 +59,9 @@ def test_blocks_and_heads_are_distinct_parameters() -> None:
     assert len(set(pointers)) == len(pointers)
 
     with torch.no_grad():  # the reference's `[ResBlock] * L` would change both blocks here
-        heads.heads[0].blocks[0].linear.weight.add_(1.0)
-    assert bool((heads.heads[0].blocks[1].linear.weight == 0).all())
-    assert bool((heads.heads[1].blocks[0].linear.weight == 0).all())
+        heads.get_parameter("heads.0.blocks.0.linear.weight").add_(1.0)
+    assert bool((heads.get_parameter("heads.0.blocks.1.linear.weight") == 0).all())
+    assert bool((heads.get_parameter("heads.1.blocks.0.linear.weight") == 0).all())
 
 
 def test_training_one_head_leaves_the_others_alone() -> None:
@@ -78,7 +79,7 @@ def test_training_one_head_leaves_the_others_alone() -> None:
     assert "heads.0.blocks.1.linear.weight" in changed
 
 
-def test_fresh_heads_equal_the_lm_head(tiny_target: torch.nn.Module) -> None:
+def test_fresh_heads_equal_the_lm_head(tiny_target: Any) -> None:
     layer = final_hidden_layer(tiny_target)
     ids = PROMPT[None]
     with torch.no_grad():
@@ -91,7 +92,8 @@ def test_fresh_heads_equal_the_lm_head(tiny_target: torch.nn.Module) -> None:
     assert logits.shape == (3, 1, PROMPT.numel(), TINY_VOCAB)
     for head_logits in logits:
         torch.testing.assert_close(head_logits, outputs.logits, atol=1e-6, rtol=1e-6)
-    assert heads.heads[0].lm_head.weight.data_ptr() != lm_head.data_ptr()  # a copy, not an alias
+    copied = heads.get_parameter("heads.0.lm_head.weight")
+    assert copied.data_ptr() != lm_head.data_ptr()  # a copy, not an alias
 
 
 def test_forward_shapes_and_first_heads_only() -> None:
@@ -240,9 +242,9 @@ def test_distillation_kl_is_teacher_to_student() -> None:
 # ----------------------------------------------------------------------------- drafter
 
 
-def hf_greedy(model: torch.nn.Module, prompt: Tensor) -> list[int]:
+def hf_greedy(model: Any, prompt: Tensor) -> list[int]:
     ids = prompt[None]
-    out = model.generate(  # type: ignore[operator]
+    out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
         do_sample=False,
@@ -253,7 +255,7 @@ def hf_greedy(model: torch.nn.Module, prompt: Tensor) -> list[int]:
     return tokens
 
 
-def train_heads(model: torch.nn.Module, heads: MedusaHeads, sequence: Tensor, steps: int) -> None:
+def train_heads(model: Any, heads: MedusaHeads, sequence: Tensor, steps: int) -> None:
     """Fit ``heads`` to the target's own greedy ``sequence`` ``[T]`` (a few Adam steps)."""
     layer = final_hidden_layer(model)
     with torch.no_grad():
@@ -269,7 +271,7 @@ def train_heads(model: torch.nn.Module, heads: MedusaHeads, sequence: Tensor, st
         optimizer.step()
 
 
-def test_medusa_drafter_keeps_greedy_output(tiny_target: torch.nn.Module) -> None:
+def test_medusa_drafter_keeps_greedy_output(tiny_target: Any) -> None:
     torch.manual_seed(0)
     lm_head = tiny_target.get_output_embeddings().weight.detach()
     heads = MedusaHeads(MedusaConfig(3, 1, 32, TINY_VOCAB), lm_head)
@@ -329,7 +331,7 @@ def test_choices_are_resolved_and_trimmed_to_the_heads() -> None:
         MedusaDrafter(heads, hidden_layer=2, choices=[[0], [5]])
 
 
-def test_final_hidden_state_is_the_lm_head_input(tiny_target: torch.nn.Module) -> None:
+def test_final_hidden_state_is_the_lm_head_input(tiny_target: Any) -> None:
     layer = final_hidden_layer(tiny_target)
     assert layer == tiny_target.config.num_hidden_layers
     check_final_hidden(tiny_target, layer)

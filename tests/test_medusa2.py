@@ -39,7 +39,7 @@ def medusa2_config(*overrides: str) -> RunConfig:
     return load_config(RunConfig, None, ["train.method=medusa2", *SMALL, *overrides])
 
 
-def as_target(model: nn.Module) -> Target:
+def as_target(model: Any) -> Target:
     """A target without a tokenizer (Medusa-2's training step and the decoder never tokenize)."""
     return Target(model=cast(Any, model), tokenizer=cast(Any, None), source="tiny")
 
@@ -61,7 +61,7 @@ def batch_of(seed: int = 0, batch: int = 3, length: int = 24) -> dict[str, Tenso
     return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
 
 
-def logits(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+def logits(model: Any, batch: dict[str, Tensor]) -> Tensor:
     with torch.no_grad():
         out: Tensor = model(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
@@ -75,7 +75,7 @@ def q_proj(model: Any) -> Tensor:
     return weight
 
 
-def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+def lora_parameters(model: Any) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if "lora_" in name}
 
 

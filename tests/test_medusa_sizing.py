@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -85,6 +86,7 @@ def test_flat_costs_send_the_whole_tree_and_steep_costs_nothing() -> None:
     assert sent.tokens.tolist() == expected.tokens.tolist()
     assert sent.parents.tolist() == expected.parents.tolist()
     unsure, _ = observed(heads, STEEP)
+    assert isinstance(unsure, LoopSized)
     assert unsure.propose(PROMPT).size == 0
     unsure.observe(torch.tensor([3]), (torch.randn(1, 8),))  # nothing was sent: nothing learnt
     assert unsure.calibration is not None and unsure.calibration.scale == 1.0
@@ -125,7 +127,7 @@ def test_heads_that_are_always_rejected_stop_being_sent() -> None:
     assert drafter.calibration is not None and drafter.calibration.scale < 0.25
 
 
-def test_cost_sized_medusa_keeps_greedy_output(tiny_target: torch.nn.Module) -> None:
+def test_cost_sized_medusa_keeps_greedy_output(tiny_target: Any) -> None:
     truth = hf_greedy(tiny_target, PROMPT, NEW_TOKENS, eos=None)
     lm_head = tiny_target.get_output_embeddings().weight.detach()
     torch.manual_seed(0)

@@ -5,6 +5,7 @@ samples equals the loss of the same samples padded."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sized
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from headway.train.batching import pack, pad_collate
 from headway.train.data import build_dataset, pad_id_of
 from headway.train.features import OnlineFeatures
 from headway.train.loop_data import training_data
-from headway.train.methods import build_method
+from headway.train.methods import build_method, feature_layers
 from tests.test_eagle3 import tiny4
 from tests.tokenizers_fixture import smollm2_tokenizer
 
@@ -77,6 +78,7 @@ def test_loop_trains_packed_blocks_when_asked(workspace: Path) -> None:
         train_set, _, collate = training_data(
             config(workspace, "medusa1", f"data.pack={packed}", "data.max_length=512"), target
         )
+        assert isinstance(train_set, Sized)
         batch = collate([train_set[i] for i in range(len(train_set))])
         fours = [collate([train_set[i] for i in range(j, min(j + 4, len(train_set)))])
                  for j in range(0, len(train_set), 4)]  # fmt: skip
@@ -105,7 +107,7 @@ def test_packed_loss_equals_padded_loss(workspace: Path, method: str) -> None:
     assert packed["input_ids"].shape[0] < padded["input_ids"].shape[0]  # really packed
     torch.manual_seed(0)
     loss_fn = build_method(config(workspace, method), target).eval()
-    features = OnlineFeatures(target.model, loss_fn.feature_layers)
+    features = OnlineFeatures(target.model, feature_layers(loss_fn))
     with torch.no_grad():
         from_padded = loss_fn(padded, features(padded))
         from_packed = loss_fn(packed, features(packed))

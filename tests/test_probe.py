@@ -51,9 +51,14 @@ def test_a_model_that_drops_the_mask_is_refused_before_decoding() -> None:
 
 def test_the_probe_runs_once_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_model("qwen2")
-    calls = []
+    calls: list[int] = []
     real = probe.tree_forward
-    monkeypatch.setattr(probe, "tree_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(probe, "tree_forward", counted)
     with torch.no_grad():
         check_tree_mask(model)
         check_tree_mask(model)

@@ -125,8 +125,8 @@ def test_confident_medusa_drafts_only_above_the_threshold() -> None:
     heads = MedusaHeads(config)
     with torch.no_grad():
         for head in heads.heads:
-            head.lm_head.weight.zero_()  # type: ignore[union-attr]
-        heads.heads[0].lm_head.weight[3, 0] = 10.0  # type: ignore[union-attr,index]
+            head.lm_head.weight.zero_()  # type: ignore[union-attr, operator]
+        heads.heads[0].lm_head.weight[3, 0] = 10.0  # type: ignore[union-attr, operator]
     hidden = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
     sure = ConfidentMedusaDrafter(heads, hidden_layer=0, threshold=0.9, max_depth=2)
     sure.begin(torch.tensor([1]))

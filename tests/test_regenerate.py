@@ -8,6 +8,7 @@ import json
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,7 +52,7 @@ def items() -> list[PromptItem]:
     ]
 
 
-def read_all(out: Path) -> list[dict[str, object]]:
+def read_all(out: Path) -> list[dict[str, Any]]:
     shards = sorted((out / "data").glob("part-*.jsonl*"))
     return [row for path in shards for row in read_jsonl(path)]
 
@@ -66,7 +67,7 @@ def test_regenerate_writes_every_conversation_once(
     assert [row["id"] for row in rows] == listed  # shards follow prompts.jsonl
     assert manifest["complete"] and manifest["rows"] == 8
     multi = next(row for row in rows if row["id"] == "t/0")
-    roles = [m["role"] for m in multi["messages"]]  # type: ignore[index, union-attr]
+    roles = [m["role"] for m in multi["messages"]]
     assert roles == ["user", "assistant", "user", "assistant"]
     assert len(list((tmp_path / "data").glob("part-*.jsonl*"))) == 3  # ceil(8 / 3)
     assert not list(tmp_path.rglob(".*"))  # no temporary files left behind

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from headway.drafters.shipped import (
     DEFAULTS,
@@ -81,6 +82,7 @@ def test_each_shipped_drafter_decodes_losslessly(name: str) -> None:
     prompt = target.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, return_tensors="pt", return_dict=False
     )[0]
+    assert isinstance(prompt, torch.Tensor)
     truth = hf_greedy(target.model, prompt, 64, eos=None)
     result = generate(target.model, prompt, drafter=drafter, max_new_tokens=64, eos_token_ids=())
     assert result.tokens == truth

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -104,7 +105,7 @@ def test_conversion_is_reused_once_complete(
     gguf.write_bytes(b"GGUF")
     calls: list[str] = []
 
-    def fake_load(folder: Path, gguf_file: str, **kwargs: object) -> torch.nn.Module:
+    def fake_load(folder: Path, gguf_file: str, **kwargs: object) -> Any:
         calls.append(gguf_file)
         return tiny_model("llama")
 
@@ -132,13 +133,15 @@ def test_embedded_smollm2_loads_and_answers(smollm2: Target) -> None:
     target = smollm2
     fp = fingerprint(target.model)
     assert (fp.hidden_size, fp.vocab_size, fp.num_layers) == (576, 49152, 30)
-    ids = target.tokenizer.apply_chat_template(
+    encoded: Any = target.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
         return_tensors="pt",
         return_dict=True,
-    )["input_ids"]
-    out = target.model.generate(ids, max_new_tokens=8, do_sample=False)
+    )
+    ids = encoded["input_ids"]
+    model: Any = target.model  # generate() comes from transformers' GenerationMixin
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in target.tokenizer.decode(out[0, ids.shape[1] :])
 
 

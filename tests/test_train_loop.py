@@ -27,7 +27,7 @@ from headway.train.features import (
     cached_hidden,
     collate_cached,
 )
-from headway.train.methods import build_method
+from headway.train.methods import build_method, feature_layers
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 
@@ -141,7 +141,7 @@ def test_online_and_offline_features_give_the_same_loss(workspace: Path, tmp_pat
     dataset, _ = build_dataset(target.tokenizer, workspace / "chat.jsonl", max_length=64)
     dataset = dataset.select_columns(["input_ids", "loss_mask"])
     method = build_method(config, target)
-    layers = tuple(method.feature_layers)
+    layers = feature_layers(method)
     manifest = cache_features(
         target.model,
         dataset,

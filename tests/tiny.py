@@ -5,6 +5,8 @@ Each family exercises a different stock transformers implementation; none is dow
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -68,7 +70,7 @@ def tiny_config(family: str, *, vocab_size: int = TINY_VOCAB) -> PretrainedConfi
 
 def tiny_model(
     family: str, *, seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = TINY_VOCAB
-) -> torch.nn.Module:
+) -> Any:
     """A tiny random causal LM of `family` in eval mode, fp32, on CPU, deterministic in `seed`.
 
     The per-family ``initializer_range`` in :func:`tiny_config` is chosen so greedy continuations

@@ -38,7 +38,7 @@ from headway.run_config import RunConfig
 from headway.target import fingerprint, load_target
 from headway.train.curves import CURVE_FILE, record_eval, simulated_tau, write_learning_curve
 from headway.train.loop_data import feature_source, training_data
-from headway.train.methods import build_method
+from headway.train.methods import build_method, feature_layers
 
 logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
@@ -230,7 +230,7 @@ def _train(config: RunConfig, run_dir: Path, *, resume: bool) -> Path:
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, config.train.warmup_steps, config.train.max_steps
     )
-    layers = tuple(method.feature_layers)  # type: ignore[arg-type]
+    layers = feature_layers(method)
     prepared = accelerator.prepare(method, optimizer, train_loader, eval_loader, scheduler)
     method, optimizer, train_loader, eval_loader, scheduler = prepared
     progress = Progress()

@@ -109,6 +109,12 @@ METHODS: dict[str, MethodBuilder] = {
 }
 
 
+def feature_layers(method: nn.Module) -> tuple[int, ...]:
+    """The target hidden-state layers ``method`` (a :class:`Method`) reads, as a tuple of ints."""
+    layers: tuple[int, ...] = method.feature_layers  # type: ignore[assignment]
+    return tuple(int(layer) for layer in layers)
+
+
 def build_method(config: RunConfig, target: Target) -> nn.Module:
     """The trainable module of ``config.train.method`` for `target`, its heads started from
     ``train.init_from`` when set (:mod:`headway.train.init_weights`)."""

@@ -252,6 +252,10 @@ def _check_manifest(path: Path, settings: dict[str, Any]) -> None:
         ) from None
     if not isinstance(previous, dict):
         raise DataError(f"{path}: 'settings' is not an object; {_DAMAGED}")
+    # An option added after a folder was written is absent from its manifest: it ran as the
+    # option's default, so such a folder resumes unchanged under that default.
+    defaults = asdict(RegenerateOptions())
+    previous = {**{k: defaults[k] for k in settings if k in defaults}, **previous}
     if previous != settings:
         changed = sorted(key for key in settings if previous.get(key) != settings[key])
         raise DataError(
@@ -297,8 +301,6 @@ def _regenerate(
 ) -> dict[str, Any]:
     # What decides the answers; the speed options may change on a resume.
     what = {k: v for k, v in asdict(options).items() if k not in SPEED_OPTIONS}
-    if not options.stop_loops:  # folders written before the option resume unchanged
-        del what["stop_loops"]
     settings = {**what, "mix": mix, "target": fingerprint(target.model).to_dict()}
     manifest_path = out_dir / "manifest.json"
     _check_manifest(manifest_path, settings)
