@@ -5,6 +5,7 @@ of another method or shape in one line."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 from headway.config import load_config
 from headway.errors import ConfigError, HeadwayError
+from headway.eval.heads_only import heads_only
 from headway.heads.io import load_heads
 from headway.heads.loading import ENGINE_FORMATS
 from headway.run_config import RunConfig
@@ -50,6 +52,28 @@ def config(root: Path, run: str, *overrides: str) -> RunConfig:
     )
 
 
+def other_data(root: Path) -> Path:
+    """Chat data with other replies than the workspace's: counting its tokens would choose
+    another draft vocabulary."""
+    other = root / "other.jsonl"
+    other.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"question {i}: tell me something"},
+                        {"role": "assistant", "content": OTHER_REPLIES[i % 4] * (2 + i % 3)},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(24)
+        ),
+        "utf-8",
+    )
+    return other
+
+
 def evals(run_dir: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
 
@@ -74,22 +98,7 @@ def test_eagle3_starts_from_an_export_and_keeps_its_draft_vocabulary(
 ) -> None:
     trained = loop.train(config(workspace, "eagle3-a", "train.method=eagle3"))
     exported = ENGINE_FORMATS["eagle3-hf"].write(load_heads(trained), workspace / "eagle3-export")
-    other = workspace / "other.jsonl"  # other replies: counting them would choose another vocab
-    other.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "messages": [
-                        {"role": "user", "content": f"question {i}: tell me something"},
-                        {"role": "assistant", "content": OTHER_REPLIES[i % 4] * (2 + i % 3)},
-                    ]
-                }
-            )
-            + "\n"
-            for i in range(24)
-        ),
-        "utf-8",
-    )
+    other = other_data(workspace)
     start = load_file(str(trained / "model.safetensors"))
     overrides = ["train.method=eagle3", f"data.sources={other}"]
     target = load_target(workspace / "target", device="cpu")
@@ -138,3 +147,41 @@ def test_heads_of_another_method_or_shape_are_refused_in_one_line(
             target,
         )
     assert "\n" not in str(missing.value)
+
+
+def test_a_fine_tune_resumes_and_evaluates_without_the_folder_it_started_from(
+    workspace: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After the heads a run started from are gone, ``--resume`` continues from its checkpoint
+    (draft vocabulary included) to the weights of a run never stopped, and its heads evaluate."""
+    trained = loop.train(config(workspace, "eagle3-c", "train.method=eagle3"))
+    start = ENGINE_FORMATS["eagle3-hf"].write(load_heads(trained), tmp_path / "start")
+    overrides = [
+        "train.method=eagle3",
+        f"data.sources={other_data(workspace)}",  # alone, it would choose another vocabulary
+        f"train.init_from={start}",
+        "train.save_every=3",
+    ]
+    uninterrupted = loop.train(config(workspace, "tune-full", *overrides))
+
+    def stop_at_step_three(progress: loop.Progress) -> None:
+        if progress.step == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "after_checkpoint", stop_at_step_three)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(config(workspace, "tune-stopped", *overrides))
+    monkeypatch.setattr(loop, "after_checkpoint", lambda progress: None)
+    shutil.rmtree(start)
+    resumed = loop.train(config(workspace, "tune-stopped", *overrides), resume=True)
+    expected = load_file(str(uninterrupted / "model.safetensors"))
+    actual = load_file(str(resumed / "model.safetensors"))
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=name)
+    scores = [
+        heads_only(run, num_samples=4, progress=False).metrics for run in (uninterrupted, resumed)
+    ]
+    assert scores[0] == scores[1] and scores[0]["depth1/tokens"] > 0

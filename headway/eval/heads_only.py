@@ -113,7 +113,7 @@ def load_trained_method(run_dir: Path, config: RunConfig, target: Target, *, for
     """Rebuild the run's training method for ``target`` and load the saved heads into it."""
     loaded = load_heads(run_dir)
     check_fingerprint(loaded.fingerprint, fingerprint(target.model), force=force)
-    method = build_method(config, target)
+    method = build_method(config, target, from_init=False)  # the run's own heads replace them
     _trainable_child(method, loaded.state_dict).load_state_dict(loaded.state_dict)
     load_adapter = getattr(method, "load_adapter", None)  # Medusa-2: the heads read the adapted
     if load_adapter is not None:  # target, so its LoRA weights come back too

@@ -220,7 +220,7 @@ def _train(config: RunConfig, run_dir: Path, *, resume: bool) -> Path:
         attn_implementation=config.target.attn_implementation,
     )
     train_set, eval_set, collate = training_data(config, target)
-    method = build_method(config, target)
+    method = build_method(config, target, from_init=checkpoint is None)  # resumed: checkpoint
     batch = config.train.batch_size
     train_loader = DataLoader(train_set, batch_size=batch, shuffle=True, collate_fn=collate)
     eval_loader = DataLoader(eval_set, batch_size=batch, collate_fn=collate)

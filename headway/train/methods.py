@@ -115,13 +115,17 @@ def feature_layers(method: nn.Module) -> tuple[int, ...]:
     return tuple(int(layer) for layer in layers)
 
 
-def build_method(config: RunConfig, target: Target) -> nn.Module:
+def build_method(config: RunConfig, target: Target, *, from_init: bool = True) -> nn.Module:
     """The trainable module of ``config.train.method`` for `target`, its heads started from
-    ``train.init_from`` when set (:mod:`headway.train.init_weights`)."""
+    ``train.init_from`` when set (:mod:`headway.train.init_weights`).
+
+    ``from_init=False`` leaves ``train.init_from`` unread, for a caller that loads the run's own
+    weights next (a resumed run's checkpoint, a finished run's heads): the folder it started
+    from may since have moved."""
     builder = METHODS.get(config.train.method)
     if builder is None:
         raise ConfigError(
             f"train.method={config.train.method!r} is not available yet; "
             f"available: {', '.join(sorted(METHODS))}"
         )
-    return builder(config, target, init=initial_heads(config, target))
+    return builder(config, target, init=initial_heads(config, target) if from_init else None)
