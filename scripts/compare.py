@@ -7,6 +7,9 @@ Configurations (batch 1, greedy, interleaved prompt by prompt after a warm-up of
 - ``prompt lookup``: headway's prompt-lookup drafter, with its adaptive draft length and sized
   per step by the measured verify cost (``sizing="cost"``);
 - with ``--retrieval-data``: the retrieval drafter (prompt lookup, then that corpus);
+- with ``--fallback``: each run's drafter behind the cheap guesses, cost-sized: prompt lookup's
+  exact matches, then the corpus (with ``--retrieval-data``), and the trained drafter only on
+  steps where they have nothing (``FirstDrafter``);
 - for each run directory given: Medusa-1 heads with their default tree; EAGLE-1 and EAGLE-3 as a
   chain (``top_k=1``), as an EAGLE-2 dynamic tree of fixed size, and as the same tree sized per
   step by the target's measured verify cost (``sizing="cost"``). The method is read from the
@@ -38,7 +41,9 @@ from tqdm.auto import tqdm
 
 from headway.api import prompt_ids
 from headway.decode.bench import timed
+from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.generate import Decoder, Drafter
+from headway.decode.merged import FirstDrafter
 from headway.decode.options import DecodeOptions
 from headway.drafters.build import build_drafter, spec_for
 from headway.drafters.specs import EagleSpec, MedusaSpec, PromptLookupSpec, RetrievalSpec
@@ -123,6 +128,12 @@ def parse_args() -> argparse.Namespace:
         help="how headway's rows run the target's verify forward: eager (default), captured "
         "(a static cache, CUDA graphs on a GPU) or both (every headway row twice)",
     )
+    parser.add_argument(
+        "--fallback",
+        action="store_true",
+        help="also run each run's drafter (cost-sized) only where prompt lookup, and the "
+        "--retrieval-data corpus if given, find nothing",
+    )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     return parser.parse_args()
 
@@ -200,10 +211,12 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     ]
     paths = ["eager", "captured"] if args.verify == "both" else [args.verify]
 
-    def add(name: str, spec: Any, sizing: str = "drafter") -> None:
+    def add(name: str, spec: Any, sizing: str = "drafter", *, fallback: bool = False) -> None:
         for verify in paths:  # a drafter per row: drafters keep state between steps
             suffix = ", captured" if verify == "captured" else ""
             drafter = build_drafter(spec, target)
+            if fallback:
+                drafter = behind_cheap_guesses(drafter, target, args.retrieval_data)
             rows.append(headway_row(name + suffix, target, drafter, sizing, verify))
 
     add("prompt lookup", PromptLookupSpec(num_draft_tokens=args.lookup_tokens))
@@ -223,16 +236,29 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
                 f"`headway eval --heads {run_dir}` (its baseline is the merged target)."
             )
         spec = spec_for(heads=run_dir)
+        first = "prompt lookup, corpus" if args.retrieval_data else "prompt lookup"
         if isinstance(spec, MedusaSpec):
             add(f"{method} {name}", spec)
             add(f"{method} cost-sized {name}", spec, "cost")
         elif isinstance(spec, EagleSpec):
             depth = args.eagle_depth
             add(f"{method} chain {name}", EagleSpec(heads=run_dir, top_k=1, depth=depth))
-            tree = EagleSpec(heads=run_dir, depth=depth)
-            add(f"{method} dynamic tree {name}", tree)
-            add(f"{method} dynamic tree, cost-sized {name}", tree, "cost")
+            spec = EagleSpec(heads=run_dir, depth=depth)
+            add(f"{method} dynamic tree {name}", spec)
+            add(f"{method} dynamic tree, cost-sized {name}", spec, "cost")
+        if args.fallback:
+            add(f"{first}, then {method} cost-sized {name}", spec, "cost", fallback=True)
     return rows
+
+
+def behind_cheap_guesses(drafter: Drafter, target: Target, corpus: str | None) -> Drafter:
+    """``drafter`` proposing only where prompt lookup's exact matches (self-sized, as in the
+    retrieval drafter) and the ``corpus``'s guesses, if any, have nothing."""
+    if corpus:
+        retrieval = build_drafter(RetrievalSpec(data=(corpus,)), target)
+        assert isinstance(retrieval, FirstDrafter)
+        return FirstDrafter([*retrieval.drafters, drafter], self_sized=1)
+    return FirstDrafter([PromptLookupDrafter(), drafter], self_sized=1)
 
 
 def measure(rows: list[Row], target: Target, encoded: list[torch.Tensor], new: int) -> None:

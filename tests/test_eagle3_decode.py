@@ -10,7 +10,9 @@ import pytest
 import torch
 from torch import Tensor
 
+from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.generate import generate
+from headway.decode.merged import FirstDrafter
 from headway.decode.sampling import SamplingParams
 from headway.heads.drafter_eagle3 import Eagle3Drafter
 from headway.heads.eagle import TargetHead
@@ -102,6 +104,25 @@ def test_kv_rollback_gives_the_drafts_of_a_fresh_drafter(family: str) -> None:
     recorder = Recorder(Eagle3Drafter(trained(family), TargetHead.of(model), **TREE))
     generate(model, PROMPT, drafter=recorder, max_new_tokens=20, eos_token_ids=())
     assert len(recorder.proposals) > 3
+    fresh = Eagle3Drafter(trained(family), TargetHead.of(model), **TREE)
+    for sequence, tree in recorder.proposals:
+        again = fed(fresh, model, sequence).propose(sequence)
+        assert again.tokens.tolist() == tree.tokens.tolist()
+        assert again.parents.tolist() == tree.parents.tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_behind_prompt_lookup_it_drafts_as_a_fresh_drafter_would(family: str) -> None:
+    """Behind prompt lookup (``FirstDrafter``, as ``scripts/compare.py --fallback`` runs it) the
+    drafter proposes only on the steps prompt lookup has nothing for, yet observes every step:
+    each of its proposals equals a fresh drafter's on the same sequence, and the output stays
+    the target's greedy one."""
+    model, truth = target_and_truth(family)
+    recorder = Recorder(Eagle3Drafter(trained(family), TargetHead.of(model), **TREE))
+    drafter = FirstDrafter([PromptLookupDrafter(), recorder], self_sized=1)
+    result = generate(model, PROMPT, drafter=drafter, max_new_tokens=NEW_TOKENS, eos_token_ids=())
+    assert result.tokens == truth
+    assert 0 < len(recorder.proposals) < result.num_forwards - 1  # prompt lookup took some steps
     fresh = Eagle3Drafter(trained(family), TargetHead.of(model), **TREE)
     for sequence, tree in recorder.proposals:
         again = fed(fresh, model, sequence).propose(sequence)
