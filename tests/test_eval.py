@@ -12,6 +12,7 @@ import torch
 
 from headway.cli import main
 from headway.decode.drafters import OracleDrafter
+from headway.decode.options import DecodeOptions
 from headway.eval.acceptance import acceptance_stats, draft_steps
 from headway.eval.heads_only import weighted_means
 from headway.eval.plots import PLOT_NAMES
@@ -156,6 +157,31 @@ def test_oracle_drafter_is_identical_and_counted_exactly(tmp_path: Path) -> None
     assert report["acceptance_by_depth"] == pytest.approx([6 / 7, 6 / 7])
     assert report["conditional_acceptance_by_depth"] == pytest.approx([6 / 7, 1.0])
     assert report["drafted_by_depth"] == pytest.approx([1.0, 6 / 7])
+    assert report["verify_ms_by_block_size"] is None  # the drafter sized its own trees
+
+
+def test_a_cost_sized_run_reports_the_verify_costs_it_sized_by(tmp_path: Path) -> None:
+    from headway.target import load_target
+
+    target = load_target(_tiny_target(tmp_path), device="cpu")
+    prompt = EvalPrompt("p0", "chat", "hello there")
+    drafter = OracleDrafter(_greedy(target, prompt.text, 12), depth=3)
+    report = evaluate(
+        target,
+        drafter,
+        [prompt],
+        EvalSettings(max_new_tokens=12),
+        tmp_path / "c",
+        drafter_info={"name": "oracle"},
+        prompt_set="inline",
+        options=DecodeOptions(sizing="cost"),
+        progress=False,
+    )
+    costs = report["verify_ms_by_block_size"]
+    assert len(costs) == drafter.max_nodes + 1 and all(ms > 0 for ms in costs)
+    assert report["decode"]["sizing"] == "cost"
+    summary = (tmp_path / "c" / "summary.md").read_text()
+    assert f"1: {costs[0]:.1f}, 2: {costs[1]:.1f}" in summary
 
 
 def _greedy(target: Target, text: str, new: int) -> list[int]:

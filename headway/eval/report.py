@@ -26,6 +26,9 @@ generation wall time, speedups are ratios measured in the same run::
                       "plain_seconds", "tau", "stop_reason", "identical"}],
       "timing": {"run_seconds", "decode_seconds", "warmup_seconds", "overhead_seconds"},
       "overhead_fraction": float,                # (run - decode) / run
+      "decode": {"sizing", "gemm", "acceptance", "verify"},   # the DecodeOptions
+      "verify_ms_by_block_size": [ms, ...] | null,  # sizing "cost": one verify forward over
+                                                 # 1, 2, ... block tokens, as the sizer timed it
       "definitions": {name: text}, "files": {"summary": ..., "plots": [...]}
     }
 
@@ -172,6 +175,9 @@ def build_report(
         "identical_prompts": identical if greedy else None,
         "per_category": _per_category(records),
         "per_prompt": [_per_prompt(record, greedy) for record in records],
+        "verify_ms_by_block_size": (
+            None if run.verify_seconds is None else [1000 * s for s in run.verify_seconds]
+        ),
         "definitions": DEFINITIONS,
     }
 
@@ -223,6 +229,13 @@ def summary_markdown(report: dict[str, Any]) -> str:
             f"{row['drafter_tokens_per_s']:.1f} | {row['plain_tokens_per_s']:.1f} | "
             f"{_fmt(row['speedup'], '.2f', 'x')} |"
         )
+    verify_ms = report.get("verify_ms_by_block_size")
+    if verify_ms:
+        costs = ", ".join(f"{size}: {ms:.1f}" for size, ms in enumerate(verify_ms, start=1))
+        lines += [
+            "",
+            "One verify forward by block size (tokens: ms), as cost sizing timed it: " + costs,
+        ]
     timing = report.get("timing")
     if timing:
         lines += [

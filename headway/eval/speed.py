@@ -113,6 +113,9 @@ class SpeedRun:
     settings: EvalSettings
     records: list[PromptRecord] = field(default_factory=list)
     warmup_seconds: float = 0.0
+    verify_seconds: list[float] | None = None
+    """Seconds of one verify forward over 1, 2, ... block tokens, as the cost sizer timed them
+    (``DecodeOptions(sizing="cost")``); ``None`` when the drafter sizes its own trees."""
 
     @property
     def decode_seconds(self) -> float:
@@ -312,6 +315,7 @@ def run_speed_eval(
             run.records.append(record)
             bar.update(1)
             bar.set_postfix(_running_figures(run.records))
+    run.verify_seconds = None if decoder.sizer is None else list(decoder.sizer.costs)
     return run
 
 
