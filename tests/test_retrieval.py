@@ -124,7 +124,7 @@ def test_built_from_a_chat_corpus_and_run_from_the_cli(
     drafter = build_drafter(RetrievalSpec(data=(str(data),), min_hits=1), target)
     store = drafter.drafters[1].datastore  # type: ignore[attr-defined]
     expected = target.tokenizer(answer, add_special_tokens=False)["input_ids"]
-    assert len(store.sequences) == 3 and store.sequences[0][:-1] == expected
+    assert store.num_sequences == 3 and store.sequence(0)[:-1] == expected
     with pytest.raises(HeadwayError, match="needs a corpus"):
         RetrievalSpec()
     command = ["generate", "--target", str(folder), "--device", "cpu", "--drafter", "retrieval"]

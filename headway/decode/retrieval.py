@@ -21,22 +21,46 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 from torch import Tensor
 
-from headway.decode.drafters import DEFAULT_MAX_NODES, ngrams_ending, ranked_trie
+from headway.decode.drafters import DEFAULT_MAX_NODES, ranked_trie
 from headway.decode.tree import DraftTree, empty_tree
 
 __all__ = ["NgramDatastore", "RetrievalDrafter"]
 
 
+_MULTIPLIER = 0x9E3779B97F4A7C15
+"""Odd 64-bit multiplier of the n-gram hash (any collision is caught by comparing tokens)."""
+
+
+def ngram_hashes(tokens: np.ndarray, size: int) -> np.ndarray:
+    """uint64 ``[len(tokens) - size + 1]``: entry j hashes ``tokens[j : j + size]`` (a polynomial
+    in the multiplier, modulo 2^64; equal n-grams hash equal)."""
+    count = len(tokens) - size + 1
+    hashes = np.zeros(max(count, 0), dtype=np.uint64)
+    multiplier = np.uint64(_MULTIPLIER)
+    with np.errstate(over="ignore"):
+        for offset in range(size):
+            shifted = tokens[offset : offset + count].astype(np.uint64) + np.uint64(1)
+            hashes = hashes * multiplier + shifted
+    return hashes
+
+
 class NgramDatastore:
     """Every n-gram (``min_ngram`` ≤ n ≤ ``max_ngram``) of a corpus of token sequences, mapped to
-    the positions that follow it (the most recent ``max_hits`` per n-gram).
+    the positions that follow it (the most recent ``max_hits`` per n-gram are looked at).
+
+    The corpus is one flat token array; per n-gram size, the hashes of every n-gram that lies
+    inside one sequence and is followed by a token of it are sorted (positions in corpus order
+    within a hash), so building is a few vectorised passes (4.3M tokens in a few seconds, where a
+    dict of tuples took 12 s and several GB) and a lookup is a binary search whose hits are
+    checked token by token, so a hash collision never returns another n-gram's continuations.
 
     Args:
         sequences: the corpus, e.g. the target's tokenized answers, each ending in its EOS.
         min_ngram / max_ngram: the n-gram sizes indexed; lookups try the longest first.
-        max_hits: positions kept per n-gram (bounds lookup time and memory).
+        max_hits: most recent positions counted per n-gram (bounds lookup time).
     """
 
     def __init__(
@@ -53,27 +77,56 @@ class NgramDatastore:
                 f"{max_ngram}, {max_hits}"
             )
         self.min_ngram, self.max_ngram, self.max_hits = min_ngram, max_ngram, max_hits
-        self.sequences: list[list[int]] = []
-        self.tokens = 0
-        self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-        for sequence in sequences:
-            self._add(list(sequence))
-
-    def _add(self, tokens: list[int]) -> None:
-        number = len(self.sequences)
-        self.sequences.append(tokens)
-        self.tokens += len(tokens)
-        ends = range(len(tokens) - 1)  # an n-gram ending at `end` is followed by end + 1
-        for ngram, end in ngrams_ending(
-            tokens, ends, min_ngram=self.min_ngram, max_ngram=self.max_ngram
-        ):
-            hits = self._index.setdefault(ngram, [])
-            hits.append((number, end))
-            if len(hits) > 2 * self.max_hits:  # amortised trim to the most recent
-                del hits[: -self.max_hits]
+        chunks = [np.asarray(sequence, dtype=np.int64).reshape(-1) for sequence in sequences]
+        lengths = np.array([len(chunk) for chunk in chunks], dtype=np.int64)
+        self._flat = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+        self.tokens = len(self._flat)
+        starts = np.cumsum(lengths) - lengths
+        self._starts, self._lengths = starts, lengths
+        self.num_sequences = len(chunks)
+        # per position: where its sequence ends (exclusive) and its offset inside it
+        self._stop = np.repeat(starts + lengths, lengths)
+        offset = np.arange(self.tokens) - np.repeat(starts, lengths)
+        self._keys: dict[int, np.ndarray] = {}
+        self._ends: dict[int, np.ndarray] = {}
+        self._distinct = 0
+        for size in range(min_ngram, max_ngram + 1):
+            ends = np.arange(size - 1, self.tokens)
+            inside = (offset[ends] >= size - 1) & (ends + 1 < self._stop[ends])
+            keys = ngram_hashes(self._flat, size)[inside]
+            order = np.argsort(keys, kind="stable")  # stable: corpus order within a hash
+            self._keys[size], self._ends[size] = keys[order], ends[inside][order]
+            self._distinct += int(np.count_nonzero(np.diff(self._keys[size]))) + bool(len(keys))
 
     def __len__(self) -> int:
-        return len(self._index)
+        """Distinct n-grams indexed (told apart by hash)."""
+        return self._distinct
+
+    def sequence(self, number: int) -> list[int]:
+        """The corpus's sequence ``number`` (0-based, in the order given)."""
+        start = int(self._starts[number])
+        return [int(t) for t in self._flat[start : start + int(self._lengths[number])]]
+
+    def _matching(self, ends: np.ndarray, gram: np.ndarray) -> np.ndarray:
+        """Bool ``[len(ends)]``: whether the n-gram ending at each of ``ends`` is ``gram``."""
+        back = np.arange(len(gram) - 1, -1, -1)
+        return np.asarray((self._flat[ends[:, None] - back] == gram).all(axis=1))
+
+    def _hits(self, gram: np.ndarray, min_hits: int) -> np.ndarray | None:
+        """The positions where ``gram`` ends (corpus order, the most recent ``max_hits``), or
+        ``None`` if it occurs fewer than ``min_hits`` times."""
+        size = len(gram)
+        keys = self._keys[size]
+        key = ngram_hashes(gram, size)[0]
+        low, high = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
+        if high - low < min_hits:
+            return None
+        ends = self._ends[size][low:high]
+        recent = ends[-self.max_hits :]
+        if len(recent) >= min_hits and self._matching(recent, gram).all():
+            return recent  # the usual case: no collision among the hits looked at
+        ends = ends[self._matching(ends, gram)]
+        return ends[-self.max_hits :] if len(ends) >= min_hits else None
 
     def continuations(
         self, context: Sequence[int], length: int, *, min_hits: int = 1
@@ -83,11 +136,12 @@ class NgramDatastore:
         first (ties: the continuation seen last first). Empty if no n-gram matches."""
         longest = min(self.max_ngram, len(context))
         for size in range(longest, self.min_ngram - 1, -1):
-            hits = self._index.get(tuple(context[-size:]))
-            if hits is not None and len(hits) >= min_hits:
+            gram = np.asarray(context[len(context) - size :], dtype=np.int64)
+            hits = self._hits(gram, min_hits)
+            if hits is not None:
                 counts = Counter(
-                    tuple(self.sequences[number][end + 1 : end + 1 + length])
-                    for number, end in reversed(hits[-self.max_hits :])
+                    tuple(self._flat[end + 1 : min(end + 1 + length, self._stop[end])].tolist())
+                    for end in reversed(hits.tolist())
                 )
                 return counts.most_common()
         return []
