@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from headway.decode import retrieval
@@ -49,6 +49,7 @@ corpora = st.lists(st.lists(st.integers(0, 3), max_size=12), max_size=6)
 
 
 @settings(max_examples=300, deadline=None)
+@example([[0, 0, 0]], [0], 3, 3, 1, 1, 1)  # n-grams longer than the corpus
 @given(
     corpora,
     st.lists(st.integers(0, 3), min_size=1, max_size=5),

@@ -39,6 +39,8 @@ def ngram_hashes(tokens: np.ndarray, size: int) -> np.ndarray:
     in the multiplier, modulo 2^64; equal n-grams hash equal)."""
     count = len(tokens) - size + 1
     hashes = np.zeros(max(count, 0), dtype=np.uint64)
+    if count <= 0:  # no n-gram of this size: slicing with a negative count would wrap
+        return hashes
     multiplier = np.uint64(_MULTIPLIER)
     with np.errstate(over="ignore"):
         for offset in range(size):
