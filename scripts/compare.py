@@ -236,7 +236,6 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
                 f"`headway eval --heads {run_dir}` (its baseline is the merged target)."
             )
         spec = spec_for(heads=run_dir)
-        first = "prompt lookup, corpus" if args.retrieval_data else "prompt lookup"
         if isinstance(spec, MedusaSpec):
             add(f"{method} {name}", spec)
             add(f"{method} cost-sized {name}", spec, "cost")
@@ -247,6 +246,7 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
             add(f"{method} dynamic tree {name}", spec)
             add(f"{method} dynamic tree, cost-sized {name}", spec, "cost")
         if args.fallback:
+            first = "prompt lookup, corpus" if args.retrieval_data else "prompt lookup"
             add(f"{first}, then {method} cost-sized {name}", spec, "cost", fallback=True)
     return rows
 

@@ -23,6 +23,7 @@ from headway.train import loop
 from headway.train.method_eagle3 import Eagle3
 from headway.train.methods import build_method
 from tests.test_eagle3_training import workspace  # noqa: F401 (a fixture)
+from tests.test_train_loop import assert_same_weights, train_stopped_at_step_three
 
 OTHER_REPLIES = ("Seven apples.", "Blue, mostly.", "Yes, on Tuesdays.", "No idea, sorry!")
 
@@ -165,22 +166,10 @@ def test_a_fine_tune_resumes_and_evaluates_without_the_folder_it_started_from(
         "train.save_every=3",
     ]
     uninterrupted = loop.train(config(workspace, "tune-full", *overrides))
-
-    def stop_at_step_three(progress: loop.Progress) -> None:
-        if progress.step == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(loop, "after_checkpoint", stop_at_step_three)
-    with pytest.raises(KeyboardInterrupt):
-        loop.train(config(workspace, "tune-stopped", *overrides))
-    monkeypatch.setattr(loop, "after_checkpoint", lambda progress: None)
+    train_stopped_at_step_three(config(workspace, "tune-stopped", *overrides), monkeypatch)
     shutil.rmtree(start)
     resumed = loop.train(config(workspace, "tune-stopped", *overrides), resume=True)
-    expected = load_file(str(uninterrupted / "model.safetensors"))
-    actual = load_file(str(resumed / "model.safetensors"))
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=name)
+    assert_same_weights(uninterrupted, resumed)
     scores = [
         heads_only(run, num_samples=4, progress=False).metrics for run in (uninterrupted, resumed)
     ]

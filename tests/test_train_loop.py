@@ -80,6 +80,27 @@ def weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "model.safetensors"))
 
 
+def train_stopped_at_step_three(config: RunConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Train ``config`` until the checkpoint of step 3, then stop it there (mid-epoch)."""
+
+    def stop_at_step_three(progress: loop.Progress) -> None:
+        if progress.step == 3:
+            raise KeyboardInterrupt  # the run is stopped right after a checkpoint
+
+    monkeypatch.setattr(loop, "after_checkpoint", stop_at_step_three)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(config)
+    monkeypatch.setattr(loop, "after_checkpoint", lambda progress: None)
+
+
+def assert_same_weights(expected_run: Path, actual_run: Path) -> None:
+    """The two runs saved bit-identical weights under the same names."""
+    expected, actual = weights(expected_run), weights(actual_run)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=name)
+
+
 def test_training_saves_heads_checkpoints_eval_and_summary(workspace: Path) -> None:
     run_dir = loop.train(config_for(workspace, "basic", "train.max_steps=12"))
     assert (run_dir / "config.json").is_file() and weights(run_dir)
@@ -117,22 +138,11 @@ def test_resume_after_stop_reproduces_uninterrupted_weights(
 ) -> None:
     name = method[0].split("=")[1]
     uninterrupted = loop.train(config_for(workspace, f"full-{name}", *method))
-
-    def stop_at_step_three(progress: loop.Progress) -> None:
-        if progress.step == 3:
-            raise KeyboardInterrupt  # the run is stopped mid-epoch, right after a checkpoint
-
-    monkeypatch.setattr(loop, "after_checkpoint", stop_at_step_three)
-    with pytest.raises(KeyboardInterrupt):
-        loop.train(config_for(workspace, f"stopped-{name}", *method))
-    monkeypatch.setattr(loop, "after_checkpoint", lambda progress: None)
+    train_stopped_at_step_three(config_for(workspace, f"stopped-{name}", *method), monkeypatch)
     with pytest.raises(loop.TrainingError, match="--resume"):
         loop.train(config_for(workspace, f"stopped-{name}", *method))
     resumed = loop.train(config_for(workspace, f"stopped-{name}", *method), resume=True)
-    expected, actual = weights(uninterrupted), weights(resumed)
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0)
+    assert_same_weights(uninterrupted, resumed)
 
 
 def test_online_and_offline_features_give_the_same_loss(workspace: Path, tmp_path: Path) -> None:
