@@ -7,8 +7,9 @@ For each dtype it runs, prompt by prompt (batch 1, greedy):
   verify forwards (:func:`headway.decode.gemm.routed_linears`), to show what the kernel alone
   gives HF's own implementation;
 - headway with prompt lookup, also with the stock GEMM for verify forwards (``gemm="stock"``;
-  the default routes fp32 blocks of 2-8 tokens on CPU through ``(W·xᵀ)ᵀ``, see
-  :mod:`headway.decode.gemm`), so the kernel's share of the speedup is visible;
+  the default ``"auto"`` takes, on a CPU, the packed or transposed route where a one-time timing
+  finds it faster, see :mod:`headway.decode.gemm`), so the kernel's share of the speedup is
+  visible;
 - headway with the oracle chain at depths 1..8 (a drafter that knows the greedy continuation,
   so tau = depth + 1 and the measured speedup shows what the loop itself costs).
 
@@ -143,7 +144,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         context = torch.cat([ids, ids.new_tensor(reference[: len(reference) // 2])])
         for size in sizes:  # verify cost at the mean context of this prompt's generation
             forward_ms[size].append(
-                forward_seconds(target.model, context, size, repeats=3, small_blocks=routed)
+                forward_seconds(target.model, context, size, repeats=3, gemm=routed)
             )
             stock_ms[size].append(forward_seconds(target.model, context, size, repeats=3))
         output, seconds = timed(

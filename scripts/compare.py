@@ -4,6 +4,9 @@ Configurations (batch 1, greedy, interleaved prompt by prompt after a warm-up of
 
 - ``hf greedy``: ``model.generate(do_sample=False)``, the baseline of every speedup;
 - ``hf prompt lookup``: ``model.generate(prompt_lookup_num_tokens=N)``;
+- ``headway, no drafter``: headway's loop decoding one token per forward, so the share of every
+  speedup that comes from how its forwards multiply (``--gemm``, :mod:`headway.decode.gemm`)
+  rather than from drafting is visible;
 - ``prompt lookup``: headway's prompt-lookup drafter, with its adaptive draft length and sized
   per step by the measured verify cost (``sizing="cost"``);
 - with ``--retrieval-data``: the retrieval drafter (prompt lookup, then that corpus);
@@ -42,6 +45,7 @@ from tqdm.auto import tqdm
 from headway.api import prompt_ids
 from headway.decode.bench import timed
 from headway.decode.drafters import PromptLookupDrafter
+from headway.decode.gemm import GemmChoice
 from headway.decode.generate import Decoder, Drafter
 from headway.decode.merged import FirstDrafter
 from headway.decode.options import DecodeOptions
@@ -134,6 +138,13 @@ def parse_args() -> argparse.Namespace:
         help="also run each run's drafter (cost-sized) only where prompt lookup, and the "
         "--retrieval-data corpus if given, find nothing",
     )
+    parser.add_argument(
+        "--gemm",
+        default="auto",
+        choices=["auto", "stock", "transposed", "packed"],
+        help="how headway's rows multiply the linear layers on a CPU (headway generate --gemm); "
+        "the HF rows always take the stock product",
+    )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     return parser.parse_args()
 
@@ -167,22 +178,31 @@ def hf_runner(lookup: int | None) -> Runner:
 
 
 def headway_row(
-    name: str, target: Target, drafter: Drafter, sizing: str = "drafter", verify: str = "eager"
+    name: str,
+    target: Target,
+    drafter: Drafter,
+    sizing: str = "drafter",
+    verify: str = "eager",
+    gemm: GemmChoice = "auto",
 ) -> Row:
     """A row of headway's loop with ``drafter``, its drafting time measured."""
     timed_drafter = TimedDrafter(drafter, target.model.device)
-    runner = headway_runner(target, timed_drafter, sizing, verify)
+    runner = headway_runner(target, timed_drafter, sizing, verify, gemm)
     return Row(name, runner, drafter=timed_drafter)
 
 
 def headway_runner(
-    target: Target, drafter: Any, sizing: str = "drafter", verify: str = "eager"
+    target: Target,
+    drafter: Any,
+    sizing: str = "drafter",
+    verify: str = "eager",
+    gemm: GemmChoice = "auto",
 ) -> Runner:
-    """headway's loop with ``drafter`` (greedy), sized by the drafter or by cost, its verify
-    forward eager or captured, through one :class:`Decoder`; the result list collects accept
-    lengths."""
+    """headway's loop with ``drafter`` (greedy; ``None``: one token per forward), sized by the
+    drafter or by cost, its verify forward eager or captured, its linear layers multiplied as
+    ``gemm`` says, through one :class:`Decoder`; the result list collects accept lengths."""
     settings = EvalSettings()
-    options = DecodeOptions(sizing=sizing, verify=verify)  # type: ignore[arg-type]
+    options = DecodeOptions(sizing=sizing, verify=verify, gemm=gemm)  # type: ignore[arg-type]
     decoder = Decoder(target.model, drafter, options)
 
     def make(
@@ -208,16 +228,17 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     rows = [
         Row("hf greedy", hf_runner(None)),
         Row("hf prompt lookup", hf_runner(args.lookup_tokens)),
+        Row("headway, no drafter", headway_runner(target, None, gemm=args.gemm)),
     ]
     paths = ["eager", "captured"] if args.verify == "both" else [args.verify]
 
     def add(name: str, spec: Any, sizing: str = "drafter", *, fallback: bool = False) -> None:
         for verify in paths:  # a drafter per row: drafters keep state between steps
             suffix = ", captured" if verify == "captured" else ""
-            drafter = build_drafter(spec, target)
+            drafter = build_drafter(spec, target, gemm=args.gemm)
             if fallback:
-                drafter = behind_cheap_guesses(drafter, target, args.retrieval_data)
-            rows.append(headway_row(name + suffix, target, drafter, sizing, verify))
+                drafter = behind_cheap_guesses(drafter, target, args.retrieval_data, args.gemm)
+            rows.append(headway_row(name + suffix, target, drafter, sizing, verify, args.gemm))
 
     add("prompt lookup", PromptLookupSpec(num_draft_tokens=args.lookup_tokens))
     # cost-sized: full-length continuations ranked by share (the sizer replaces adaptation)
@@ -251,11 +272,13 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     return rows
 
 
-def behind_cheap_guesses(drafter: Drafter, target: Target, corpus: str | None) -> Drafter:
+def behind_cheap_guesses(
+    drafter: Drafter, target: Target, corpus: str | None, gemm: GemmChoice = "auto"
+) -> Drafter:
     """``drafter`` proposing only where prompt lookup's exact matches (self-sized, as in the
     retrieval drafter) and the ``corpus``'s guesses, if any, have nothing."""
     if corpus:
-        retrieval = build_drafter(RetrievalSpec(data=(corpus,)), target)
+        retrieval = build_drafter(RetrievalSpec(data=(corpus,)), target, gemm=gemm)
         assert isinstance(retrieval, FirstDrafter)
         return FirstDrafter([*retrieval.drafters, drafter], self_sized=1)
     return FirstDrafter([PromptLookupDrafter(), drafter], self_sized=1)

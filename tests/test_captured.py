@@ -45,7 +45,7 @@ def test_tree_logits_equal_the_eager_path(family: str) -> None:
     nothing)."""
     model = tiny_model(family)
     paths: dict[str, TargetForward] = {
-        "eager": EagerForward(model, small_blocks=False),
+        "eager": EagerForward(model),
         "static": StaticForward(model),
     }
     parents = torch.tensor([-1, 0, 0, 1, -1])  # 5 nodes: padded to 8 block entries
@@ -93,7 +93,7 @@ def test_the_cache_grows_past_its_first_capacity_and_stays_exact() -> None:
     parents = torch.tensor([-1, 0, 1, 0, 3])
     block = torch.tensor([[5, 6, 7, 8, 9, 10]])
     paths: dict[str, TargetForward] = {
-        "eager": EagerForward(model, small_blocks=False),
+        "eager": EagerForward(model),
         "static": StaticForward(model),
     }
     logits: dict[str, list[torch.Tensor]] = {name: [] for name in paths}

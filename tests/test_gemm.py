@@ -1,9 +1,13 @@
-"""Small-block GEMM routing: same products as F.linear, installed only while a verify forward of
-2+ tokens runs, never on layers it does not understand, and lossless end to end."""
+"""GEMM routes (transposed small blocks, packed oneDNN weights): same products as F.linear,
+installed only while a routed forward runs, never on layers they do not understand, packed weights
+remade when a weight changes, and lossless end to end."""
 
 from __future__ import annotations
 
+import gc
+from collections.abc import MutableMapping
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import pytest
 import torch
@@ -13,11 +17,17 @@ from torch.nn import functional
 from headway.decode import gemm
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.gemm import (
+    MAX_PACKED_ROWS,
     MAX_ROWS,
+    Route,
+    fastest_route,
+    forget_packed,
+    packed_linear,
+    packed_weight,
+    packing_available,
     resolve_gemm,
     routed_linears,
     small_block_linear,
-    transposed_is_faster,
 )
 from headway.decode.generate import generate
 from headway.decode.kv import new_cache, prefill, tree_forward
@@ -26,6 +36,7 @@ from tests.test_generate import hf_greedy
 from tests.tiny import TINY_FAMILIES, tiny_model
 
 PROMPT = torch.tensor([1, 7, 23, 45, 12, 9, 60, 7, 23, 45])
+needs_packing = pytest.mark.skipif(not packing_available(), reason="no oneDNN linear kernels")
 
 
 @pytest.mark.parametrize("pad_single", [False, True])
@@ -55,48 +66,139 @@ def test_routed_linear_equals_f_linear(rows: int, bias: bool, pad_single: bool) 
         assert torch.equal(routed, functional.linear(x, layer.weight, layer.bias))
 
 
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 5, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1])
+def test_packed_linear_equals_f_linear(rows: int, bias: bool, dtype: torch.dtype) -> None:
+    torch.manual_seed(rows)
+    layer = nn.Linear(48, 80, bias=bias).to(dtype)
+    x = torch.randn(1, rows, 48, dtype=dtype)
+    with torch.inference_mode():
+        routed = packed_linear(layer)(x)
+        stock = functional.linear(x, layer.weight, layer.bias)
+    assert routed.shape == (1, rows, 80) and routed.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(routed, stock, atol=1e-5, rtol=1e-5)
+    else:  # bf16: the default tolerance of that dtype
+        torch.testing.assert_close(routed, stock)
+    assert (layer in gemm._PACKED) == (rows <= MAX_PACKED_ROWS)  # beyond: the stock call
+
+
+@needs_packing
+def test_packed_route_remakes_a_changed_weight_and_leaves_autograd_alone() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8)
+    forward = packed_linear(layer)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        before = forward(x)
+        layer.weight.mul_(2)  # in place, tracked: the version counter moves
+        torch.testing.assert_close(forward(x) - layer.bias, 2 * (before - layer.bias))
+        layer.weight = nn.Parameter(torch.zeros(8, 16))  # a new tensor
+        torch.testing.assert_close(forward(x), layer.bias.expand(3, 8))
+    held = gemm._PACKED[layer][1]
+    assert held is packed_weight(layer)  # one entry per layer, replaced only on a change
+    forget_packed(nn.Sequential(layer))
+    assert layer not in gemm._PACKED
+    x.requires_grad_(True)
+    forward(x).sum().backward()  # with autograd: the stock call, gradients as usual
+    assert x.grad is not None and torch.equal(x.grad, layer.weight.sum(0).expand(3, 16))
+
+
 def test_resolve_gemm_follows_device_dtype_choice_and_measurement(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     measured: list[tuple[int, ...]] = []
 
-    def faster(weight: torch.Tensor) -> bool:
+    def transposed(weight: torch.Tensor, packing: bool) -> str:
         measured.append(tuple(weight.shape))
-        return True
+        return "transposed"
 
-    monkeypatch.setattr(gemm, "transposed_is_faster", faster)
+    monkeypatch.setattr(gemm, "fastest_route", transposed)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 16))
-    assert resolve_gemm(model, "auto") and measured == [(16, 4)]  # fp32 CPU: the largest timed
-    monkeypatch.setattr(gemm, "transposed_is_faster", lambda weight: False)
-    assert not resolve_gemm(model, "auto")  # measured no faster here: stock
-    assert not resolve_gemm(model, "stock")
-    assert resolve_gemm(model.to(torch.bfloat16), "transposed")
-    monkeypatch.setattr(gemm, "transposed_is_faster", faster)
-    assert not resolve_gemm(model, "auto") and len(measured) == 1  # bf16: never considered
-    assert not resolve_gemm(nn.ReLU(), "auto")  # no linear layer at all
+    assert resolve_gemm(model, "auto") == "transposed"
+    assert measured == [(16, 4)]  # fp32 CPU: the largest layer timed
+    monkeypatch.setattr(gemm, "fastest_route", lambda weight, packing: "stock")
+    assert resolve_gemm(model, "auto") == "stock"  # measured no faster here
+    assert resolve_gemm(model, "stock") == "stock"
+    assert resolve_gemm(model.to(torch.float16), "transposed") == "transposed"
+    monkeypatch.setattr(gemm, "fastest_route", transposed)
+    assert resolve_gemm(model, "auto") == "stock" and len(measured) == 1  # fp16: never
+    assert resolve_gemm(model.to(torch.bfloat16), "auto") == "transposed"  # bf16: timed
+    assert resolve_gemm(nn.ReLU(), "auto") == "stock"  # no linear layer at all
     with pytest.raises(ValueError, match="gemm must be"):
         resolve_gemm(model, "fast")  # type: ignore[arg-type]
 
 
-def test_gemm_module_keeps_no_state() -> None:
-    """Nothing a call decides is remembered: no process-wide preference, no measurement memo."""
+@pytest.mark.parametrize(("free_pages", "room"), [(1, False), (10**9, True)])
+def test_auto_packs_only_with_room_for_a_copy(
+    monkeypatch: pytest.MonkeyPatch, free_pages: int, room: bool
+) -> None:
+    offered: list[bool] = []
+
+    def route(weight: torch.Tensor, packing: bool) -> str:
+        offered.append(packing)
+        return "stock"
+
+    monkeypatch.setattr(gemm, "fastest_route", route)
+    monkeypatch.setattr(gemm, "packing_available", lambda: True)
+    monkeypatch.setattr(gemm.os, "sysconf", lambda name: free_pages if "PAGES" in name else 4096)
+    resolve_gemm(nn.Linear(64, 64), "auto")  # 16 KiB of weights: needs 8 free pages
+    assert offered == [room]
+
+
+@needs_packing
+def test_resolving_packed_reorders_every_plain_weight() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), _Quantized(4, 4), nn.Linear(4, 16))
+    assert resolve_gemm(model, "packed") == "packed"
+    held = {module for module in model if module in gemm._PACKED}
+    assert held == {model[0], model[2]}  # the subclass keeps its own forward
+
+
+def test_packed_route_is_refused_without_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm, "packing_available", lambda: False)
+    with pytest.raises(ValueError, match="oneDNN"):
+        resolve_gemm(nn.Linear(4, 4), "packed")
+    timings = iter([1.0, 0.5])  # stock, transposed: packed is not even timed
+    assert fastest_route(torch.zeros(8, 4), seconds=lambda f: next(timings)) == "transposed"
+
+
+def test_gemm_module_keeps_no_state_but_packed_weights() -> None:
+    """Nothing a call decides is remembered: no process-wide preference, no measurement memo;
+    the one state is the reordered weights, weakly keyed by layer (gone with the layer)."""
     state = {
         name: value
         for name, value in vars(gemm).items()
-        if not name.startswith("__") and isinstance(value, dict | list | set)
+        if not name.startswith("__") and isinstance(value, dict | list | set | MutableMapping)
     }
-    assert state == {}
+    assert list(state) == ["_PACKED"] and isinstance(state["_PACKED"], WeakKeyDictionary)
+    if packing_available():
+        layer = nn.Linear(4, 4)
+        packed_weight(layer)
+        assert layer in gemm._PACKED
+        del layer
+        gc.collect()
+        assert not any(module.in_features == 4 for module in gemm._PACKED)
 
 
-def test_transposed_is_faster_compares_the_two_timings() -> None:
-    timings = iter([1.0, 0.5, 1.0, 0.9])  # (stock, transposed) per call
-
-    def seconds(function: object) -> float:
-        return next(timings)
-
-    assert transposed_is_faster(torch.zeros(8, 4), seconds=seconds)  # 0.5 <= 0.8 x 1.0
-    assert not transposed_is_faster(torch.zeros(8, 5), seconds=seconds)  # 0.9: not enough
-    assert next(timings, None) is None
+@pytest.mark.parametrize(
+    ("timings", "packing", "dtype", "route"),
+    [
+        ([1.0, 0.5], True, torch.float32, "packed"),  # packed at 0.5 of stock
+        ([1.0, 0.9, 0.5], True, torch.float32, "transposed"),  # packed not enough, transposed is
+        ([1.0, 0.9, 0.9], True, torch.float32, "stock"),  # neither clearly faster
+        ([1.0, 0.9], True, torch.bfloat16, "stock"),  # bf16: transposed never considered
+        ([1.0, 0.5], False, torch.float32, "transposed"),  # no oneDNN: packed never timed
+    ],
+)
+def test_fastest_route_prefers_packed_then_transposed(
+    timings: list[float], packing: bool, dtype: torch.dtype, route: str
+) -> None:
+    answers = iter(timings)
+    weight = torch.zeros(8, 4, dtype=dtype)
+    chosen = fastest_route(weight, seconds=lambda function: next(answers), packing=packing)
+    assert chosen == route and next(answers, None) is None
 
 
 class _Quantized(nn.Linear):
@@ -108,20 +210,20 @@ def test_routing_is_scoped_and_leaves_other_layers_alone() -> None:
     own_forward = wrapped.forward
     wrapped.__dict__["forward"] = own_forward  # as accelerate's hooks install one
     model = nn.Sequential(plain, subclass, wrapped)
-    with routed_linears(model, True):
+    with routed_linears(model, "transposed"):
         assert "forward" in plain.__dict__
         assert "forward" not in subclass.__dict__
         assert wrapped.__dict__["forward"] is own_forward
-        with routed_linears(model, True):  # nested: the outer one owns the install
+        with routed_linears(model, "transposed"):  # nested: the outer one owns the install
             pass
         assert "forward" in plain.__dict__
     assert "forward" not in plain.__dict__ and wrapped.__dict__["forward"] is own_forward
-    with pytest.raises(RuntimeError), routed_linears(model, True):
+    with pytest.raises(RuntimeError), routed_linears(model, "transposed"):
         raise RuntimeError("a failing forward")
     assert "forward" not in plain.__dict__  # removed on error too
 
 
-def _routed_flags(model: Any, block: int, route: bool) -> tuple[torch.Tensor, list[bool]]:
+def _routed_flags(model: Any, block: int, route: Route) -> tuple[torch.Tensor, list[bool]]:
     """Logits of one tree forward over a chain of ``block`` tokens after PROMPT, and whether the
     LM head ran with the routed forward installed."""
     cache = new_cache(model)
@@ -131,29 +233,44 @@ def _routed_flags(model: Any, block: int, route: bool) -> tuple[torch.Tensor, li
     handle = head.register_forward_pre_hook(lambda m, _: flags.append("forward" in m.__dict__))
     tokens = torch.arange(20, 20 + block)[None]
     parents = torch.arange(-1, block - 2)
-    logits, _ = tree_forward(model, cache, tokens, parents, PROMPT.numel(), small_blocks=route)
+    logits, _ = tree_forward(model, cache, tokens, parents, PROMPT.numel(), gemm=route)
     handle.remove()
     return logits, flags
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_tree_forward_routes_blocks_of_two_or_more_only(family: str) -> None:
+def test_tree_forward_routes_transposed_blocks_of_two_or_more_only(family: str) -> None:
     model = tiny_model(family)
-    single, single_flags = _routed_flags(model, 1, True)
-    stock_single, _ = _routed_flags(model, 1, False)
+    single, single_flags = _routed_flags(model, 1, "transposed")
+    stock_single, _ = _routed_flags(model, 1, "stock")
     assert single_flags == [False] and torch.equal(single, stock_single)  # 1 token: stock, exact
-    block, flags = _routed_flags(model, 4, True)
-    stock_block, stock_flags = _routed_flags(model, 4, False)
+    block, flags = _routed_flags(model, 4, "transposed")
+    stock_block, stock_flags = _routed_flags(model, 4, "stock")
     assert flags == [True] and stock_flags == [False]
     torch.testing.assert_close(block, stock_block, atol=1e-5, rtol=0)
     assert "forward" not in model.get_output_embeddings().__dict__
 
 
+@needs_packing
 @torch.no_grad()
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-@pytest.mark.parametrize("gemm", ["stock", "transposed"])
-def test_greedy_output_is_identical_with_either_gemm(family: str, gemm: str) -> None:
+def test_tree_forward_routes_every_packed_block_one_token_included(family: str) -> None:
+    model = tiny_model(family)
+    for block in (1, 4):
+        packed, flags = _routed_flags(model, block, "packed")
+        stock, _ = _routed_flags(model, block, "stock")
+        assert flags == [True]
+        torch.testing.assert_close(packed, stock, atol=1e-5, rtol=0)
+    assert "forward" not in model.get_output_embeddings().__dict__
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("gemm", ["stock", "transposed", "packed"])
+def test_greedy_output_is_identical_with_every_gemm(family: str, gemm: str) -> None:
+    if gemm == "packed" and not packing_available():
+        pytest.skip("no oneDNN linear kernels")
     model = tiny_model(family)
     expected = hf_greedy(model, PROMPT, 24, None)
     for drafter in (OracleDrafter(expected, 3), PromptLookupDrafter(min_ngram=1)):

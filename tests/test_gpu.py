@@ -134,7 +134,7 @@ def test_captured_logits_equal_the_eager_path_on_cuda(family: str) -> None:
     prompt = torch.tensor([PROMPT], device=CUDA)
     parents = torch.tensor([-1, 0, 0, 1, -1])
     paths: dict[str, TargetForward] = {
-        "eager": EagerForward(model, small_blocks=False),
+        "eager": EagerForward(model),
         "captured": StaticForward(model),
     }
     logits: dict[str, list[torch.Tensor]] = {name: [] for name in paths}

@@ -72,10 +72,12 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gemm",
         default="auto",
-        choices=["auto", "stock", "transposed"],
-        help="how verify forwards of 2-8 tokens multiply the target's linear layers: auto "
-        "(default) takes the (W x^T)^T order for fp32 on CPU when a one-time timing on this "
-        "machine finds it faster, stock never does, transposed always does",
+        choices=["auto", "stock", "transposed", "packed"],
+        help="how decoding forwards multiply the linear layers on a CPU: auto (default) times "
+        "the largest layer once and takes, for fp32 or bf16 on CPU, packed (oneDNN on weights "
+        "reordered once; one more copy of the weights in memory) or else transposed ((W x^T)^T "
+        "for blocks of 2-8 tokens, fp32) where clearly faster than stock, else stock; stock, "
+        "transposed and packed force that route",
     )
     parser.add_argument(
         "--acceptance",

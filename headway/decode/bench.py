@@ -18,6 +18,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from headway.decode.forwards import EagerForward, TargetForward
+from headway.decode.gemm import Route
 
 T = TypeVar("T")
 
@@ -69,17 +70,16 @@ def forward_seconds(
     *,
     repeats: int = 5,
     tree: bool = False,
-    small_blocks: bool = False,
+    gemm: Route = "stock",
 ) -> float:
     """Median time of one forward over `new_tokens` tokens on a cache of `prefix`: a chain, or
     with ``tree`` a one-level tree (every drafted node a child of the root, so the 4-D tree mask
     is used as in real tree verification).
 
     This is the cost of verifying a tree of ``new_tokens`` nodes after a prompt like `prefix`,
-    with blocks of 2..8 tokens multiplied as ``(W · xᵀ)ᵀ`` if ``small_blocks``
-    (:mod:`headway.decode.gemm`).
+    with the linear layers multiplied by the route ``gemm`` (:mod:`headway.decode.gemm`).
     """
-    eager = EagerForward(model, small_blocks)
+    eager = EagerForward(model, gemm)
     return target_seconds(eager, prefix, new_tokens, repeats=repeats, tree=tree)
 
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from headway.decode.bench import target_seconds
 from headway.decode.forwards import EagerForward, TargetForward
+from headway.decode.gemm import Route
 from headway.decode.tree import DraftTree, subtree
 
 __all__ = [
@@ -42,15 +43,15 @@ def verify_timer(
     target_model: Any,
     prefix_tokens: int,
     *,
-    small_blocks: bool = False,
+    gemm: Route = "stock",
     forward: TargetForward | None = None,
 ) -> Callable[[int], float]:
     """``N -> seconds`` of one verify forward of ``target_model`` over N block tokens (a
     one-level tree, :func:`~headway.decode.bench.forward_seconds`, median of 3) after a random
     committed prefix of ``prefix_tokens`` tokens, multiplied as real verify forwards will be
-    (``small_blocks``, :mod:`headway.decode.gemm`), or run by ``forward`` (e.g. the decoding
+    (the route ``gemm``, :mod:`headway.decode.gemm`), or run by ``forward`` (e.g. the decoding
     loop's own :class:`~headway.decode.forwards.TargetForward`, whose cache it resets)."""
-    runner = forward if forward is not None else EagerForward(target_model, small_blocks)
+    runner = forward if forward is not None else EagerForward(target_model, gemm)
     weight = target_model.get_output_embeddings().weight
     generator = torch.Generator().manual_seed(0)
     vocab = int(weight.shape[0])
@@ -68,15 +69,15 @@ def verify_cost_table(
     *,
     prefix_tokens: int = 128,
     seconds: Callable[[int], float] | None = None,
-    small_blocks: bool = False,
+    gemm: Route = "stock",
 ) -> list[float]:
     """Seconds of one verify forward over m block tokens (the root and m - 1 tree nodes), for
     m = 1 .. ``max_tokens`` (entry m - 1): timed at m = 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to
     ``max_tokens`` (with :func:`~headway.decode.bench.forward_seconds` on a one-level tree,
-    ``small_blocks`` as the loop will run, or ``seconds`` if given) and linearly interpolated in
+    the route ``gemm`` as the loop will run, or ``seconds`` if given) and linearly interpolated in
     between."""
     if seconds is None:
-        seconds = verify_timer(target_model, prefix_tokens, small_blocks=small_blocks)
+        seconds = verify_timer(target_model, prefix_tokens, gemm=gemm)
 
     grid = [m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if m < max_tokens]
     grid.append(max_tokens)

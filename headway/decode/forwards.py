@@ -17,6 +17,7 @@ from typing import Protocol
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
+from headway.decode.gemm import Route
 from headway.decode.kv import compact_cache, crop_cache, new_cache, prefill, tree_forward
 
 __all__ = ["EagerForward", "TargetForward"]
@@ -54,11 +55,11 @@ class TargetForward(Protocol):
 
 class EagerForward:
     """The model's own forward over a ``DynamicCache`` (:mod:`headway.decode.kv`), verify
-    forwards of 2-8 tokens multiplied as ``small_blocks`` says (:mod:`headway.decode.gemm`)."""
+    forwards multiplied by the route ``gemm`` (:mod:`headway.decode.gemm`)."""
 
-    def __init__(self, model: PreTrainedModel, small_blocks: bool) -> None:
+    def __init__(self, model: PreTrainedModel, gemm: Route = "stock") -> None:
         self.model = model
-        self.small_blocks = small_blocks
+        self.gemm = gemm
         self.cache: DynamicCache = new_cache(model)
 
     def begin(self, columns: int) -> None:
@@ -79,7 +80,7 @@ class EagerForward:
             parents,
             prefix_len,
             hidden_layers,
-            small_blocks=self.small_blocks,
+            gemm=self.gemm,
         )
 
     def compact(self, prefix_len: int, keep: Tensor) -> None:

@@ -1,26 +1,42 @@
-"""Small-block verify forwards on CPU: route the target's linear layers through ``(W · xᵀ)ᵀ``.
+"""How decoding forwards multiply a model's linear layers on a CPU: a :data:`Route`.
 
-A verify forward multiplies a block of a few token rows by every weight matrix. On the x86 CPU
-this project is developed on (AMD EPYC, 2 cores, MKL sgemm, fp32), ``F.linear``'s ``x · Wᵀ``
-call runs such short blocks at a fraction of memory bandwidth: SmolLM2-135M takes 42-45 ms for 1
-token but 63-88 ms for 2-8. The same product asked for the other way round, ``(W · xᵀ)ᵀ``,
-streams the weights much faster: 29-31 ms for 2-4 tokens, 40-55 ms for 5-8; from about 10 rows
-on the two are level or the stock call wins (``scripts/bench_decode.py`` prints both tables).
-bf16 showed no gap (its 2-8-token forwards got slower routed), and CUDA is not this problem, so
-``"auto"`` considers fp32 models on CPU only, and routes them only if a one-time timing of the
-largest linear layer on this machine finds the transposed order clearly faster
-(:func:`transposed_is_faster`): other CPUs and BLAS builds may not share this one's gap.
-``"stock"`` turns it off. The choice is resolved once (:func:`resolve_gemm`, by whoever runs the
-forwards: a :class:`~headway.decode.generate.Decoder` for the target, a drafter for its own
-layers) and handed on as a boolean; this module keeps no state between calls.
+A verify forward multiplies a block of a few token rows by every weight matrix. On the x86 CPUs
+this project is developed on (2 cores, fp32), ``F.linear``'s stock ``x · Wᵀ`` call (MKL sgemm)
+runs such short blocks at a fraction of memory bandwidth, and worse for 2-16 rows than for one:
+SmolLM2-135M on the AMD EPYC takes ~55 ms for 1 token and 80-120 ms for 2-16. Two other routes
+for the same product exist here:
 
-Nothing in the modeling code changes. While a verify forward runs, every plain ``nn.Linear`` of
-the model (exact type; quantized or adapter layers keep their own forward) gets an instance-level
-``forward`` that takes the transposed product for 2..``MAX_ROWS`` rows and ``F.linear``
-otherwise; afterwards the class forward is back. One-token forwards (plain decoding, prefill of a
-1-token prompt) never take the routed path, so they stay bit-identical to stock. The routed
-product equals ``F.linear`` up to fp32 summation order (~1e-6 relative), the same kind of
-difference that already separates a multi-token forward from one-token forwards.
+- ``"packed"``: oneDNN's linear on weights reordered once into its blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the kernels
+  ``torch.compile`` freezing uses on CPU). The same model takes 37-50 ms for any block of 1-16
+  tokens: a verify of 16 tokens costs ~1.3 one-token forwards, against ~2 stock. The reordered
+  copies (one more copy of every plain linear weight: +0.5 GB for SmolLM2-135M in fp32) are held
+  here, one per layer for every decoder and drafter that uses it, weakly keyed by the layer, and
+  remade when a layer's weight tensor is replaced or changed in place through tracked ops. Blocks of
+  1..:data:`MAX_PACKED_ROWS` rows take it, one-token forwards included, so with this route headway's
+  own one-token forwards differ from stock by summation order (~1e-6 relative), as multi-token
+  forwards always did.
+- ``"transposed"``: the product asked for the other way round, ``(W · xᵀ)ᵀ``, which MKL streams
+  faster for 2..:data:`MAX_ROWS` rows on the EPYC (29-43 ms for 2-4 tokens) but not beyond, and
+  not on the Intel Xeon measured (2 tokens: 74.5 against 36.7 ms stock). One-token forwards stay
+  stock.
+
+``"auto"`` considers fp32 and bf16 models on a CPU only (CUDA is not this problem; packing also only
+where the copy takes at most half of the free memory) and picks, by a one-time timing of the model's
+largest linear layer on 4 rows (:func:`fastest_route`), the packed route if it takes at most
+:data:`FASTER_BY` of the stock time, else the transposed one (fp32 only) on the same test, else
+stock: other CPUs and BLAS builds differ.
+``scripts/bench_decode.py`` prints the whole-model tables. The choice is resolved once per model
+(:func:`resolve_gemm`, by whoever runs the forwards: a :class:`~headway.decode.generate.Decoder`
+for the target, a drafter for its own layers) and handed on as a :data:`Route`; the reordered
+weights are the only state this module keeps.
+
+Nothing in the modeling code changes. While a forward runs under :func:`routed_linears`, every
+plain ``nn.Linear`` of the model (exact type; quantized or adapter layers keep their own
+forward) gets an instance-level ``forward`` taking the route; afterwards the class
+forward is back. Every route equals ``F.linear`` up to fp32 summation order, the same kind of
+difference that already separates a multi-token forward from one-token forwards; greedy
+equivalence with ``generate`` is tested under each.
 
 :func:`contiguous_head` works round another slow CPU product: the LM head on the strided last
 positions of a batched prefill.
@@ -28,11 +44,13 @@ positions of a batched prefill.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -40,49 +58,132 @@ from torch.nn import functional
 
 __all__ = [
     "FASTER_BY",
+    "MAX_PACKED_ROWS",
     "MAX_ROWS",
     "GemmChoice",
+    "Route",
+    "fastest_route",
+    "forget_packed",
+    "packed_linear",
+    "packed_weight",
+    "packing_available",
     "resolve_gemm",
     "routed_linears",
     "small_block_linear",
-    "transposed_is_faster",
 ]
 
-GemmChoice = Literal["auto", "stock", "transposed"]
-"""``"auto"``: for fp32 models on CPU, transposed if a one-time timing of the model's largest
-linear layer (4 rows, both orders) finds it at least 20% faster, else stock; stock on other
-devices and dtypes. ``"stock"``: never route. ``"transposed"``: always route (any device or
-dtype; for tests and measurements)."""
+GemmChoice = Literal["auto", "stock", "transposed", "packed"]
+"""``"auto"``: for fp32 and bf16 models on a CPU, the route a one-time timing of the model's
+largest linear layer finds fastest (:func:`fastest_route`); stock on other devices and dtypes.
+``"stock"``: never route. ``"transposed"``, ``"packed"``: always that route (any dtype; packed
+needs a CPU with oneDNN; for tests and measurements)."""
+
+Route = Literal["stock", "transposed", "packed"]
+"""How a model's linear layers multiply, as :func:`resolve_gemm` resolved it (see the module
+docstring)."""
 
 FASTER_BY = 0.8
-"""``"auto"`` routes only if the transposed product takes at most this share of the stock time
-(SmolLM2's LM head here: about 0.3 of it, so noise cannot flip the choice)."""
+"""``"auto"`` takes a route only if it takes at most this share of the stock time (SmolLM2's LM
+head on the EPYC: packed ~0.25 of it, transposed ~0.3, so noise cannot flip the choice)."""
 
 MAX_ROWS = 8
-"""Largest block routed: the transposed product was faster at every size from 2 to 8 rows in
-every measurement here; from 9 on the margin shrank to nothing, so larger blocks (and prefill)
-keep the stock path."""
+"""Largest block the transposed route takes: it was faster at every size from 2 to 8 rows in
+every measurement on the EPYC; from 9 on the margin shrank to nothing."""
+
+MAX_PACKED_ROWS = 64
+"""Largest block the packed route takes (verify trees and short prefills); longer prefills keep
+the stock call, which is as fast there and needs no second layout."""
+
+
+_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple[Any, ...], Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+"""The packed route's reordered weights, one per layer however many decoders and drafters use
+it, held only as long as the layer lives (the one state this module keeps)."""
+
+
+def packed_weight(module: nn.Linear) -> Tensor:
+    """``module``'s weight in oneDNN's layout, reordered now if none is held for the weight
+    tensor the layer holds at this moment (a new tensor, or one changed in place through tracked
+    ops, is reordered again; an edit through ``.data`` is not seen: call :func:`forget_packed`
+    after such edits)."""
+    weight = module.weight
+    key = (weight.data_ptr(), _version(weight), weight.dtype, weight.device, weight.shape)
+    held = _PACKED.get(module)
+    if held is None or held[0] != key:
+        _PACKED.pop(module, None)  # the old copy goes before the new one is made
+        with torch.no_grad():
+            held = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), MAX_ROWS))
+        _PACKED[module] = held
+    return held[1]
+
+
+def forget_packed(model: nn.Module) -> None:
+    """Drop the reordered weights of ``model``'s layers (they are remade on next use)."""
+    for module in model.modules():
+        _PACKED.pop(module, None)  # type: ignore[call-overload]
+
+
+def _version(tensor: Tensor) -> int:
+    """The in-place version counter of ``tensor`` (-1 for an inference tensor, which has none
+    and cannot be changed in place outside inference mode)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return -1
+
+
+def packing_available() -> bool:
+    """Whether this torch build has the oneDNN linear kernels the packed route calls."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    )
 
 
 def _checked(choice: GemmChoice) -> GemmChoice:
-    if choice not in ("auto", "stock", "transposed"):
-        raise ValueError(f"gemm must be 'auto', 'stock' or 'transposed', got {choice!r}")
+    if choice not in ("auto", "stock", "transposed", "packed"):
+        raise ValueError(f"gemm must be 'auto', 'stock', 'transposed' or 'packed', got {choice!r}")
     return choice
 
 
-def resolve_gemm(model: nn.Module, choice: GemmChoice) -> bool:
-    """Whether forwards of ``model`` take the transposed product under ``choice``; ``"auto"``
-    times the model's largest linear layer now (a few milliseconds), so resolve once per model
-    and pass the answer on."""
-    if _checked(choice) != "auto":
-        return choice == "transposed"
+def resolve_gemm(model: nn.Module, choice: GemmChoice) -> Route:
+    """The route ``model``'s decoding forwards take under ``choice``; ``"auto"`` times the
+    model's largest linear layer now (tens of milliseconds), so resolve once per model and keep
+    the answer. For ``"packed"``, every plain linear weight is reordered on return (unless
+    already held), so the first forward does not pay for it."""
+    route = _auto_route(model) if _checked(choice) == "auto" else cast(Route, choice)
+    if route == "packed":
+        if not packing_available():
+            raise ValueError(
+                "gemm 'packed' needs torch's oneDNN linear kernels, which this torch build "
+                "lacks; use 'auto', 'stock' or 'transposed'"
+            )
+        for module in _plain_linears(model):
+            packed_weight(module)
+    return route
+
+
+def _auto_route(model: nn.Module) -> Route:
     largest = _largest_linear(model)
     if largest is None:
-        return False
+        return "stock"
     weight = largest.weight
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return False
-    return transposed_is_faster(weight)
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return "stock"
+    room = _room_for_a_copy(_plain_linears(model))
+    return fastest_route(weight, packing=packing_available() and room)
+
+
+def _room_for_a_copy(linears: list[nn.Linear]) -> bool:
+    """Whether a reordered copy of ``linears``' weights takes at most half of the memory this
+    machine has free now (always true where the free memory is unknown): ``"auto"`` never packs
+    a model that would then crowd the machine."""
+    needed = sum(module.weight.numel() * module.weight.element_size() for module in linears)
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return True
+    return needed <= free // 2
 
 
 def _median_seconds(function: Callable[[], object], repeats: int = 5) -> float:
@@ -95,16 +196,55 @@ def _median_seconds(function: Callable[[], object], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def transposed_is_faster(
-    weight: Tensor, *, seconds: Callable[[Callable[[], object]], float] = _median_seconds
-) -> bool:
-    """Whether ``(W · xᵀ)ᵀ`` on 4 rows takes at most :data:`FASTER_BY` of ``F.linear``'s time for
-    ``weight`` ``[out, in]``, timed now (``seconds`` times a call)."""
+def fastest_route(
+    weight: Tensor,
+    *,
+    seconds: Callable[[Callable[[], object]], float] = _median_seconds,
+    packing: bool | None = None,
+) -> Route:
+    """The route ``"auto"`` takes for a model whose largest linear weight is ``weight``
+    ``[out, in]``, timed now on 4 rows (``seconds`` times a call): packed (if ``packing``,
+    default :func:`packing_available`) if it takes at most :data:`FASTER_BY` of the stock time,
+    else transposed (fp32 only) on the same test, else stock."""
+    packing = packing_available() if packing is None else packing
     with torch.inference_mode():
         x = torch.randn(4, weight.shape[1], dtype=weight.dtype, device=weight.device)
         stock = seconds(lambda: functional.linear(x, weight))
-        transposed = seconds(lambda: torch.mm(weight, x.t()).t().contiguous())
-    return transposed <= FASTER_BY * stock
+        if packing:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, MAX_ROWS)
+            timed = seconds(lambda: _packed_product(x, packed, None))
+            if timed <= FASTER_BY * stock:
+                return "packed"
+        if weight.dtype == torch.float32:
+            timed = seconds(lambda: torch.mm(weight, x.t()).t().contiguous())
+            if timed <= FASTER_BY * stock:
+                return "transposed"
+    return "stock"
+
+
+def _packed_product(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packed_linear(module: nn.Linear) -> Callable[[Tensor], Tensor]:
+    """A forward for ``module``: ``x [..., in]`` → ``[..., out]`` on its reordered weight
+    (:func:`packed_weight`) for 1..:data:`MAX_PACKED_ROWS` rows of the weight's dtype without
+    autograd, and with ``F.linear`` otherwise."""
+
+    def forward(x: Tensor) -> Tensor:
+        features = x.shape[-1]
+        rows = x.numel() // features if features else 0
+        weight = module.weight
+        if (
+            not 1 <= rows <= MAX_PACKED_ROWS
+            or x.dtype != weight.dtype
+            or x.device.type != "cpu"
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        ):
+            return functional.linear(x, weight, module.bias)
+        return _packed_product(x.contiguous(), packed_weight(module), module.bias)
+
+    return forward
 
 
 def small_block_linear(
@@ -112,11 +252,11 @@ def small_block_linear(
 ) -> Callable[[Tensor], Tensor]:
     """A forward for ``module``: ``x [..., in]`` → ``[..., out]``, computed as ``(W · xᵀ)ᵀ`` when
     x holds 2..``MAX_ROWS`` rows and with ``F.linear`` otherwise. With ``pad_single`` a single
-    row is computed as the first of two (a copy of it added): on the CPU measured, the 2-column
-    product is over twice as fast as the one-row matrix-vector call (3.3 against 7.4 ms for a
-    49,152 × 576 LM head). Drafters use it for their own layers; the target's one-token forwards
-    never pad, so they stay exactly stock. Reads the weight at call time, so weights replaced
-    later (e.g. a merged adapter) are used."""
+    row is computed as the first of two (a copy of it added): on the EPYC measured, the
+    2-column product is over twice as fast as the one-row matrix-vector call (3.3 against 7.4 ms
+    for a 49,152 × 576 LM head). Drafters use it for their own layers; the target's one-token
+    forwards never pad, so they stay exactly stock. Reads the weight at call time, so weights
+    replaced later (e.g. a merged adapter) are used."""
     smallest = 1 if pad_single else 2
 
     def forward(x: Tensor) -> Tensor:
@@ -147,20 +287,24 @@ def _largest_linear(model: nn.Module) -> nn.Linear | None:
 
 
 @contextmanager
-def routed_linears(model: nn.Module, route: bool, *, pad_single: bool = False) -> Iterator[None]:
-    """Within the block, ``model``'s plain ``nn.Linear`` layers use :func:`small_block_linear`
-    (with ``pad_single``) if ``route`` (:func:`resolve_gemm`). Layers that already carry an
-    instance-level ``forward`` (another wrapper, or an enclosing ``routed_linears``) are left
-    alone; every forward installed here is removed on exit, also on error. Not thread-safe: one
-    forward of a model at a time."""
-    if not route:
+def routed_linears(model: nn.Module, route: Route, *, pad_single: bool = False) -> Iterator[None]:
+    """Within the block, ``model``'s plain ``nn.Linear`` layers take ``route`` (from
+    :func:`resolve_gemm`; ``pad_single``: the transposed route also takes single rows,
+    :func:`small_block_linear`). Layers that already carry an instance-level ``forward``
+    (another wrapper, or an enclosing ``routed_linears``) are left alone; every forward installed
+    here is removed on exit, also on error. Not thread-safe: one forward of a model at a time."""
+    if route == "stock":
         yield
         return
     installed = []
     try:
         for module in _plain_linears(model):
             if "forward" not in module.__dict__:
-                module.__dict__["forward"] = small_block_linear(module, pad_single=pad_single)
+                module.__dict__["forward"] = (
+                    packed_linear(module)
+                    if route == "packed"
+                    else small_block_linear(module, pad_single=pad_single)
+                )
                 installed.append(module)
         yield
     finally:

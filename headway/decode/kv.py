@@ -29,7 +29,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from headway.decode.gemm import routed_linears
+from headway.decode.gemm import Route, routed_linears
 from headway.decode.tree import ancestor_mask, depths
 from headway.errors import SlidingWindowError
 
@@ -215,7 +215,7 @@ def tree_forward(
     parents: Tensor,
     prefix_len: int,
     hidden_layers: tuple[int, ...] = (),
-    small_blocks: bool = False,
+    gemm: Route = "stock",
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """Verify a whole draft tree in ONE forward.
 
@@ -224,9 +224,8 @@ def tree_forward(
         parents: LongTensor ``[n]``, the tree's parent array (see :mod:`headway.decode.tree`).
         prefix_len: tokens already in ``cache``; must equal ``cache.get_seq_length()``.
         hidden_layers: indices into ``output_hidden_states``; () skips collecting them.
-        small_blocks: multiply blocks of 2..8 tokens as ``(W · xᵀ)ᵀ``
-            (:func:`headway.decode.gemm.resolve_gemm` decides); a 1-token block always takes
-            the stock path.
+        gemm: the route the linear layers take (:func:`headway.decode.gemm.resolve_gemm`); a
+            1-token block takes stock unless the route is ``"packed"``.
 
     Returns:
         logits ``[n + 1, V]`` (row b predicts the token after block entry b) and one
@@ -260,7 +259,8 @@ def tree_forward(
             prefix_len,
         )
         position_ids = positions.to(device)[None]
-    with routed_linears(model, small_blocks and size > 1):
+    routed = size > 1 or gemm == "packed"  # transposed: a single row stays stock
+    with routed_linears(model, gemm if routed else "stock"):
         outputs = model(
             input_ids=root_and_tree_tokens.to(device),
             attention_mask=mask,  # a tensor, or one per layer type (windowed_masks)

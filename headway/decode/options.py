@@ -29,9 +29,9 @@ class DecodeOptions:
         ``"cost"``: the loop times the target's verify forward once and, every step, sends
         only the drafted nodes that pay for their share of it, ranked by the drafter's
         acceptance estimates (:class:`~headway.decode.costs.TreeSizer`).
-    gemm: how verify forwards of 2-8 tokens multiply the target's linear layers
-        (:mod:`headway.decode.gemm`), resolved once per :class:`~headway.decode.generate.Decoder`;
-        eager verify forwards only.
+    gemm: how decoding forwards multiply the target's (and the drafter's) linear layers on a
+        CPU (:mod:`headway.decode.gemm`), resolved once per
+        :class:`~headway.decode.generate.Decoder` and per drafter; eager verify forwards only.
     acceptance: ``"lossless"`` (the target's own output) or Medusa's ``"typical"`` (LOSSY when
         sampling; :func:`headway.decode.verify.verify_typical`).
     verify: ``"eager"``: the model's own forward over a ``DynamicCache``. ``"captured"``: a

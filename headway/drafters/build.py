@@ -142,7 +142,7 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec, gemm: GemmChoice)
     model = target.model
     total_tokens = spec.total_tokens
     if spec.tree == "auto":
-        total_tokens = auto_total_tokens(model, small_blocks=resolve_gemm(model, gemm))
+        total_tokens = auto_total_tokens(model, gemm=resolve_gemm(model, gemm))
     config = found.config
     try:
         if isinstance(config, Eagle3Config):

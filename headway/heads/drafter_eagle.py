@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from headway.decode.costs import verify_timer
-from headway.decode.gemm import GemmChoice, resolve_gemm, routed_linears
+from headway.decode.gemm import GemmChoice, Route, resolve_gemm, routed_linears
 from headway.decode.kv import crop_cache
 from headway.decode.tree import DraftTree, empty_tree, subtree
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
@@ -86,7 +86,7 @@ def auto_total_tokens(
     *,
     prefix_tokens: int = 128,
     seconds: Callable[[int], float] | None = None,
-    small_blocks: bool = False,
+    gemm: Route = "stock",
 ) -> int:
     """``--tree auto``: choose the tree budget N by timing the target's verify forward on this
     hardware (EAGLE-2 reference, ``total_token=-1``): the N of :data:`AUTO_CANDIDATES` with the
@@ -97,10 +97,10 @@ def auto_total_tokens(
         prefix_tokens: length of the random committed prefix the forwards are timed after.
         seconds: ``N -> seconds`` of one verify forward over N tree tokens; default: measured
             with :func:`headway.decode.bench.forward_seconds` on a one-level tree, multiplied as
-            the loop will (``small_blocks``, :mod:`headway.decode.gemm`).
+            the loop will (the route ``gemm``, :mod:`headway.decode.gemm`).
     """
     if seconds is None:
-        seconds = verify_timer(target_model, prefix_tokens, small_blocks=small_blocks)
+        seconds = verify_timer(target_model, prefix_tokens, gemm=gemm)
 
     costs = [seconds(size) / gain for size, gain in zip(AUTO_CANDIDATES, AUTO_GAIN, strict=True)]
     best = AUTO_CANDIDATES[min(range(len(costs)), key=costs.__getitem__)]
@@ -192,8 +192,8 @@ class EagleDrafter:
         self.depth, self.total_tokens = depth, total_tokens
         self.max_nodes = total_tokens - 1
         # each resolved on its own largest layer: a small fc may not gain where the LM head does
-        self._small_blocks = resolve_gemm(cast(nn.Module, model), gemm)
-        self._small_blocks_head = resolve_gemm(head.lm_head, gemm)
+        self._gemm = resolve_gemm(cast(nn.Module, model), gemm)
+        self._gemm_head = resolve_gemm(head.lm_head, gemm)
         weight = model.fc.weight
         self._device, self._dtype = weight.device, weight.dtype
         self.level_seconds = 0.0
@@ -227,9 +227,8 @@ class EagleDrafter:
         (:func:`~headway.decode.gemm.routed_linears`; draft forwards have a few rows)."""
         stack = ExitStack()
         model = cast(nn.Module, self.model)
-        stack.enter_context(routed_linears(model, self._small_blocks, pad_single=True))
-        head_route = self._small_blocks_head
-        stack.enter_context(routed_linears(self.head.lm_head, head_route, pad_single=True))
+        stack.enter_context(routed_linears(model, self._gemm, pad_single=True))
+        stack.enter_context(routed_linears(self.head.lm_head, self._gemm_head, pad_single=True))
         return stack
 
     @torch.inference_mode()

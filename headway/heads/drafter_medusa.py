@@ -190,7 +190,7 @@ class MedusaDrafter:
         self.hidden_layers: tuple[int, ...] = (hidden_layer,)
         self.tree = medusa_tree(choices, heads.config)
         self.max_nodes = len(self.tree.choices)
-        self._small_blocks = resolve_gemm(self.heads, gemm)
+        self._gemm = resolve_gemm(self.heads, gemm)
         self._last_hidden: Tensor | None = None  # [H], the state that predicted the root
 
     def begin(self, prompt_ids: Tensor) -> None:
@@ -208,7 +208,7 @@ class MedusaDrafter:
         weight = next(self.heads.parameters())
         hidden = hidden.to(device=weight.device, dtype=weight.dtype)
         with routed_linears(
-            self.heads, self._small_blocks, pad_single=True
+            self.heads, self._gemm, pad_single=True
         ):  # one row per head: pad it (gemm.py)
             return self.heads(hidden, num_heads=self.tree.depth)
 

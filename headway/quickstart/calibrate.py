@@ -44,9 +44,9 @@ __all__ = ["GateCalibration", "choose_threshold", "head1_scores", "verify_break_
 def verify_break_even(model: PreTrainedModel, prefix: Tensor, *, repeats: int = 5) -> float:
     """``(t2 - t1) / t1`` on ``prefix`` ``[P]``: the acceptance rate a one-token draft needs to
     pay for itself (clamped to [0, 1])."""
-    routed = resolve_gemm(model, "auto")  # as the decoding loop will multiply them
-    one = forward_seconds(model, prefix, 1, repeats=repeats, small_blocks=routed)
-    two = forward_seconds(model, prefix, 2, repeats=repeats, small_blocks=routed)
+    plan = resolve_gemm(model, "auto")  # as the decoding loop will multiply them
+    one = forward_seconds(model, prefix, 1, repeats=repeats, gemm=plan)
+    two = forward_seconds(model, prefix, 2, repeats=repeats, gemm=plan)
     return min(max((two - one) / one, 0.0), 1.0)
 
 
