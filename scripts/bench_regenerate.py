@@ -21,9 +21,11 @@ import platform
 import random
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
+from headway.decode.gemm import GemmChoice
 from headway.target import DEFAULT_TARGET, Target, load_target
 from headway.train.answering import ENGINES, Answer, RegenerateOptions, answer_items
 from headway.train.prompts import PromptItem, chat_prompts
@@ -54,6 +56,12 @@ def parse_args() -> argparse.Namespace:
         help="the continuous engine runs once per value (tokens drafted per row and step)",
     )
     parser.add_argument(
+        "--gemms",
+        default="auto",
+        help="comma-separated --gemm routes (stock, transposed, packed, auto): the continuous "
+        "engine runs once per route and lookahead (headway.decode.gemm)",
+    )
+    parser.add_argument(
         "--stop-loops",
         default="",
         help="comma-separated N: one more continuous run per value, answers ending at their first "
@@ -63,11 +71,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def run(
-    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
+    target: Target, items: Sequence[PromptItem], options: RegenerateOptions, gemm: GemmChoice
 ) -> tuple[dict[str, Answer], float]:
     """Answer `items` once; the answers by item id and the seconds it took."""
     started = time.perf_counter()
-    answers = {item.id: found[-1] for item, found in answer_items(target, items, options)}
+    found = answer_items(target, items, options, gemm=gemm)
+    answers = {item.id: answered[-1] for item, answered in found}
     return answers, time.perf_counter() - started
 
 
@@ -82,15 +91,19 @@ def main() -> None:
         f"torch {torch.__version__}, {args.dtype}, {len(items)} {args.source} prompts, "
         f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}"
     )
+    gemms = [cast(GemmChoice, gemm) for gemm in args.gemms.split(",") if gemm]
     runs = [
-        (engine, lookahead, 0)
+        (engine, lookahead, 0, gemm)
         for engine in args.engines.split(",")
         for lookahead in ([0] if engine == "generate" else _ints(args.lookaheads))
+        for gemm in (gemms[:1] if engine == "generate" else gemms)
     ]
     last_lookahead = _ints(args.lookaheads)[-1]
-    runs += [("continuous", last_lookahead, stop) for stop in _ints(args.stop_loops) if stop]
+    runs += [
+        ("continuous", last_lookahead, stop, gemms[-1]) for stop in _ints(args.stop_loops) if stop
+    ]
     results: dict[str, tuple[dict[str, Answer], float]] = {}
-    for engine, lookahead, stop in runs:
+    for engine, lookahead, stop, gemm in runs:
         batch = args.generate_batch_size if engine == "generate" else None
         options = RegenerateOptions(
             max_new_tokens=args.max_new_tokens,
@@ -102,8 +115,9 @@ def main() -> None:
         )
         name = engine if engine == "generate" else f"continuous, lookahead {lookahead}"
         name += f", stop-loops {stop}" if stop else ""
+        name += f", gemm {gemm}" if engine != "generate" and len(gemms) > 1 else ""
         torch.manual_seed(args.seed)
-        answers, seconds = run(target, items, options)
+        answers, seconds = run(target, items, options, gemm)
         tokens = sum(answer.tokens for answer in answers.values())
         results[name] = answers, seconds
         (first_name, (first, first_seconds)) = next(iter(results.items()))

@@ -1,7 +1,7 @@
 """The continuous batcher: greedy answers equal ``generate`` on each prompt alone (fp32) through
 refills of unequal prompts and rows leaving (the last live row taking the slot); the sampling
 rule draws from the target's distribution (temperature and nucleus); grouped attention changes
-no logits. Lookahead: tests/test_lookahead.py."""
+no logits; the packed GEMM route changes no greedy answer. Lookahead: tests/test_lookahead.py."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from headway.decode.gemm import GemmChoice, packing_available
 from headway.train.batched_generation import ContinuousBatcher, SamplingRule
 from tests.tiny import tiny_model
 
@@ -37,11 +38,14 @@ def eos_that_ends_some(model: Any, prompts: list[list[int]]) -> list[int]:
     return sorted({answer[-1] for answer in answers if len(answer) >= 4})
 
 
+@pytest.mark.parametrize("gemm", ["stock", "packed"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize(("slots", "refill"), [(3, 0.5), (4, 0.0), (16, 1.0), (3, 1.0)])
 def test_greedy_equals_generate_on_each_prompt_alone(
-    family: str, slots: int, refill: float
+    family: str, slots: int, refill: float, gemm: GemmChoice
 ) -> None:
+    if gemm == "packed" and not packing_available():
+        pytest.skip("no oneDNN linear kernels")
     model = tiny_model(family)
     rng = random.Random(7)
     prompts = {f"p{i}": [rng.randrange(3, 96) for _ in range(rng.randint(1, 20))] for i in range(9)}
@@ -54,6 +58,7 @@ def test_greedy_equals_generate_on_each_prompt_alone(
         pad_token_id=0,
         refill_fraction=refill,
         prefill_tokens=40,  # small, so prefills split and caches of unequal width merge
+        gemm=gemm,
     )
     for key, prompt in prompts.items():
         batcher.submit(key, prompt)
@@ -64,6 +69,9 @@ def test_greedy_equals_generate_on_each_prompt_alone(
         assert answers[key].tokens == expected, key
         assert answers[key].finish_reason == ("length" if len(expected) == 10 else "eos")
     assert any(c.finish_reason == "eos" for c in answers.values())  # rows did leave early
+    assert batcher.gemm == gemm and not any(
+        "forward" in module.__dict__ for module in model.modules()
+    )  # the route was taken, and every layer has its own forward back
 
 
 def test_prompts_submitted_while_running_are_answered() -> None:

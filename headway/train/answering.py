@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from headway.decode.gemm import contiguous_head
+from headway.decode.gemm import GemmChoice, contiguous_head
 from headway.errors import DataError
 from headway.target import Target
 from headway.train.batched_generation import ContinuousBatcher, SamplingRule
@@ -135,12 +135,17 @@ def answer_batch(
 
 
 def answer_items(
-    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
+    target: Target,
+    items: Sequence[PromptItem],
+    options: RegenerateOptions,
+    *,
+    gemm: GemmChoice = "auto",
 ) -> Iterator[tuple[PromptItem, list[Answer]]]:
     """Answer every user turn of every item, turn by turn (each turn after the target's own
-    earlier answers), with the engine the options name."""
+    earlier answers), with the engine the options name (the continuous engine's linear layers
+    on the route ``gemm`` resolves to, :mod:`headway.decode.gemm`)."""
     if options.engine == "continuous":
-        return _answer_continuously(target, items, options)
+        return _answer_continuously(target, items, options, gemm)
     return _answer_in_padded_batches(target, items, options)
 
 
@@ -152,7 +157,7 @@ def _prompt_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
 
 
 def _answer_continuously(
-    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
+    target: Target, items: Sequence[PromptItem], options: RegenerateOptions, gemm: GemmChoice
 ) -> Iterator[tuple[PromptItem, list[Answer]]]:
     """All items through one :class:`ContinuousBatcher`, shortest prompts first; an item's next
     turn is submitted as soon as its previous answer is in."""
@@ -167,6 +172,7 @@ def _answer_continuously(
         rule=SamplingRule(options.temperature, options.top_p),
         lookahead=options.resolved_lookahead,
         stop_loops=options.stop_loops,
+        gemm=gemm,
     )
     by_id = {item.id: item for item in items}
     answers: dict[str, list[Answer]] = {item.id: [] for item in items}

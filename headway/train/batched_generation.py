@@ -39,7 +39,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from headway.decode.drafters import NgramIndex
-from headway.decode.gemm import contiguous_head
+from headway.decode.gemm import GemmChoice, contiguous_head, resolve_gemm, routed_linears
 from headway.decode.kv import cache_argument
 from headway.train.grouped_attention import grouped_attention
 from headway.train.lookahead import accept_chains
@@ -105,6 +105,7 @@ class ContinuousBatcher:
         lookahead: int = 0,
         ngram: int = 4,
         stop_loops: int = 0,
+        gemm: GemmChoice = "auto",
     ) -> None:
         if slots < 1 or max_new_tokens < 1 or not eos_token_ids:
             raise ValueError("slots and max_new_tokens must be >= 1, eos_token_ids non-empty")
@@ -119,6 +120,7 @@ class ContinuousBatcher:
         self.lookahead, self.ngram, self.stop_loops = lookahead, ngram, stop_loops
         self.waiting: deque[tuple[Hashable, list[int]]] = deque()
         self.device = next(model.parameters()).device
+        self.gemm = resolve_gemm(model, gemm)  # how the linear layers multiply on a CPU
         self.num_layers = int(model.config.get_text_config().num_hidden_layers)
         self.steps = 0  # forwards after the prefills
         self.row_steps = 0  # rows those forwards advanced, summed
@@ -140,11 +142,17 @@ class ContinuousBatcher:
         """Run until no prompt is waiting or live, yielding each answer as it ends.
 
         Until the generator ends or is closed (between yields too), the model runs with
-        :func:`grouped_attention` and :func:`contiguous_head`; do not use it elsewhere meanwhile.
+        :func:`grouped_attention`, :func:`contiguous_head` and its linear layers on the route
+        ``gemm`` resolved to (:func:`~headway.decode.gemm.routed_linears`); do not use it
+        elsewhere meanwhile.
         """
         rows: list[_Row] = []
         cache = RaggedCache(self.num_layers, self.slots)
-        with grouped_attention(self.model), contiguous_head(self.model):
+        with (
+            grouped_attention(self.model),
+            contiguous_head(self.model),
+            routed_linears(self.model, self.gemm),
+        ):
             while rows or self.waiting:
                 if self.waiting and len(rows) <= min(self.refill_at, self.slots - 1):
                     new_rows, first = self._prefill(cache, self.slots - len(rows))
