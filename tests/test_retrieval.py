@@ -4,6 +4,7 @@ first, and lossless greedy decoding with it on every tiny family."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from headway.decode.merged import FirstDrafter
 from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
 from headway.decode.tree import ancestor_mask
 from headway.drafters.build import build_drafter
+from headway.drafters.retrieval import corpus_index
 from headway.drafters.specs import RetrievalSpec
 from headway.errors import HeadwayError
 from headway.target import load_target
@@ -134,3 +136,38 @@ def test_built_from_a_chat_corpus_and_run_from_the_cli(
     assert main([*command, *options, "--max-new-tokens", "6", "--json", "hello"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(printed["token_ids"]) <= 6 and printed["tau"] >= 1.0
+
+
+def test_the_corpus_index_is_cached_by_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    target = load_target(_tiny_target(tmp_path), device="cpu")
+    data = tmp_path / "chat.jsonl"
+
+    def write(answer: str) -> None:
+        rows = [
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": a}]}
+            for a in (answer, answer + " again")
+        ]
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+
+    write("Hello! How can I help you today?")
+    spec = RetrievalSpec(data=(str(data),), min_hits=1)
+    built, cached = corpus_index(target, spec)
+    again, cached_again = corpus_index(target, spec)
+    assert not cached and cached_again
+    assert [again.sequence(i) for i in range(2)] == [built.sequence(i) for i in range(2)]
+    entries = tmp_path / "cache" / "retrieval"
+    write("Goodbye, see you soon.")  # other answers: another key, built anew
+    assert not corpus_index(target, spec)[1] and len(list(entries.iterdir())) == 2
+    for entry in entries.iterdir():
+        (entry / "keys2.npy").unlink()  # damaged: rebuilt, with a warning
+    with caplog.at_level("WARNING"):
+        assert not corpus_index(target, spec)[1]
+    assert "rebuilding the retrieval index" in caplog.text
+    assert corpus_index(target, spec)[1]
+    shutil.rmtree(entries)
+    entries.write_text("not a folder", encoding="utf-8")  # the cache cannot be written
+    store, cached = corpus_index(target, spec)
+    assert not cached and store.num_sequences == 2

@@ -1,11 +1,14 @@
 """The array-based n-gram datastore answers every lookup exactly as the obvious dict of n-gram
 tuples does (most recent ``max_hits`` occurrences, longest n-gram first, ``min_hits``), also when
-every n-gram hash collides."""
+every n-gram hash collides, and again once saved and loaded back."""
 
 from __future__ import annotations
 
+import json
+import random
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 from hypothesis import example, given, settings
@@ -115,3 +118,35 @@ def test_lookups_equal_the_dict_of_tuples_when_every_hash_collides(
         corpus, context, 3, min_ngram=1, max_ngram=3, max_hits=max_hits, min_hits=1
     )
     assert found == expected
+
+
+def test_a_saved_index_loads_back_and_answers_every_lookup_alike(tmp_path: Path) -> None:
+    rng = random.Random(3)
+    corpus = [[rng.randrange(6) for _ in range(rng.randint(0, 30))] for _ in range(40)]
+    built = NgramDatastore(corpus, min_ngram=1, max_ngram=3, max_hits=5)
+    built.save(tmp_path)
+    loaded = NgramDatastore.load(tmp_path)
+    assert (loaded.tokens, loaded.num_sequences, len(loaded)) == (
+        built.tokens,
+        built.num_sequences,
+        len(built),
+    )
+    assert (loaded.min_ngram, loaded.max_ngram, loaded.max_hits) == (1, 3, 5)
+    assert [loaded.sequence(i) for i in range(40)] == corpus
+    contexts = [[rng.randrange(6) for _ in range(rng.randint(1, 4))] for _ in range(300)]
+    for context in contexts:
+        for min_hits in (1, 2):
+            expected = built.continuations(context, 4, min_hits=min_hits)
+            assert loaded.continuations(context, 4, min_hits=min_hits) == expected
+
+
+def test_an_incomplete_or_other_format_index_is_refused(tmp_path: Path) -> None:
+    NgramDatastore([[1, 2, 3, 1, 2, 4]]).save(tmp_path)
+    settings = json.loads((tmp_path / "index.json").read_text(encoding="utf-8"))
+    (tmp_path / "index.json").write_text(json.dumps({**settings, "format": 0}), encoding="utf-8")
+    with pytest.raises(ValueError, match="format 0"):
+        NgramDatastore.load(tmp_path)
+    (tmp_path / "index.json").write_text(json.dumps(settings), encoding="utf-8")
+    (tmp_path / "keys3.npy").unlink()
+    with pytest.raises(ValueError, match="no complete n-gram index"):
+        NgramDatastore.load(tmp_path)

@@ -18,8 +18,10 @@ tokenizes a chat corpus's assistant turns, :func:`headway.api.load_drafter`).
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 from torch import Tensor
@@ -29,6 +31,10 @@ from headway.decode.tree import DraftTree, empty_tree
 
 __all__ = ["NgramDatastore", "RetrievalDrafter"]
 
+
+_FORMAT = 1
+"""Version of the files :meth:`NgramDatastore.save` writes (a change makes old ones unreadable,
+so they are rebuilt)."""
 
 _MULTIPLIER = 0x9E3779B97F4A7C15
 """Odd 64-bit multiplier of the n-gram hash (any collision is caught by comparing tokens)."""
@@ -103,6 +109,65 @@ class NgramDatastore:
     def __len__(self) -> int:
         """Distinct n-grams indexed (told apart by hash)."""
         return self._distinct
+
+    def save(self, folder: Path) -> None:
+        """Write the built index into the existing empty ``folder``: one ``.npy`` per array
+        (tokens and positions as int32 where they fit) and ``index.json``, for :meth:`load`."""
+        small = np.int32 if self.tokens < 2**31 and self._fits_int32() else np.int64
+        arrays = {
+            "flat": self._flat.astype(small),
+            "starts": self._starts,
+            "lengths": self._lengths,
+        }
+        for size in range(self.min_ngram, self.max_ngram + 1):
+            arrays[f"keys{size}"] = self._keys[size]
+            arrays[f"ends{size}"] = self._ends[size].astype(small)
+        for name, array in arrays.items():
+            np.save(folder / f"{name}.npy", array, allow_pickle=False)
+        settings = {
+            "format": _FORMAT,
+            "min_ngram": self.min_ngram,
+            "max_ngram": self.max_ngram,
+            "max_hits": self.max_hits,
+            "distinct": self._distinct,
+        }
+        (folder / "index.json").write_text(json.dumps(settings), encoding="utf-8")
+
+    def _fits_int32(self) -> bool:
+        return not self.tokens or (int(self._flat.max()) < 2**31 and int(self._flat.min()) >= 0)
+
+    @classmethod
+    def load(cls, folder: Path) -> NgramDatastore:
+        """The index :meth:`save` wrote to ``folder``, its arrays memory-mapped (read-only,
+        paged in as lookups touch them), so loading costs no tokenizing or sorting.
+
+        Raises:
+            ValueError: ``folder`` holds no complete index of this format.
+        """
+        try:
+            settings = json.loads((folder / "index.json").read_text(encoding="utf-8"))
+            if settings.get("format") != _FORMAT:
+                raise ValueError(f"index format {settings.get('format')!r}, not {_FORMAT}")
+            store = cls.__new__(cls)
+            store.min_ngram, store.max_ngram = settings["min_ngram"], settings["max_ngram"]
+            store.max_hits, store._distinct = settings["max_hits"], settings["distinct"]
+
+            def array(name: str) -> np.ndarray:
+                return np.load(folder / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+
+            store._flat, store._starts, store._lengths = (
+                array("flat"),
+                array("starts"),
+                array("lengths"),
+            )
+            sizes = range(store.min_ngram, store.max_ngram + 1)
+            store._keys = {size: array(f"keys{size}") for size in sizes}
+            store._ends = {size: array(f"ends{size}") for size in sizes}
+        except (OSError, KeyError, TypeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{folder}: no complete n-gram index ({error})") from error
+        store.tokens, store.num_sequences = len(store._flat), len(store._lengths)
+        store._stop = np.repeat(store._starts + store._lengths, store._lengths)
+        return store
 
     def sequence(self, number: int) -> list[int]:
         """The corpus's sequence ``number`` (0-based, in the order given)."""
