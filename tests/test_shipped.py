@@ -1,9 +1,12 @@
 """Shipped drafters: the default for the target whose fingerprint they record, nothing for any
-other target; the shipped SmolLM2 drafter (when the checkout has one) loads and decodes exactly
-as the target's own greedy decoding (slow: the real embedded model)."""
+other target; likewise a shipped regenerated corpus makes retrieval ``headway generate``'s default
+for the target that wrote it; the shipped SmolLM2 drafter (when the checkout has one) loads and
+decodes exactly as the target's own greedy decoding (slow: the real embedded model)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +16,15 @@ import torch
 from headway.drafters.shipped import (
     DEFAULTS,
     SHIPPED_DIR,
+    default_corpus,
     default_heads,
     shipped_heads,
     shipped_names,
 )
+from headway.errors import HeadwayError
 from headway.heads.io import load_heads
 from headway.heads.loading import ENGINE_FORMATS
+from headway.target import fingerprint
 from tests.test_eagle3 import tiny4
 from tests.test_formats import random_run
 
@@ -87,3 +93,53 @@ def test_each_shipped_drafter_decodes_losslessly(name: str) -> None:
     result = generate(target.model, prompt, drafter=drafter, max_new_tokens=64, eos_token_ids=())
     assert result.tokens == truth
     assert result.tau > 1.5  # a trained drafter accepts more than one token per step
+
+
+def _corpus(root: Path, name: str, target: Any) -> Path:
+    """A regenerated-corpus folder whose manifest records ``target``'s fingerprint."""
+    folder = root / name
+    (folder / "data").mkdir(parents=True)
+    manifest = {"settings": {"target": fingerprint(target).to_dict()}, "complete": True}
+    (folder / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    return folder
+
+
+def test_a_corpus_the_target_regenerated_is_found_by_its_fingerprint(
+    target: Any, tmp_path: Path
+) -> None:
+    folder = _corpus(tmp_path, "tiny-chat", target)
+    assert default_corpus(target, corpus_dir=tmp_path, names=["tiny-chat"]) == folder / "data"
+    assert default_corpus(target, corpus_dir=tmp_path, names=[]) is None  # not a default
+    assert default_corpus(target, corpus_dir=tmp_path, names=["missing"]) is None
+    assert default_corpus(tiny4("llama", seed=1), corpus_dir=tmp_path, names=["tiny-chat"]) is None
+    (folder / "manifest.json").write_text('{"settings": {"target": {"hidden_size": 1}}}')
+    assert default_corpus(target, corpus_dir=tmp_path, names=["tiny-chat"]) is None
+
+
+def test_generate_without_a_drafter_retrieves_from_the_default_corpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from headway.cli.common import drafter_from_flags
+    from headway.drafters import shipped
+    from headway.drafters.specs import PromptLookupSpec, RetrievalSpec
+    from headway.target import load_target
+    from tests.test_eval import _tiny_target
+
+    target = load_target(_tiny_target(tmp_path), device="cpu")
+    folder = _corpus(tmp_path / "corpora", "tiny-chat", target.model)
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hey"}]}
+    (folder / "data" / "chat.jsonl").write_text(json.dumps(row) + "\n", encoding="utf-8")
+    monkeypatch.setattr(shipped, "CORPUS_DIR", tmp_path / "corpora")
+    monkeypatch.setattr(shipped, "DEFAULT_CORPORA", ("tiny-chat",))
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    flags: dict[str, Any] = {"drafter": None, "heads": None, "draft_option": [], "tree": "default"}
+    args = argparse.Namespace(**flags, force=False, gemm="auto")
+    _, spec = drafter_from_flags(args, target)
+    assert spec == RetrievalSpec(data=(str(folder / "data"),))
+    with pytest.raises(HeadwayError, match="name what to decode with"):
+        drafter_from_flags(args, target, default=None)  # eval: it names its drafter
+    args.drafter = "prompt-lookup"  # named: as asked
+    assert isinstance(drafter_from_flags(args, target)[1], PromptLookupSpec)
+    monkeypatch.setattr(shipped, "DEFAULT_CORPORA", ())
+    args.drafter = None
+    assert isinstance(drafter_from_flags(args, target)[1], PromptLookupSpec)

@@ -144,11 +144,17 @@ def add_drafter_flags(parser: argparse.ArgumentParser, *, allow_none: bool) -> N
     parser.add_argument(
         "--drafter",
         choices=names,
-        help="prompt-lookup (n-gram copy from the context; the default without --heads), "
-        "retrieval (prompt lookup, then n-grams of a corpus of the target's own answers: "
-        "--draft-option data=PATH), lookup-medusa (prompt lookup merged with confidence-gated "
-        "Medusa heads: needs --heads)"
-        + (", or none (plain decoding through the same loop)" if allow_none else ""),
+        help="prompt-lookup (n-gram copy from the context), retrieval (prompt lookup, then "
+        "n-grams of a corpus of the target's own answers: --draft-option data=PATH), "
+        "lookup-medusa (prompt lookup merged with confidence-gated Medusa heads: needs --heads)"
+        + (", or none (plain decoding through the same loop)" if allow_none else "")
+        + (
+            ". Naming neither --drafter nor --heads: a shipped default drafter for the target, "
+            "else retrieval over a corpus the target regenerated that the checkout ships "
+            "(SmolLM2-135M: data/regenerated/smollm2-sharegpt), else prompt-lookup"
+            if allow_none
+            else ""
+        ),
     )
     parser.add_argument(
         "--heads",
@@ -175,20 +181,24 @@ def drafter_from_flags(
     """The drafter of :func:`add_drafter_flags`' flags (``None`` for ``--drafter none``), built by
     :func:`headway.drafters.build.build_drafter`, and its spec."""
     from headway.drafters.build import build_drafter, spec_for
-    from headway.drafters.shipped import default_heads
+    from headway.drafters.shipped import default_corpus, default_heads
 
     if args.drafter == "none":
         if args.heads:
             raise HeadwayError("--drafter none decodes without heads; drop --heads")
         return None, None
     heads = args.heads
+    options = parse_draft_options(args.draft_option)
     if not args.drafter and not heads:
         shipped = default_heads(target.model)  # the shipped drafter for this target, if any
         heads = str(shipped) if shipped is not None else None
+        corpus = default_corpus(target.model) if heads is None and default else None
+        if corpus is not None:  # a corpus this target regenerated ships: retrieval over it
+            default = "retrieval"
+            options.setdefault("data", str(corpus))
     name = args.drafter if args.drafter or heads else default
     if name is None and not heads:
         raise HeadwayError("name what to decode with: --heads DIR or --drafter NAME")
-    options = parse_draft_options(args.draft_option)
     if args.tree != "default":
         options.setdefault("tree", args.tree)
     if args.force:

@@ -44,7 +44,10 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         help="stop string (repeatable)",
     )
     parser.add_argument(
-        "--draft-length", type=POSITIVE, default=8, help="prompt lookup: tokens proposed per step"
+        "--draft-length",
+        type=POSITIVE,
+        help="prompt lookup and retrieval: longest continuation drafted per step (the drafter's "
+        "num_draft_tokens; default: the drafter's own, 8 and 6)",
     )
     parser.add_argument(
         "--chat",
@@ -61,7 +64,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from headway.decode.generate import Decoder
 
     target = target_from_flags(args)
-    if args.drafter in (None, "prompt-lookup") and not args.heads:
+    lookup = args.drafter in (None, "prompt-lookup", "retrieval") and not args.heads
+    if lookup and args.draft_length is not None:
         args.draft_option = [f"num_draft_tokens={args.draft_length}", *args.draft_option]
     drafter, _ = drafter_from_flags(args, target)
     # one decoder for every prompt: cost sizing times the target and calibrates only once
