@@ -34,6 +34,7 @@ import argparse
 import json
 import platform
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,7 +142,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--gemm",
         default="auto",
-        choices=["auto", "stock", "transposed", "packed"],
+        choices=typing.get_args(GemmChoice),
         help="how headway's rows multiply the linear layers on a CPU (headway generate --gemm); "
         "the HF rows always take the stock product",
     )

@@ -156,6 +156,14 @@ def test_resolving_packed_reorders_every_plain_weight() -> None:
     assert held == {model[0], model[2]}  # the subclass keeps its own forward
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_packed_route_is_refused_off_the_cpu() -> None:
+    with pytest.raises(ValueError, match="for models on a CPU"):
+        resolve_gemm(nn.Linear(4, 4).cuda(), "packed")
+    assert resolve_gemm(nn.Linear(4, 4).cuda(), "auto") == "stock"
+
+
 def test_packed_route_is_refused_without_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemm, "packing_available", lambda: False)
     with pytest.raises(ValueError, match="oneDNN"):

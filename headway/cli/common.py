@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import typing
 from typing import Any
 
+from headway.decode.gemm import GemmChoice
 from headway.decode.generate import Drafter
 from headway.decode.options import DecodeOptions
 from headway.drafters.specs import DrafterSpec, describe_specs
@@ -72,7 +74,7 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gemm",
         default="auto",
-        choices=["auto", "stock", "transposed", "packed"],
+        choices=typing.get_args(GemmChoice),
         help="how decoding forwards multiply the linear layers on a CPU: auto (default) times "
         "the largest layer once and takes, for fp32 or bf16 on CPU, packed (oneDNN on weights "
         "reordered once; one more copy of the weights in memory) or else transposed ((W x^T)^T "

@@ -47,6 +47,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import typing
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -143,7 +144,7 @@ def packing_available() -> bool:
 
 
 def _checked(choice: GemmChoice) -> GemmChoice:
-    if choice not in ("auto", "stock", "transposed", "packed"):
+    if choice not in typing.get_args(GemmChoice):
         raise ValueError(f"gemm must be 'auto', 'stock', 'transposed' or 'packed', got {choice!r}")
     return choice
 
@@ -160,7 +161,10 @@ def resolve_gemm(model: nn.Module, choice: GemmChoice) -> Route:
                 "gemm 'packed' needs torch's oneDNN linear kernels, which this torch build "
                 "lacks; use 'auto', 'stock' or 'transposed'"
             )
-        for module in _plain_linears(model):
+        linears = _plain_linears(model)
+        if any(module.weight.device.type != "cpu" for module in linears):
+            raise ValueError("gemm 'packed' is for models on a CPU; use 'auto' or 'stock'")
+        for module in linears:
             packed_weight(module)
     return route
 
