@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,13 +17,15 @@ from headway.decode.generate import generate
 from headway.decode.merged import FirstDrafter
 from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
 from headway.decode.tree import ancestor_mask
-from headway.drafters.build import build_drafter
+from headway.drafters.build import build_drafter, spec_for
 from headway.drafters.retrieval import corpus_index
 from headway.drafters.specs import RetrievalSpec
 from headway.errors import HeadwayError
+from headway.heads.drafter_eagle import EagleDrafter
 from headway.target import load_target
 from tests.loop_sized import LoopSized
 from tests.test_eval import _tiny_target
+from tests.test_formats import random_run
 from tests.test_generate import hf_greedy
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model
 
@@ -171,3 +174,36 @@ def test_the_corpus_index_is_cached_by_content(
     entries.write_text("not a folder", encoding="utf-8")  # the cache cannot be written
     store, cached = corpus_index(target, spec)
     assert not cached and store.num_sequences == 2
+
+
+def test_trained_heads_draft_behind_prompt_lookup_and_the_corpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    target = load_target(_tiny_target(tmp_path), device="cpu")
+    run = random_run(tmp_path / "run", "eagle1", target.model)  # EAGLE-3 needs 4+ layers
+    data = tmp_path / "chat.jsonl"
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    data.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    spec = spec_for("retrieval", heads=run, options={"data": str(data)})
+    assert isinstance(spec, RetrievalSpec) and spec.heads == str(run)
+    drafter = build_drafter(spec, target)
+    assert isinstance(drafter, FirstDrafter) and drafter.self_sized == 1
+    lookup, corpus, behind = drafter.drafters
+    assert isinstance(lookup, PromptLookupDrafter) and isinstance(corpus, RetrievalDrafter)
+    assert isinstance(behind, EagleDrafter)
+    proposed: list[int] = []
+    own = behind.propose
+
+    def counted(*args: Any) -> Any:
+        proposed.append(1)
+        return own(*args)
+
+    monkeypatch.setattr(behind, "propose", counted)
+    prompt = torch.tensor([1, 7, 23, 45, 12, 9, 60, 7, 23, 45])
+    truth = hf_greedy(target.model, prompt, 16, None)
+    result = generate(target.model, prompt, drafter=drafter, max_new_tokens=16, eos_token_ids=())
+    assert result.tokens == truth
+    assert proposed  # the heads drafted on steps the cheap guesses had nothing for
+    with pytest.raises(HeadwayError, match="takes no heads folder"):
+        spec_for("prompt-lookup", heads=run)

@@ -15,6 +15,7 @@ from typing import Any
 
 from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.gemm import GemmChoice, resolve_gemm
+from headway.decode.merged import FirstDrafter
 from headway.decode.generate import Drafter
 from headway.drafters.lookup_medusa import lookup_medusa_drafter
 from headway.drafters.retrieval import retrieval_drafter
@@ -101,7 +102,12 @@ def build_drafter(spec: DrafterSpec, target: Target, *, gemm: GemmChoice = "auto
             adaptive=spec.adaptive,
         )
     if isinstance(spec, RetrievalSpec):
-        return retrieval_drafter(target, spec)
+        retrieval = retrieval_drafter(target, spec)
+        if not spec.heads:
+            return retrieval
+        options = {"force": True} if spec.force else {}
+        behind = build_drafter(spec_for(heads=spec.heads, options=options), target, gemm=gemm)
+        return FirstDrafter([*retrieval.drafters, behind], self_sized=retrieval.self_sized)
     found = find_heads(spec.heads, target.model, force=spec.force)
     if isinstance(spec, LookupMedusaSpec):
         return lookup_medusa_drafter(target, spec, found)

@@ -89,6 +89,14 @@ class RetrievalSpec:
         default=0.3,
         metadata=_help("own sizing: send nodes at least this share of continuations pass"),
     )
+    heads: str = field(
+        default="",
+        metadata=_help(
+            "trained heads (EAGLE or Medusa, any layout) that draft, with their defaults, only "
+            "on steps where prompt lookup and the corpus find nothing"
+        ),
+    )
+    force: bool = field(default=False, metadata=_help("accept heads trained for another target"))
 
     def __post_init__(self) -> None:
         if not self.data:
