@@ -15,8 +15,8 @@ from typing import Any
 
 from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.gemm import GemmChoice, resolve_gemm
-from headway.decode.merged import FirstDrafter
 from headway.decode.generate import Drafter
+from headway.decode.merged import FirstDrafter
 from headway.drafters.lookup_medusa import lookup_medusa_drafter
 from headway.drafters.retrieval import retrieval_drafter
 from headway.drafters.specs import (

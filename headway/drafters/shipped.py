@@ -42,8 +42,10 @@ DEFAULTS: tuple[str, ...] = ()
 target; a drafter joins only once it beats prompt lookup and retrieval there. None does yet:
 ``smollm2-135m-eagle3`` runs 1.16x HF greedy on a 2-core CPU against retrieval's 1.20x
 (``drafters/smollm2-135m-eagle3/README.md``), 1.13-1.16x against 1.21-1.23x on another 2-core
-CPU, and with the packed GEMM route 1.84-1.86x cost-sized against 1.87-1.96x; behind prompt
-lookup and the corpus it ran 1.95x against retrieval's 1.87x in one run (README, "Measured")."""
+CPU, and with the packed GEMM route 1.80-1.86x cost-sized against 1.87-1.96x. Behind prompt
+lookup and the corpus (``--drafter retrieval --heads``) it ran 1.95x and 2.00x against
+retrieval's 1.87x and 1.92x in two ``compare.py`` runs, but 1.97x against 2.01x in ``headway
+eval`` runs (README, "Measured"): not a clear win yet."""
 
 
 CORPUS_DIR = Path(__file__).resolve().parents[2] / "data" / "regenerated"

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,14 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from headway.decode.drafters import NgramIndex
-from headway.decode.gemm import GemmChoice, contiguous_head, resolve_gemm, routed_linears
+from headway.decode.gemm import (
+    GemmChoice,
+    Route,
+    contiguous_head,
+    forget_packed,
+    resolve_gemm,
+    routed_linears,
+)
 from headway.decode.kv import cache_argument
 from headway.train.grouped_attention import grouped_attention
 from headway.train.lookahead import accept_chains
@@ -77,6 +85,16 @@ class _Row:
 
     def draft(self, count: int) -> list[int]:
         return self.index.follow(count) if self.index is not None else []
+
+
+@contextmanager
+def _releasing_packed(model: PreTrainedModel, route: Route) -> Iterator[None]:
+    """On exit, drop ``model``'s reordered weights if ``route`` is the packed one."""
+    try:
+        yield
+    finally:
+        if route == "packed":
+            forget_packed(model)
 
 
 class ContinuousBatcher:
@@ -144,7 +162,8 @@ class ContinuousBatcher:
         Until the generator ends or is closed (between yields too), the model runs with
         :func:`grouped_attention`, :func:`contiguous_head` and its linear layers on the route
         ``gemm`` resolved to (:func:`~headway.decode.gemm.routed_linears`); do not use it
-        elsewhere meanwhile.
+        elsewhere meanwhile. Reordered weights of the packed route are dropped at the end, so a
+        regeneration does not leave a second copy of the weights to the training after it.
         """
         rows: list[_Row] = []
         cache = RaggedCache(self.num_layers, self.slots)
@@ -152,6 +171,7 @@ class ContinuousBatcher:
             grouped_attention(self.model),
             contiguous_head(self.model),
             routed_linears(self.model, self.gemm),
+            _releasing_packed(self.model, self.gemm),
         ):
             while rows or self.waiting:
                 if self.waiting and len(rows) <= min(self.refill_at, self.slots - 1):
