@@ -183,6 +183,8 @@ def _parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, str]]:
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping of sections, with errors naming the file and line."""
     path = Path(path)
+    if "\0" in str(path):  # open() would fail with a ValueError that reads like bad YAML
+        raise ConfigError(f"config path {str(path)!r} holds a NUL byte; pass the recipe's path")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError as error:

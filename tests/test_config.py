@@ -92,6 +92,8 @@ def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
 def test_missing_file_and_non_mapping(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(RunConfig, tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="holds a NUL byte"):
+        load_config(RunConfig, f"{tmp_path}/recipe\0.yaml")
     with pytest.raises(ConfigError, match="mapping of sections"):
         load_config(RunConfig, write(tmp_path, "- a\n- b\n"))
     with pytest.raises(ConfigError, match="must be a mapping of keys"):
