@@ -282,14 +282,14 @@ def small_block_linear(
 
 
 def _plain_linears(model: nn.Module) -> list[nn.Linear]:
-    """``model``'s exact-type ``nn.Linear`` layers, largest weight first."""
-    found = [module for module in model.modules() if type(module) is nn.Linear]
-    return sorted(found, key=lambda module: -module.weight.numel())
+    """``model``'s exact-type ``nn.Linear`` layers, in module order (every routed forward walks
+    them, so nothing more is done here)."""
+    return [module for module in model.modules() if type(module) is nn.Linear]
 
 
 def _largest_linear(model: nn.Module) -> nn.Linear | None:
-    linears = _plain_linears(model)
-    return linears[0] if linears else None
+    """The layer with the most weights (the first such in module order)."""
+    return max(_plain_linears(model), key=lambda module: module.weight.numel(), default=None)
 
 
 @contextmanager
