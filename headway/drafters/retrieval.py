@@ -45,13 +45,10 @@ def answer_texts(sources: Sequence[str | Path]) -> list[str]:
     ]
 
 
-def answer_token_ids(
-    target: Target, sources: Sequence[str | Path], *, texts: Sequence[str] | None = None
-) -> list[list[int]]:
-    """The assistant turns of every conversation in ``sources`` (or ``texts``, if given), as
-    token ids, each followed by the target's first EOS id (its end of turn)."""
+def answer_token_ids(target: Target, texts: Sequence[str]) -> list[list[int]]:
+    """The answer ``texts`` (:func:`answer_texts`) as ``target`` tokenizes them, each followed
+    by the target's first EOS id (its end of turn)."""
     closing = eos_token_ids(target)[:1]
-    texts = answer_texts(sources) if texts is None else texts
     answers: list[list[int]] = []
     for start in range(0, len(texts), _BATCH):  # batched: a fast tokenizer runs them in parallel
         encoded = target.tokenizer(texts[start : start + _BATCH], add_special_tokens=False)
@@ -78,7 +75,7 @@ def corpus_index(target: Target, spec: RetrievalSpec) -> tuple[NgramDatastore, b
             return NgramDatastore.load(folder), True
         except ValueError as error:
             logger.warning("rebuilding the retrieval index: %s", error)
-    answers = answer_token_ids(target, spec.data, texts=texts)
+    answers = answer_token_ids(target, texts)
     store = NgramDatastore(answers, min_ngram=spec.min_ngram, max_ngram=spec.max_ngram)
     try:
         with atomic_dir(folder, overwrite=True) as staging:
