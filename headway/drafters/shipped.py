@@ -77,10 +77,8 @@ def default_corpus(
         folder = root / name
         if not (folder / "data").is_dir():
             continue
-        try:
-            manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-            recorded = TargetFingerprint.from_dict(manifest["settings"]["target"])
-        except (OSError, ValueError, KeyError, TypeError, HeadwayError):
+        recorded = _recorded_target(folder / "manifest.json", "settings")
+        if recorded is None:
             continue  # no readable manifest naming a target: not this target's corpus
         mine = fingerprint(model) if mine is None else mine
         if recorded == mine:
@@ -96,10 +94,12 @@ def shipped_names(shipped_dir: Path = SHIPPED_DIR) -> list[str]:
     return sorted(p.name for p in shipped_dir.iterdir() if (p / CONFIG_NAME).is_file())
 
 
-def _recorded_target(folder: Path) -> TargetFingerprint | None:
+def _recorded_target(file: Path, block: str) -> TargetFingerprint | None:
+    """The target fingerprint ``file`` (JSON) records under ``[block]["target"]``, or ``None``
+    where it holds none that reads."""
     try:
-        block = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))["headway"]
-        return TargetFingerprint.from_dict(block["target"])
+        recorded = json.loads(file.read_text(encoding="utf-8"))[block]["target"]
+        return TargetFingerprint.from_dict(recorded)
     except (OSError, ValueError, KeyError, TypeError, HeadwayError):
         return None
 
@@ -137,4 +137,6 @@ def shipped_heads(
     if not candidates:
         return []
     mine = fingerprint(model)
-    return [folder for folder in candidates if _recorded_target(folder) == mine]
+    return [
+        folder for folder in candidates if _recorded_target(folder / CONFIG_NAME, "headway") == mine
+    ]
