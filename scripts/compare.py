@@ -34,7 +34,6 @@ import argparse
 import json
 import platform
 import time
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from headway.api import prompt_ids
+from headway.cli.common import add_gemm_flag
 from headway.decode.bench import timed
 from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.gemm import GemmChoice
@@ -139,13 +139,7 @@ def parse_args() -> argparse.Namespace:
         help="also run each run's drafter (cost-sized) only where prompt lookup, and the "
         "--retrieval-data corpus if given, find nothing",
     )
-    parser.add_argument(
-        "--gemm",
-        default="auto",
-        choices=typing.get_args(GemmChoice),
-        help="how headway's rows multiply the linear layers on a CPU (headway generate --gemm); "
-        "the HF rows always take the stock product",
-    )
+    add_gemm_flag(parser, note=" (headway's rows only: the HF rows always take the stock call)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     return parser.parse_args()
 

@@ -59,6 +59,21 @@ def target_from_flags(args: argparse.Namespace) -> Target:
     )
 
 
+def add_gemm_flag(parser: argparse.ArgumentParser, *, note: str = "") -> None:
+    """``--gemm``, the :data:`~headway.decode.gemm.GemmChoice` decoding forwards take, its help
+    ending with ``note``."""
+    parser.add_argument(
+        "--gemm",
+        default="auto",
+        choices=typing.get_args(GemmChoice),
+        help="how decoding forwards multiply the linear layers on a CPU: auto (default) times "
+        "the largest layer once and takes, for fp32 or bf16 on CPU, packed (oneDNN on weights "
+        "reordered once; one more copy of the weights in memory) or else transposed ((W x^T)^T "
+        "for blocks of 2-8 tokens, fp32) where clearly faster than stock, else stock; stock, "
+        "transposed and packed force that route" + note,
+    )
+
+
 def add_decode_flags(parser: argparse.ArgumentParser) -> None:
     """``--sizing``, ``--gemm``, ``--acceptance``, ``--verify``: the :class:`DecodeOptions`
     (:func:`decode_options`)."""
@@ -71,16 +86,7 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
         "target's verify forward once and send, every step, only the drafted nodes that pay for "
         "it, ranked by the drafter's acceptance estimates",
     )
-    parser.add_argument(
-        "--gemm",
-        default="auto",
-        choices=typing.get_args(GemmChoice),
-        help="how decoding forwards multiply the linear layers on a CPU: auto (default) times "
-        "the largest layer once and takes, for fp32 or bf16 on CPU, packed (oneDNN on weights "
-        "reordered once; one more copy of the weights in memory) or else transposed ((W x^T)^T "
-        "for blocks of 2-8 tokens, fp32) where clearly faster than stock, else stock; stock, "
-        "transposed and packed force that route",
-    )
+    add_gemm_flag(parser)
     parser.add_argument(
         "--acceptance",
         default="lossless",
