@@ -96,6 +96,8 @@ def decode_figures(args: argparse.Namespace, dtype: str) -> list[dict[str, Any]]
         eagle_depth=4,
         retrieval_data=args.retrieval_data,
         verify=args.verify,
+        gemm="auto",
+        fallback=False,
     )
     target = load_target(args.target, dtype=dtype, device=args.device)
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
