@@ -87,17 +87,10 @@ def device_description(device: torch.device) -> dict[str, Any]:
 def decode_figures(args: argparse.Namespace, dtype: str) -> list[dict[str, Any]]:
     """``compare.py``'s table for ``dtype`` on ``args.device``."""
     compare = load_script("compare")
-    options = argparse.Namespace(
-        runs=args.runs,
-        target=args.target,
-        dtype=dtype,
-        device=args.device,
-        lookup_tokens=8,
-        eagle_depth=4,
-        retrieval_data=args.retrieval_data,
-        verify=args.verify,
-        gemm="auto",
-        fallback=False,
+    options = compare.parse_args(
+        [*args.runs, "--target", args.target, "--dtype", dtype, "--device", args.device]
+        + ["--verify", args.verify]
+        + (["--retrieval-data", args.retrieval_data] if args.retrieval_data else [])
     )
     target = load_target(args.target, dtype=dtype, device=args.device)
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
@@ -127,6 +120,23 @@ def train_figures(args: argparse.Namespace) -> list[dict[str, Any]]:
     return figures
 
 
+def print_decoding(rows: list[dict[str, Any]]) -> None:
+    """One dtype's rows as a Markdown table, flushed."""
+    print(
+        "\n| dtype | drafter | tau | tokens/s | speedup | identical to HF greedy | drafting/step |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        tau = "n/a" if row["tau"] is None else f"{row['tau']:.2f}"
+        cost = row["draft_cost_per_step"]
+        print(
+            f"| {row['dtype']} | {row['drafter']} | {tau} | {row['tokens_per_s']:.1f} | "
+            f"{row['speedup']:.2f}x | {row['identical']} | "
+            f"{'n/a' if cost is None else f'{cost:.2f}'} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     args = parse_args()
     device = resolve_device(args.device)
@@ -136,19 +146,11 @@ def main() -> None:
         f"torch {info['torch']}; target {args.target}; prompts {args.prompts} "
         f"x{args.num_prompts}, {args.max_new_tokens} new tokens, batch 1, greedy"
     )
-    decoding = [row for dtype in args.dtypes.split(",") for row in decode_figures(args, dtype)]
-    print(
-        "\n| dtype | drafter | tau | tokens/s | speedup | identical to HF greedy | drafting/step |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for row in decoding:
-        tau = "n/a" if row["tau"] is None else f"{row['tau']:.2f}"
-        cost = row["draft_cost_per_step"]
-        print(
-            f"| {row['dtype']} | {row['drafter']} | {tau} | {row['tokens_per_s']:.1f} | "
-            f"{row['speedup']:.2f}x | {row['identical']} | "
-            f"{'n/a' if cost is None else f'{cost:.2f}'} |"
-        )
+    decoding = []
+    for dtype in args.dtypes.split(","):
+        rows = decode_figures(args, dtype)
+        print_decoding(rows)  # at once: a run cut off at its time limit keeps what it measured
+        decoding += rows
     training = train_figures(args)
     if training:
         print(f"\nbf16 matmul peak {training[0]['peak'] / 1e12:.1f} TFLOP/s")

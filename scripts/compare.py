@@ -106,7 +106,8 @@ class TimedDrafter:
         self.seconds, self.steps = 0.0, 0
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``, default ``sys.argv``); ``bench_gpu.py`` reuses its defaults."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -141,7 +142,7 @@ def parse_args() -> argparse.Namespace:
     )
     add_gemm_flag(parser, note=" (headway's rows only: the HF rows always take the stock call)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def hf_runner(lookup: int | None) -> Runner:

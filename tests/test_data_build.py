@@ -7,6 +7,7 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -182,3 +183,34 @@ def test_build_dataset_in_two_processes_matches_one(tmp_path: Path) -> None:
     template_rejects = byte_bpe_tokenizer("{{ raise_exception('no') }}")
     with pytest.raises(DataError, match=rf"^{path}:1: the chat template rejected"):
         build_dataset(template_rejects, path, max_length=128, num_proc=2, limit=2)
+
+
+def test_build_datasets_reuses_its_last_result_until_a_source_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop and EAGLE-3's vocabulary count build the same data back to back: the second
+    call tokenizes nothing, and a rewritten source file is read again."""
+    import os
+
+    from headway.train import data
+
+    tokenizer = smollm2_tokenizer()
+    path = write_jsonl(tmp_path / "chat.jsonl", [GOOD_ROW] * 2)
+    calls: list[object] = []
+    real = data.build_dataset
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(data, "build_dataset", counted)
+    first, reports = data.build_datasets(tokenizer, [path], max_length=256)
+    reports[0].samples = -1  # a caller's edit does not reach the kept reports
+    second, again = data.build_datasets(tokenizer, [path], max_length=256)
+    assert len(calls) == 1 and second is first and again[0].samples == 2
+    data.build_datasets(tokenizer, [path], max_length=128)  # other arguments: built anew
+    assert len(calls) == 2
+    write_jsonl(path, [GOOD_ROW] * 3)
+    os.utime(path, ns=(1, 1))  # a different time as well, on file systems of coarse times
+    third, _ = data.build_datasets(tokenizer, [path], max_length=128)
+    assert len(calls) == 3 and len(third) == 3

@@ -43,3 +43,24 @@ def test_python_dash_m_headway_is_the_headway_command() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert __version__ in result.stdout
+
+
+@pytest.mark.slow
+def test_bench_gpu_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+    """``scripts/bench_gpu.py`` drives ``compare.py`` through its own parser: a run on the CPU
+    with one prompt prints the decoding table and writes the JSON (the GPU run of 2026-11-25
+    stopped on an option bench_gpu did not pass)."""
+    import json
+    import sys
+
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "scripts/bench_gpu.py", "--device", "cpu", "--dtypes", "float32"]
+    command += ["--num-prompts", "1", "--max-new-tokens", "4", "--verify", "eager"]
+    command += ["--train-methods", "", "--json", str(out)]
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "| float32 | hf greedy |" in result.stdout
+    rows = json.loads(out.read_text())["decoding"]
+    assert {row["drafter"] for row in rows} >= {"hf greedy", "prompt lookup"}
+    assert all(row["identical"] == "1/1" for row in rows if row["drafter"] != "hf prompt lookup")
