@@ -143,3 +143,38 @@ def test_generate_without_a_drafter_retrieves_from_the_default_corpus(
     monkeypatch.setattr(shipped, "DEFAULT_CORPORA", ())
     args.drafter = None
     assert isinstance(drafter_from_flags(args, target)[1], PromptLookupSpec)
+
+
+def test_a_default_drafter_runs_cost_sized_unless_sizing_is_given(
+    target: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No drafter named: the shipped default is taken and an unset --sizing becomes the one its
+    figures were measured with; a --sizing given, or a drafter named, is left alone."""
+    from headway.cli.common import decode_options, drafter_from_flags
+    from headway.drafters import shipped
+    from headway.drafters.specs import EagleSpec
+    from headway.target import Target
+
+    run = random_run(tmp_path / "run", "eagle3", target)
+    ENGINE_FORMATS["eagle3-hf"].write(load_heads(run), tmp_path / "shipped" / "tiny-eagle3")
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setattr(shipped, "DEFAULTS", ("tiny-eagle3",))
+    wrapped = Target(model=target, tokenizer=None, source="tiny")  # type: ignore[arg-type]
+
+    def flags(**given: Any) -> argparse.Namespace:
+        values: dict[str, Any] = {"drafter": None, "heads": None, "draft_option": []}
+        values |= {"tree": "default", "force": False, "gemm": "stock", "sizing": None}
+        values |= {"acceptance": "lossless", "verify": "eager"}
+        return argparse.Namespace(**(values | given))
+
+    args = flags()
+    _, spec = drafter_from_flags(args, wrapped)
+    assert isinstance(spec, EagleSpec)
+    assert Path(spec.heads) == tmp_path / "shipped" / "tiny-eagle3"
+    assert args.sizing == shipped.DEFAULT_SIZING == decode_options(args).sizing
+    args = flags(sizing="drafter")
+    drafter_from_flags(args, wrapped)
+    assert decode_options(args).sizing == "drafter"
+    args = flags(drafter="prompt-lookup")
+    drafter_from_flags(args, wrapped)
+    assert decode_options(args).sizing == "drafter"

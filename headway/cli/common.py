@@ -79,12 +79,13 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
     (:func:`decode_options`)."""
     parser.add_argument(
         "--sizing",
-        default="drafter",
+        default=None,
         choices=["drafter", "cost"],
-        help="drafter (default): each drafter sizes its own trees (a fixed Medusa tree, EAGLE's "
-        "total_tokens, prompt lookup's adaptive length, retrieval's min_share); cost: time the "
-        "target's verify forward once and send, every step, only the drafted nodes that pay for "
-        "it, ranked by the drafter's acceptance estimates",
+        help="drafter (the default): each drafter sizes its own trees (a fixed Medusa tree, "
+        "EAGLE's total_tokens, prompt lookup's adaptive length, retrieval's min_share); cost: "
+        "time the target's verify forward once and send, every step, only the drafted nodes that "
+        "pay for it, ranked by the drafter's acceptance estimates. A shipped drafter used because "
+        "no drafter is named runs cost-sized unless --sizing says otherwise",
     )
     add_gemm_flag(parser)
     parser.add_argument(
@@ -110,7 +111,10 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
 def decode_options(args: argparse.Namespace) -> DecodeOptions:
     """The :class:`DecodeOptions` of :func:`add_decode_flags`."""
     return DecodeOptions(
-        sizing=args.sizing, gemm=args.gemm, acceptance=args.acceptance, verify=args.verify
+        sizing=args.sizing or "drafter",
+        gemm=args.gemm,
+        acceptance=args.acceptance,
+        verify=args.verify,
     )
 
 
@@ -187,9 +191,11 @@ def drafter_from_flags(
     args: argparse.Namespace, target: Target, *, default: str | None = "prompt-lookup"
 ) -> tuple[Drafter | None, DrafterSpec | None]:
     """The drafter of :func:`add_drafter_flags`' flags (``None`` for ``--drafter none``), built by
-    :func:`headway.drafters.build.build_drafter`, and its spec."""
+    :func:`headway.drafters.build.build_drafter`, and its spec. Where no drafter is named and a
+    shipped default drafter is taken, an unset ``args.sizing`` becomes the sizing it was measured
+    with (:data:`~headway.drafters.shipped.DEFAULT_SIZING`)."""
     from headway.drafters.build import build_drafter, spec_for
-    from headway.drafters.shipped import default_corpus, default_heads
+    from headway.drafters.shipped import DEFAULT_SIZING, default_corpus, default_heads
 
     if args.drafter == "none":
         if args.heads:
@@ -200,6 +206,8 @@ def drafter_from_flags(
     if not args.drafter and not heads:
         shipped = default_heads(target.model)  # the shipped drafter for this target, if any
         heads = str(shipped) if shipped is not None else None
+        if shipped is not None and getattr(args, "sizing", "drafter") is None:
+            args.sizing = DEFAULT_SIZING
         corpus = default_corpus(target.model) if heads is None and default else None
         if corpus is not None:  # a corpus this target regenerated ships: retrieval over it
             default = "retrieval"

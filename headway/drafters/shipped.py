@@ -25,6 +25,7 @@ __all__ = [
     "CORPUS_DIR",
     "DEFAULTS",
     "DEFAULT_CORPORA",
+    "DEFAULT_SIZING",
     "SHIPPED_DIR",
     "default_corpus",
     "default_heads",
@@ -37,15 +38,16 @@ logger = logging.getLogger(__name__)
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "drafters"
 """The checkout's ``drafters/`` folder (absent from a wheel install)."""
 
-DEFAULTS: tuple[str, ...] = ()
+DEFAULTS: tuple[str, ...] = ("smollm2-135m-eagle3",)
 """Shipped drafters (folder names under :data:`SHIPPED_DIR`) that are the default for their
-target; a drafter joins only once it beats prompt lookup and retrieval there. None does yet:
-``smollm2-135m-eagle3`` runs 1.16x HF greedy on a 2-core CPU against retrieval's 1.20x
-(``drafters/smollm2-135m-eagle3/README.md``), 1.13-1.16x against 1.21-1.23x on another 2-core
-CPU, and with the packed GEMM route 1.80-1.86x cost-sized against 1.87-1.96x. Behind prompt
-lookup and the corpus (``--drafter retrieval --heads``) it ran 1.95x and 2.00x against
-retrieval's 1.87x and 1.92x in two ``compare.py`` runs, but 1.97x against 2.01x in ``headway
-eval`` runs (README, "Measured"): not a clear win yet."""
+target; a drafter joins only once it beats prompt lookup and retrieval there.
+``smollm2-135m-eagle3`` (trained on an H100, 2026-11-25) ran, cost-sized, 2.20x HF greedy against
+retrieval's 2.09x in one ``compare.py`` run on a 2-core CPU, and 2.16x against 1.91x in
+``headway eval`` runs (``drafters/smollm2-135m-eagle3/README.md``)."""
+
+DEFAULT_SIZING = "cost"
+"""The ``--sizing`` a default drafter runs with when none is given: the setting its figures were
+measured with (the same drafter with its own tree sizing ran 1.93x against retrieval's 2.09x)."""
 
 
 CORPUS_DIR = Path(__file__).resolve().parents[2] / "data" / "regenerated"
@@ -87,11 +89,13 @@ def default_corpus(
     return None
 
 
-def shipped_names(shipped_dir: Path = SHIPPED_DIR) -> list[str]:
-    """Folder names of every shipped drafter (an export with a ``config.json``), sorted."""
-    if not shipped_dir.is_dir():
+def shipped_names(shipped_dir: Path | None = None) -> list[str]:
+    """Folder names of every shipped drafter (an export with a ``config.json``) in
+    ``shipped_dir`` (:data:`SHIPPED_DIR` when ``None``), sorted."""
+    root = SHIPPED_DIR if shipped_dir is None else shipped_dir
+    if not root.is_dir():
         return []
-    return sorted(p.name for p in shipped_dir.iterdir() if (p / CONFIG_NAME).is_file())
+    return sorted(p.name for p in root.iterdir() if (p / CONFIG_NAME).is_file())
 
 
 def _recorded_target(file: Path, block: str) -> TargetFingerprint | None:
@@ -105,14 +109,14 @@ def _recorded_target(file: Path, block: str) -> TargetFingerprint | None:
 
 
 def default_heads(
-    model: Any, *, shipped_dir: Path = SHIPPED_DIR, names: Sequence[str] | None = None
+    model: Any, *, shipped_dir: Path | None = None, names: Sequence[str] | None = None
 ) -> Path | None:
     """The shipped drafter that is the default for ``model``, or ``None``.
 
     Args:
         model: the target's Hugging Face model (its fingerprint is compared with the one each
             default drafter records).
-        shipped_dir: where shipped drafters live (tests point it elsewhere).
+        shipped_dir: where shipped drafters live (:data:`SHIPPED_DIR` when ``None``).
         names: the default drafters' folder names (:data:`DEFAULTS` when ``None``).
     """
     listed = DEFAULTS if names is None else names
@@ -123,17 +127,18 @@ def default_heads(
 
 
 def shipped_heads(
-    model: Any, *, shipped_dir: Path = SHIPPED_DIR, names: Sequence[str] | None = None
+    model: Any, *, shipped_dir: Path | None = None, names: Sequence[str] | None = None
 ) -> list[Path]:
     """The shipped drafters trained for ``model`` (matched by target fingerprint), default or not.
 
     Args:
         model: the target's Hugging Face model.
-        shipped_dir: where shipped drafters live.
+        shipped_dir: where shipped drafters live (:data:`SHIPPED_DIR` when ``None``).
         names: folder names to consider (every shipped drafter when ``None``).
     """
-    listed = shipped_names(shipped_dir) if names is None else names
-    candidates = [shipped_dir / name for name in listed if (shipped_dir / name).is_dir()]
+    root = SHIPPED_DIR if shipped_dir is None else shipped_dir
+    listed = shipped_names(root) if names is None else names
+    candidates = [root / name for name in listed if (root / name).is_dir()]
     if not candidates:
         return []
     mine = fingerprint(model)
