@@ -142,3 +142,31 @@ def test_a_corpus_that_is_right_keeps_being_sent_and_decoding_is_exact() -> None
     result = generate(model, prompt, drafter=drafter, max_new_tokens=32, eos_token_ids=())
     assert result.tokens == truth
     assert drafter.calibration.scale > 0.5 and result.tau > 1.5, result.accept_lengths
+
+
+def test_the_verify_timer_prefills_once_and_prepare_builds_the_sizer() -> None:
+    """A cost table times several block sizes after one prefill (each timed forward is cut
+    back to the prefix), and ``Decoder.prepare`` does that timing before any generation."""
+    from headway.decode.costs import verify_cost_table, verify_timer
+    from headway.decode.forwards import EagerForward
+    from headway.decode.generate import Decoder
+    from headway.decode.options import DecodeOptions
+
+    model = tiny_model("llama")
+    runner = EagerForward(model)
+    prefills = []
+    real = runner.prefill
+
+    def counted(ids: torch.Tensor, layers: tuple[int, ...]) -> object:
+        prefills.append(ids.shape[1])
+        return real(ids, layers)
+
+    runner.prefill = counted  # type: ignore[method-assign]
+    table = verify_cost_table(model, 9, seconds=verify_timer(model, 16, forward=runner))
+    assert prefills == [16] and len(table) == 9 and all(t > 0 for t in table)
+    assert runner.cache.get_seq_length() == 16  # the prefix, every timed block cut back
+    drafter = RetrievalDrafter(NgramDatastore([[1, 2, 3, 4]]), min_hits=1)
+    decoder = Decoder(model, drafter, DecodeOptions(sizing="cost"))
+    assert decoder.sizer is None
+    decoder.prepare()
+    assert decoder.sizer is not None

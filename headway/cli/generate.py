@@ -70,6 +70,7 @@ def run_generate(args: argparse.Namespace) -> int:
     drafter, _ = drafter_from_flags(args, target)
     # one decoder for every prompt: cost sizing times the target and calibrates only once
     decoder = Decoder(target.model, drafter, decode_options(args))
+    decoder.prepare()  # the printed tokens/s leave the one-off timing out
     for prompt in args.prompts:
         stream = None if args.json else (lambda text: print(text, end="", flush=True))
         result = generate(

@@ -85,13 +85,22 @@ def forward_seconds(
 
 @torch.inference_mode()
 def target_seconds(
-    target: TargetForward, prefix: Tensor, new_tokens: int, *, repeats: int = 5, tree: bool = False
+    target: TargetForward,
+    prefix: Tensor,
+    new_tokens: int,
+    *,
+    repeats: int = 5,
+    tree: bool = False,
+    prefilled: bool = False,
 ) -> float:
     """:func:`forward_seconds` through ``target``, however it runs the model (eager, or a
-    static cache with captured graphs); starts a generation of its own on ``target``."""
+    static cache with captured graphs); starts a generation of its own on ``target`` unless
+    ``prefilled`` says its cache already holds exactly ``prefix`` (an earlier call's: each timed
+    forward is truncated back to it)."""
     prefix_len = prefix.numel()
-    target.begin(prefix_len + new_tokens)
-    target.prefill(prefix.unsqueeze(0), ())
+    if not prefilled:
+        target.begin(prefix_len + new_tokens)
+        target.prefill(prefix.unsqueeze(0), ())
     tokens = prefix[-1:].repeat(new_tokens).unsqueeze(0)
     if tree:  # every drafted node a child of the root
         parents = torch.full((new_tokens - 1,), -1, dtype=torch.long, device=prefix.device)

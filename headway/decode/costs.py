@@ -50,15 +50,22 @@ def verify_timer(
     one-level tree, :func:`~headway.decode.bench.forward_seconds`, median of 3) after a random
     committed prefix of ``prefix_tokens`` tokens, multiplied as real verify forwards will be
     (the route ``gemm``, :mod:`headway.decode.gemm`), or run by ``forward`` (e.g. the decoding
-    loop's own :class:`~headway.decode.forwards.TargetForward`, whose cache it resets)."""
+    loop's own :class:`~headway.decode.forwards.TargetForward`, whose cache it resets).
+
+    The first call prefills the prefix and later calls reuse it (a prefill of 128 tokens costs
+    several verify forwards), so
+    ``forward`` must serve nothing else between calls."""
     runner = forward if forward is not None else EagerForward(target_model, gemm)
     weight = target_model.get_output_embeddings().weight
     generator = torch.Generator().manual_seed(0)
     vocab = int(weight.shape[0])
     prefix = torch.randint(0, vocab, (prefix_tokens,), generator=generator).to(weight.device)
+    calls = 0
 
     def seconds(size: int) -> float:
-        return target_seconds(runner, prefix, size, repeats=3, tree=True)
+        nonlocal calls
+        calls += 1
+        return target_seconds(runner, prefix, size, repeats=3, tree=True, prefilled=calls > 1)
 
     return seconds
 

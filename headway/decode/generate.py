@@ -269,6 +269,11 @@ class Decoder:
         self.sizer: TreeSizer | None = None
         self._costs = None if verify_costs is None else list(verify_costs)
 
+    def prepare(self) -> None:
+        """Do now the one-off work the first :meth:`generate` would do (timing the target's
+        verify forward for cost sizing), so that per-generation timings leave it out."""
+        self._tree_sizer()
+
     def _tree_sizer(self) -> TreeSizer | None:
         """The cost sizer, built on first use (timing the verify forward takes a second or so)."""
         if self.options.sizing != "cost" or self.drafter.max_nodes < 1:
