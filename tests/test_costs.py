@@ -157,7 +157,9 @@ def test_the_verify_timer_prefills_once_and_prepare_builds_the_sizer() -> None:
     prefills = []
     real = runner.prefill
 
-    def counted(ids: torch.Tensor, layers: tuple[int, ...]) -> object:
+    def counted(
+        ids: torch.Tensor, layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         prefills.append(ids.shape[1])
         return real(ids, layers)
 
