@@ -163,7 +163,7 @@ def test_the_verify_timer_prefills_once_and_prepare_builds_the_sizer() -> None:
         prefills.append(ids.shape[1])
         return real(ids, layers)
 
-    runner.prefill = counted  # type: ignore[method-assign]
+    runner.prefill = counted  # type: ignore[method-assign,assignment]
     table = verify_cost_table(model, 9, seconds=verify_timer(model, 16, forward=runner))
     assert prefills == [16] and len(table) == 9 and all(t > 0 for t in table)
     assert runner.cache.get_seq_length() == 16  # the prefix, every timed block cut back
