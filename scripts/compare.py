@@ -123,6 +123,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lookup-tokens", type=int, default=8, help="prompt lookup draft length")
     parser.add_argument("--eagle-depth", type=int, default=4, help="EAGLE chain / tree depth")
     parser.add_argument(
+        "--eagle-top-k", type=int, default=8, help="EAGLE dynamic tree: children per expanded node"
+    )
+    parser.add_argument(
+        "--eagle-tokens",
+        type=int,
+        default=16,
+        help="EAGLE dynamic tree: tree budget counting the root (the drafter's total_tokens)",
+    )
+    parser.add_argument(
         "--retrieval-data",
         help="also run the retrieval drafter (prompt lookup, then this corpus of the target's "
         "answers, e.g. data/regenerated/smollm2-v2/data)",
@@ -259,8 +268,11 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
         elif isinstance(spec, EagleSpec):
             depth = args.eagle_depth
             add(f"{method} chain {name}", EagleSpec(heads=run_dir, top_k=1, depth=depth))
-            spec = EagleSpec(heads=run_dir, depth=depth)
-            add(f"{method} dynamic tree {name}", spec)
+            spec = EagleSpec(
+                heads=run_dir, depth=depth, top_k=args.eagle_top_k, total_tokens=args.eagle_tokens
+            )
+            shape = f"top_k {args.eagle_top_k}, depth {depth}, {args.eagle_tokens} tokens"
+            add(f"{method} dynamic tree ({shape}) {name}", spec)
             add(f"{method} dynamic tree, cost-sized {name}", spec, "cost")
         if args.fallback:
             first = "prompt lookup, corpus" if args.retrieval_data else "prompt lookup"
