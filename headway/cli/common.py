@@ -162,10 +162,11 @@ def add_drafter_flags(parser: argparse.ArgumentParser, *, allow_none: bool) -> N
         + (", or none (plain decoding through the same loop)" if allow_none else "")
         + (
             ". Naming neither --drafter nor --heads: a shipped default drafter for the target, "
-            "else retrieval over a corpus the target regenerated that the checkout ships "
-            "(SmolLM2-135M: data/regenerated/smollm2-sharegpt), else prompt-lookup"
+            "cost-sized (SmolLM2-135M: drafters/smollm2-135m-eagle3), else retrieval over a "
+            "corpus the target regenerated that the checkout ships, else prompt-lookup"
             if allow_none
-            else ""
+            else ". Naming neither --drafter nor --heads: a shipped default drafter for the "
+            "target, cost-sized (SmolLM2-135M: drafters/smollm2-135m-eagle3), else an error"
         ),
     )
     parser.add_argument(
