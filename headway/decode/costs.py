@@ -53,8 +53,7 @@ def verify_timer(
     loop's own :class:`~headway.decode.forwards.TargetForward`, whose cache it resets).
 
     The first call prefills the prefix and later calls reuse it (a prefill of 128 tokens costs
-    several verify forwards), so
-    ``forward`` must serve nothing else between calls."""
+    several verify forwards), so ``forward`` must serve nothing else between calls."""
     runner = forward if forward is not None else EagerForward(target_model, gemm)
     weight = target_model.get_output_embeddings().weight
     generator = torch.Generator().manual_seed(0)
