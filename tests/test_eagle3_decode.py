@@ -194,3 +194,31 @@ def test_one_token_follows_the_reference_formula() -> None:
         torch.testing.assert_close(draft(fused, embedding), expected, atol=1e-6, rtol=1e-5)
         logits = draft.lm_head(draft.norm(expected))
         torch.testing.assert_close(draft.logits(expected), logits)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle1"])
+def test_a_bfloat16_draft_model_over_a_float32_target_keeps_the_output(
+    method: str, tmp_path: Any
+) -> None:
+    """``EagleSpec(dtype="bfloat16")`` casts the draft model (not the target, nor EAGLE-3's
+    integer vocabulary maps); greedy output stays transformers' own."""
+    from headway.drafters.build import build_drafter
+    from headway.drafters.specs import EagleSpec
+    from headway.heads.drafter_eagle import EagleDrafter
+    from headway.target import Target
+    from tests.test_formats import random_run
+
+    model, truth = target_and_truth("llama")
+    run = random_run(tmp_path / "run", method, model)
+    target = Target(model=model, tokenizer=None, source="tiny")  # type: ignore[arg-type]
+    drafter = build_drafter(EagleSpec(heads=str(run), dtype="bfloat16", **TREE), target)
+    assert isinstance(drafter, EagleDrafter)
+    assert drafter.model.fc.weight.dtype == torch.bfloat16
+    assert model.get_output_embeddings().weight.dtype == torch.float32
+    if isinstance(drafter, Eagle3Drafter):
+        assert drafter.draft3.vocab.d2t.dtype == torch.long
+    result = generate(model, PROMPT, drafter=drafter, max_new_tokens=NEW_TOKENS, eos_token_ids=())
+    assert result.tokens == truth
+    plain = build_drafter(EagleSpec(heads=str(run), **TREE), target)
+    assert isinstance(plain, EagleDrafter)
+    assert plain.model.fc.weight.dtype == torch.float32  # the default: the target's dtype

@@ -11,7 +11,10 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
 
 from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.gemm import GemmChoice, resolve_gemm
@@ -153,7 +156,7 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec, gemm: GemmChoice)
     try:
         if isinstance(config, Eagle3Config):
             return Eagle3Drafter(
-                eagle3_model(config, found.state_dict, model),
+                _in_dtype(eagle3_model(config, found.state_dict, model), spec.dtype),
                 TargetHead.of(model),
                 top_k=spec.top_k,
                 depth=spec.depth,
@@ -164,7 +167,7 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec, gemm: GemmChoice)
             layer = final_hidden_layer(model)
             check_final_hidden(model, layer)
             return EagleDrafter(
-                eagle_model(config, found.state_dict, model),
+                _in_dtype(eagle_model(config, found.state_dict, model), spec.dtype),
                 TargetHead.of(model),
                 hidden_layer=layer,
                 top_k=spec.top_k,
@@ -175,6 +178,17 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec, gemm: GemmChoice)
     except ValueError as error:
         raise HeadsError(f"{spec.heads}: {error}") from error
     raise HeadsError(f"{spec.heads} holds {found.method} weights, not an EAGLE drafter")
+
+
+DraftModel = TypeVar("DraftModel", bound=nn.Module)
+
+
+def _in_dtype(draft: DraftModel, dtype: str) -> DraftModel:
+    """``draft`` cast to ``EagleSpec.dtype`` (``target``: left in the target's dtype; integer
+    buffers such as EAGLE-3's vocabulary maps stay integer)."""
+    if dtype == "bfloat16":
+        draft.to(torch.bfloat16)
+    return draft
 
 
 def describe_spec(spec: DrafterSpec) -> dict[str, Any]:

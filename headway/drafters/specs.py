@@ -143,6 +143,13 @@ class EagleSpec:
         default="default",
         metadata=_help("auto: choose total_tokens by timing the target's verify forward"),
     )
+    dtype: Literal["target", "bfloat16"] = field(
+        default="target",
+        metadata=_help(
+            "the draft model's dtype: target (the target's), or bfloat16 (half its memory "
+            "traffic; the output is the target's either way, only drafts may differ)"
+        ),
+    )
     force: bool = field(default=False, metadata=_help("accept a drafter for another target"))
 
     def __post_init__(self) -> None:
