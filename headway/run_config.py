@@ -103,11 +103,6 @@ class DataConfig:
                 "data.loop_repeats applies when samples are tokenized; offline features were "
                 "cached already: pass --loop-repeats to `headway data cache-features` instead"
             )
-        if self.features == "offline" and self.pack:
-            raise ConfigError(
-                "data.pack=true packs samples for the target's forward, but offline features "
-                "were cached per sample; set data.pack=false or data.features=online"
-            )
 
 
 @dataclass

@@ -1,15 +1,21 @@
 """Training throughput per method on the embedded target: trained tokens/s, before and after, in
 one run, and achieved FLOP/s against this machine's measured bf16 matmul peak.
 
-"before" is how the recipes trained until now: padded batches (``data.pack`` was parsed and never
-used) and the frozen target's forward in fp32 beside a bf16-autocast drafter. "after" packs
+"before" is how the recipes trained until 2026-11-23: padded batches (``data.pack`` was parsed and
+never used) and the frozen target's forward in fp32 beside a bf16-autocast drafter. "after" packs
 samples into ``max_length`` blocks and runs the target's forward under the same autocast (its LM
-head for one row only). Each variant runs ``--warmup`` optimizer steps, then times ``--steps``;
-trained tokens are the tokens with a loss (assistant tokens), the figure a user cares about.
+head for one row only). "offline" trains the same packed blocks from a feature cache
+(``data.features=offline data.pack=true``): no target forward in the step; the one-time caching
+is timed and printed apart (cached answer tokens/s), since a cache serves every later epoch and
+run. Each variant runs ``--warmup`` optimizer steps, then times ``--steps``; trained tokens are
+the tokens with a loss (assistant tokens), the figure a user cares about. The code is today's in
+every variant (EAGLE-3's TTT steps >= 1 run only the rows a loss reads, in all three).
 
 FLOP/s counts the work actually done: 2·P·T for the target's forward over every token slot of the
-batch (padding included) and 6·P_trained·T·S for the drafter (forward and backward; S = unrolled
-steps for EAGLE-3), with P the parameters that multiply each token.
+batch (padding included; none offline) and 6·P_trained·R for the drafter (forward and backward;
+R = rows run: every slot for Medusa and EAGLE-1, for EAGLE-3 every slot at step 0 and the rows
+kept at each later TTT step), with P the parameters that multiply each token. The draft LM head
+is counted at every row run, though the loss runs it only on trained rows: an upper bound.
 
     .venv/bin/python scripts/bench_train.py --methods eagle3,medusa1,eagle1 --steps 4
 """
@@ -18,22 +24,33 @@ from __future__ import annotations
 
 import argparse
 import platform
+import tempfile
 import time
 from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from headway.cli.data import method_layers
 from headway.config import load_config
 from headway.run_config import RunConfig
 from headway.target import load_target
-from headway.train.features import OnlineFeatures
+from headway.train.data import build_datasets, pad_id_of
+from headway.train.features import OnlineFeatures, cache_features, cached_hidden
 from headway.train.loop_data import training_data
+from headway.train.method_eagle3 import Eagle3, ttt_row_count
 from headway.train.methods import build_method, feature_layers
 
 RECIPES = {name: f"configs/{name}-smollm2.yaml" for name in ("medusa1", "eagle1", "eagle3")}
-VARIANTS = {"before": (False, False), "after": (True, True)}  # (pack, target autocast)
+# (pack, target autocast, offline features)
+VARIANTS = {
+    "before": (False, False, False),
+    "after": (True, True, False),
+    "offline": (True, True, True),
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,13 +93,45 @@ def multiplying_parameters(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if id(p) not in embeddings)
 
 
+def drafter_rows(method: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """Rows the drafter runs over a batch: every slot, and for EAGLE-3 every slot at TTT step 0
+    plus the rows :func:`~headway.train.method_eagle3.ttt_unroll` keeps at each later step."""
+    slots = batch["input_ids"].numel()
+    if not isinstance(method, Eagle3):
+        return slots
+    return slots + (method.steps - 1) * ttt_row_count(method.ttt_rows(batch))
+
+
 def batches(loader: DataLoader[Any]) -> Iterator[dict[str, torch.Tensor]]:
     while True:
         yield from loader
 
 
-def run(method_name: str, variant: str, args: argparse.Namespace) -> dict[str, float]:
-    pack, target_autocast = VARIANTS[variant]
+def cache(method_name: str, args: argparse.Namespace, out: Path) -> dict[str, float]:
+    """Cache the features the recipe trains on (bf16, as ``headway data cache-features``)."""
+    config: RunConfig = load_config(RunConfig, RECIPES[method_name], [f"data.sources={args.data}"])
+    target = load_target(config.target.name, dtype=config.target.dtype, device=args.device)
+    dataset, _ = build_datasets(
+        target.tokenizer, config.data.sources, max_length=config.data.max_length, limit=args.limit
+    )
+    num_layers = int(target.model.config.get_text_config().num_hidden_layers)
+    started = time.perf_counter()
+    manifest = cache_features(
+        target.model,
+        dataset.select_columns(["input_ids", "loss_mask"]),
+        out,
+        layers=method_layers(method_name, num_layers),
+        pad_token_id=pad_id_of(target.tokenizer),
+    )
+    seconds = time.perf_counter() - started
+    trained = sum(sum(mask) for mask in dataset["loss_mask"])
+    return {"seconds": seconds, "trained": trained, "bytes_per_token": manifest["bytes_per_token"]}
+
+
+def run(
+    method_name: str, variant: str, args: argparse.Namespace, features_dir: Path
+) -> dict[str, float]:
+    pack, target_autocast, offline = VARIANTS[variant]
     overrides = [
         f"data.sources={args.data}",
         f"data.limit={args.limit}",
@@ -90,6 +139,8 @@ def run(method_name: str, variant: str, args: argparse.Namespace) -> dict[str, f
         "data.eval_fraction=0",
         "train.log_with=[]",
     ]
+    if offline:
+        overrides += ["data.features=offline", f"data.features_dir={features_dir}"]
     config: RunConfig = load_config(RunConfig, RECIPES[method_name], overrides)
     target = load_target(config.target.name, dtype=config.target.dtype, device=args.device)
     device = target.model.device
@@ -99,9 +150,11 @@ def run(method_name: str, variant: str, args: argparse.Namespace) -> dict[str, f
     optimizer = torch.optim.AdamW(method.parameter_groups(config.train.lr, 0.0))  # type: ignore[operator]
     layers = feature_layers(method)
     mixed = config.train.mixed_precision == "bf16"
-    features = OnlineFeatures(
-        target.model, layers, autocast=torch.bfloat16 if mixed and target_autocast else None
-    )
+    if offline:
+        features: Any = partial(cached_hidden, layers=layers)
+    else:
+        autocast = torch.bfloat16 if mixed and target_autocast else None
+        features = OnlineFeatures(target.model, layers, autocast=autocast)
     generator = torch.Generator().manual_seed(0)
     loader = DataLoader(
         train_set,
@@ -111,12 +164,12 @@ def run(method_name: str, variant: str, args: argparse.Namespace) -> dict[str, f
         generator=generator,
     )
     stream = batches(loader)
-    trained = slots = 0
+    trained = slots = drafted = 0
     started = 0.0
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             synchronize(device)
-            started, trained, slots = time.perf_counter(), 0, 0
+            started, trained, slots, drafted = time.perf_counter(), 0, 0, 0
         for _ in range(config.train.grad_accum):
             batch = {key: value.to(device) for key, value in next(stream).items()}
             hidden = features(batch) if layers else {}
@@ -125,13 +178,13 @@ def run(method_name: str, variant: str, args: argparse.Namespace) -> dict[str, f
             output.loss.backward()
             trained += int(batch["loss_mask"].sum())
             slots += batch["input_ids"].numel()
+            drafted += drafter_rows(method, batch)
         optimizer.step()
         optimizer.zero_grad()
     synchronize(device)
     seconds = time.perf_counter() - started
-    unrolled = config.eagle3.ttt_steps if method_name == "eagle3" else 1
-    flops = 2 * multiplying_parameters(target.model) * slots
-    flops += 6 * multiplying_parameters(method) * slots * unrolled
+    flops = 0 if offline else 2 * multiplying_parameters(target.model) * slots
+    flops += 6 * multiplying_parameters(method) * drafted
     return {"tokens_per_s": trained / seconds, "flops": flops / seconds, "slots": slots,
             "trained": trained, "seconds": seconds}  # fmt: skip
 
@@ -147,16 +200,29 @@ def main() -> None:
         f"bf16 matmul peak {peak / 1e9:.0f} GFLOP/s; {args.steps} steps timed per variant"
     )
     for method_name in args.methods.split(","):
-        results = {variant: run(method_name, variant, args) for variant in VARIANTS}
+        with tempfile.TemporaryDirectory() as features_dir:
+            cached = cache(method_name, args, Path(features_dir))
+            results = {
+                variant: run(method_name, variant, args, Path(features_dir)) for variant in VARIANTS
+            }
+        print(
+            f"{method_name:>8} caching: {cached['trained'] / cached['seconds']:7.0f} trained tok/s "
+            f"({cached['trained']:,} trained tokens of {args.limit} conversations, "
+            f"{cached['seconds']:.1f} s, {cached['bytes_per_token']} bytes/token; once per data)"
+        )
         for variant, result in results.items():
             print(
-                f"{method_name:>8} {variant:>6}: {result['tokens_per_s']:7.0f} trained tok/s "
+                f"{method_name:>8} {variant:>7}: {result['tokens_per_s']:7.0f} trained tok/s "
                 f"({result['trained']:,} of {result['slots']:,} slots trained, "
                 f"{result['seconds']:.1f} s), {result['flops'] / 1e9:6.1f} GFLOP/s = "
                 f"{result['flops'] / peak:.0%} of peak"
             )
-        ratio = results["after"]["tokens_per_s"] / results["before"]["tokens_per_s"]
-        print(f"{method_name:>8}  after / before: {ratio:.2f}x trained tokens/s")
+        before = results["before"]["tokens_per_s"]
+        ratios = ", ".join(
+            f"{variant} / before {results[variant]['tokens_per_s'] / before:.2f}x"
+            for variant in ("after", "offline")
+        )
+        print(f"{method_name:>8}  trained tokens/s: {ratios}")
 
 
 if __name__ == "__main__":

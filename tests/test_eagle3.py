@@ -232,6 +232,57 @@ def test_ttt_rows_of_a_batch_equal_each_sample_alone(layout: str) -> None:
                 )
 
 
+@pytest.mark.parametrize("chunk", [2, 3, 128])
+def test_ttt_unroll_of_kept_rows_equals_the_full_unroll(chunk: int) -> None:
+    """Steps >= 1 on the kept rows only (in chunks, batch rows keeping different counts) give
+    those rows the full unroll's states and gradients; rows left out are zeros."""
+    draft = random_draft(tiny4("llama"))
+    generator = torch.Generator().manual_seed(5)
+    fused = torch.randn(2, 9, 32, generator=generator, requires_grad=True)
+    embeddings = torch.randn(2, 9, 32, generator=generator)
+    documents = torch.tensor([[0] * 5 + [1] * 4, [0] * 9])
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3], list(range(9))])
+    visible = document_attention_mask(documents)
+    rows = torch.zeros(2, 9, dtype=torch.bool)
+    rows[0, [1, 2, 6]] = True  # 3 rows, one of them in the second sample
+    rows[1, 3:8] = True  # 5 rows
+    weights = torch.randn(4, 2, 9, 32, generator=generator) * rows[None, ..., None]
+
+    def unroll(kept: torch.Tensor | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        draft.zero_grad()
+        fused.grad = None
+        states = ttt_unroll(
+            draft,
+            fused,
+            embeddings,
+            positions=positions,
+            visible=visible,
+            steps=4,
+            rows=kept,
+            chunk=chunk,
+        )
+        loss = sum((s * w).sum() for s, w in zip(states, weights, strict=True))
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+        assert fused.grad is not None
+        grads = [fused.grad.clone()] + [
+            p.grad.clone() for p in draft.parameters() if p.grad is not None
+        ]
+        return states, grads
+
+    full, full_grads = unroll(None)
+    kept, kept_grads = unroll(rows)
+    torch.testing.assert_close(kept[0], full[0])
+    for step in range(1, 4):
+        torch.testing.assert_close(kept[step][rows], full[step][rows], atol=2e-6, rtol=1e-5)
+        assert not kept[step][~rows].any()
+    assert len(kept_grads) == len(full_grads) > 2
+    for got, want in zip(kept_grads, full_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    none_kept, _ = unroll(torch.zeros(2, 9, dtype=torch.bool))
+    assert all(not states.any() for states in none_kept[1:])
+
+
 # ------------------------------------------------------------------------------ the loss
 
 HIDDEN, VOCAB = 8, 12

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from headway.config import load_config
-from headway.errors import ConfigError
 from headway.run_config import RunConfig
 from headway.target import Target, load_target
 from headway.train.batching import pack, pad_collate
@@ -115,13 +114,6 @@ def test_packed_loss_equals_padded_loss(workspace: Path, method: str) -> None:
     for key, value in from_padded.metrics.items():
         if key.endswith("tokens"):  # the same positions are trained
             assert from_packed.metrics[key] == value, key
-
-
-def test_packing_offline_features_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"data\.pack=false"):
-        load_config(
-            RunConfig, None, ["data.pack=true", "data.features=offline", "data.features_dir=x"]
-        )
 
 
 def test_medusa_loss_never_trains_a_label_from_the_next_sample() -> None:

@@ -335,6 +335,17 @@ class CachedFeatureDataset(torch.utils.data.Dataset[dict[str, Tensor]]):
         self._check(row, index, shard_index)
         return row
 
+    def sample_length(self, index: int) -> int:
+        """Tokens of sample ``index``, read from its shard's header (no tensor is loaded)."""
+        shard_index = index // self._per_shard
+        try:
+            return int(self._shard(shard_index).get_slice(f"{index}.input_ids").get_shape()[0])
+        except Exception as error:  # safetensors raises its own error types
+            raise DataError(
+                f"{self.directory / f'shard-{shard_index:05d}.safetensors'}: sample {index} "
+                f"cannot be read ({type(error).__name__}); {_REWRITE}"
+            ) from error
+
     def _check(self, row: dict[str, Tensor], index: int, shard_index: int) -> None:
         """Shapes and dtypes of one sample against the manifest: ids and mask ``[T]`` (integer),
         hidden states ``[T, H]`` (floating, ``H`` the target's hidden size)."""

@@ -22,6 +22,7 @@ from headway.train.features import (
     cached_hidden,
     collate_cached,
 )
+from headway.train.packed_features import PackedFeatureDataset, collate_packed_features
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,18 @@ def training_data(config: RunConfig, target: Target) -> tuple[Dataset[Any], Data
             raise TrainingError(
                 f"{config.data.features_dir} was cached from another target; recache it"
             )
-        train_set, eval_set = split_held_out(cached, config.data.eval_fraction, config.train.seed)
-        return train_set, eval_set, partial(collate_cached, pad_token_id=pad_id)
+        if not config.data.pack:
+            train_set, eval_set = split_held_out(
+                cached, config.data.eval_fraction, config.train.seed
+            )
+            return train_set, eval_set, partial(collate_cached, pad_token_id=pad_id)
+        blocks = PackedFeatureDataset(cached, config.data.max_length, pad_id)
+        logger.info(
+            "packed %d cached samples into %d blocks of %d tokens (%.1f%% padding)",
+            *(blocks.samples, len(blocks), config.data.max_length, 100 * blocks.padding),
+        )
+        train_set, eval_set = split_held_out(blocks, config.data.eval_fraction, config.train.seed)
+        return train_set, eval_set, collate_packed_features
     dataset, reports = build_datasets(
         target.tokenizer,
         config.data.sources,

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from headway.train.losses import TOP_K, LossOutput, label_mask
+from headway.train.soft_ce import soft_cross_entropy
 
 __all__ = [
     "eagle3_loss",
@@ -248,9 +249,10 @@ def eagle3_loss(
     where = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
     where[needed] = torch.arange(int(needed.sum()), device=needed.device)
     with torch.no_grad():
-        full = target_logits(target_states[needed].detach()).float()  # [n, V]
-        wanted = full.argmax(-1)
-        target_logp = torch.log_softmax(full.index_select(-1, target_ids), dim=-1)  # [n, N]
+        # [n, V] in the head's dtype (bf16 under autocast): widened only over the draft columns
+        full = target_logits(target_states[needed].detach())
+        wanted = full.max(-1).indices  # argmax's first maximum, 4x faster over bf16 on a CPU
+        target_p = torch.softmax(full.index_select(-1, target_ids).float(), dim=-1)  # [n, N]
         drafted = torch.zeros(full.shape[-1], dtype=torch.bool, device=full.device)
         drafted[target_ids] = True
     total = step_states[0].new_zeros((), dtype=torch.float32)
@@ -261,12 +263,13 @@ def eagle3_loss(
         counted = rows_j.clone()
         counted[rows_j] = drafted[wanted[index[rows_j]]]
         targets = index[counted]
-        log_q = torch.log_softmax(draft_logits(states[counted]).float(), dim=-1)
+        logits = draft_logits(states[counted])  # [n_j, N], bf16 under autocast
         count = counted.sum()
-        ce = (target_logp[targets].exp() * -log_q).sum() / count.clamp_min(1)
+        # -sum(p * log_softmax(logits)) over rows, fused and chunked (no [n_j, N] fp32 copies)
+        ce = soft_cross_entropy(logits, target_p, targets) / count.clamp_min(1)
         total = total + decay**step * ce
         with torch.no_grad():
-            hits = (target_ids[log_q.argmax(-1)] == wanted[targets]).sum()
+            hits = (target_ids[logits.max(-1).indices] == wanted[targets]).sum()
             stats.append(torch.stack([ce.detach(), hits, count, rows_j.sum()]))
     return LossOutput(total, _eagle3_metrics(torch.stack(stats).tolist()))
 

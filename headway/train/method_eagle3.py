@@ -20,6 +20,13 @@ kernels. :func:`ttt_unroll_reference` recomputes every (row, step) from scratch 
 decoding, and a test holds the two equal. Gradients flow through every step, cached keys
 included, as in the reference (no feature noise and no feature regression in EAGLE-3).
 
+Rows. A row's state at step j reaches later steps only at its own row (the identity blocks), so
+steps ``1 .. S-1`` run only on the rows some loss term reads (``rows``: answer tokens and the few
+rows before each answer, about half of a ShareGPT block); step 0 runs on every row, since every
+row's step-0 key is read. The kept rows' states are exactly those of the full unroll, and steps
+1 .. S-1 cost ``R / T`` of the linear work and ``R (T + jR)`` instead of ``T (T + jT)`` of the
+attention (``tests/test_eagle3.py``; ``scripts/bench_train.py`` prints the gain).
+
 **Draft vocabulary.** The N most frequent trained tokens of the training data
 (:func:`~headway.heads.vocab.choose_vocab`), counted over the same dataset the loop builds (all
 of it, held-out rows included, as the reference's ``scandata`` counts its whole training file).
@@ -31,10 +38,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from headway.errors import ConfigError
 from headway.heads.drafter_medusa import final_hidden_layer
@@ -49,23 +57,27 @@ from headway.train.data import build_datasets
 from headway.train.features import CachedFeatureDataset
 from headway.train.init_weights import check_head_config, load_initial
 from headway.train.losses import LossOutput
-from headway.train.losses_eagle import eagle3_loss
+from headway.train.losses_eagle import eagle3_loss, eagle3_rows
 
 __all__ = [
     "Eagle3",
     "training_token_counts",
     "ttt_attention_mask",
+    "ttt_row_count",
     "ttt_unroll",
     "ttt_unroll_reference",
 ]
 
 logger = logging.getLogger(__name__)
 
+TTT_CHUNK = 64  # rows per chunk of TTT steps >= 1 (ttt_unroll)
+
 
 def ttt_attention_mask(visible: Tensor, step: int, dtype: torch.dtype) -> Tensor:
-    """Additive mask ``[B, 1, T, (step + 1) T]`` of TTT step ``step`` over the keys of steps
-    ``0 .. step`` (in cache order): ``visible`` (bool ``[B, 1, T, T]``, causal within a sample)
-    for step 0's keys, the identity (row t sees only row t) for each later step's.
+    """Additive mask ``[B, 1, R, T + step R]`` of TTT step ``step`` over the keys of steps
+    ``0 .. step`` (in cache order): ``visible`` (bool ``[B, 1, R, T]``: R rows, causal within a
+    sample; R = T when every row runs) for step 0's keys, the identity (row r sees only row r)
+    for each later step's.
 
     Example, T = 3, step 2 (``.`` = blocked)::
 
@@ -73,8 +85,9 @@ def ttt_attention_mask(visible: Tensor, step: int, dtype: torch.dtype) -> Tensor
         row 1:  1 1 .   . 1 .   . 1 .
         row 2:  1 1 1   . . 1   . . 1
     """
-    length = visible.shape[-1]
-    own = torch.eye(length, dtype=torch.bool, device=visible.device).expand_as(visible)
+    rows = visible.shape[-2]
+    own = torch.eye(rows, dtype=torch.bool, device=visible.device)
+    own = own.expand(*visible.shape[:-1], rows)
     return additive_mask(torch.cat([visible, *([own] * step)], dim=-1), dtype)
 
 
@@ -94,6 +107,8 @@ def ttt_unroll(
     positions: Tensor,
     visible: Tensor,
     steps: int,
+    rows: Tensor | None = None,
+    chunk: int = TTT_CHUNK,
 ) -> list[Tensor]:
     """The draft's states after each of ``steps`` TTT steps (module docstring).
 
@@ -105,22 +120,102 @@ def ttt_unroll(
         positions: LongTensor ``[B or 1, T]``, position of row t (restarting per packed sample).
         visible: bool ``[B, 1, T, T]``, step 0's attention: causal within a sample.
         steps: S, how many draft steps to unroll.
+        rows: bool ``[B, T]``, the rows steps ``1 .. S-1`` must compute (module docstring);
+            ``None``: every row.
+        chunk: steps ``1 .. S-1`` run the kept rows in chunks of this many rows of one batch
+            row each (so a batch row keeping few rows does not pay for one keeping many).
 
     Returns:
-        S tensors ``[B, T, H]``: the pre-norm state after step j at each row.
+        S tensors ``[B, T, H]``: the pre-norm state after step j at each row (steps >= 1: zeros
+        at rows ``rows`` leaves out).
     """
     cache = draft.new_cache()
-    states, outputs = fused, []
-    for step in range(steps):
+    states = draft(
+        fused,
+        _shift_left(embeddings, 1),
+        position_ids=positions,
+        attention_mask=ttt_attention_mask(visible, 0, fused.dtype),
+        cache=cache,
+    )
+    outputs = [states]
+    if steps == 1:
+        return outputs
+    batch, length = fused.shape[:2]
+    chunks = None if rows is None else _row_chunks(rows, chunk)
+    if chunks is not None:  # [K] batch row of each chunk, [K, C] its rows, [K, C] kept
+        item, index, kept = chunks
+        states = states[item[:, None], index]
+        positions = positions.expand(batch, length)[item[:, None], index]
+        visible = visible.expand(batch, 1, length, length)[item[:, None], 0, index][:, None]
+        cache.batch_select_indices(item)  # each chunk reads its batch row's step-0 keys
+        visible = _window_keys(cache, visible, kept)  # ... those its kept rows can see
+    for step in range(1, steps):
+        shifted = _shift_left(embeddings, step + 1)
         states = draft(
             states,
-            _shift_left(embeddings, step + 1),
+            shifted if chunks is None else shifted[item[:, None], index],
             position_ids=positions + step,
             attention_mask=ttt_attention_mask(visible, step, fused.dtype),
             cache=cache,
         )
-        outputs.append(states)
+        if chunks is None:
+            outputs.append(states)
+        else:
+            full = states.new_zeros(batch, length, states.shape[-1])
+            kept_states = states * kept[..., None].to(states.dtype)
+            outputs.append(full.index_put((item[:, None], index), kept_states, accumulate=True))
     return outputs
+
+
+def _window_keys(cache: DynamicCache, visible: Tensor, kept: Tensor) -> Tensor:
+    """Cut each chunk's step-0 keys (``[K, heads, T, d]`` in ``cache``) to the one window of
+    ``W`` columns that holds every key its kept rows see (``visible`` bool ``[K, 1, C, T]``,
+    ``kept`` bool ``[K, C]``), W the widest chunk's; returns ``visible`` over the windows,
+    ``[K, 1, C, W]``. A chunk of packed samples thus attends over its own sample's keys, not
+    the whole block. Filler rows may see nothing here; they see their own later-step keys."""
+    length = visible.shape[-1]
+    seen = (visible[:, 0] & kept[:, :, None]).any(1)  # [K, T]
+    columns = torch.arange(length, device=visible.device)
+    first = torch.where(seen, columns, length).amin(-1)
+    last = torch.where(seen, columns, -1).amax(-1)
+    width = max(int((last - first).amax()) + 1, 1)
+    start = first.clamp(0, length - width)
+    take = start[:, None] + torch.arange(width, device=visible.device)  # [K, W]
+    for layer in cache.layers:
+        held = cast(DynamicLayer, layer)
+        assert held.keys is not None and held.values is not None  # step 0 has run
+        index = take[:, None, :, None].expand(-1, held.keys.shape[1], -1, held.keys.shape[-1])
+        held.keys, held.values = held.keys.gather(2, index), held.values.gather(2, index)
+    return visible.gather(-1, take[:, None, None, :].expand(-1, 1, visible.shape[2], -1))
+
+
+def ttt_row_count(rows: Tensor, chunk: int = TTT_CHUNK) -> int:
+    """Rows each TTT step >= 1 of :func:`ttt_unroll` runs for kept ``rows`` ``[B, T]``
+    (the rows chunks are filled up with included)."""
+    chunks = _row_chunks(rows, chunk)
+    return rows.numel() if chunks is None else chunks[1].numel()
+
+
+def _row_chunks(rows: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The kept rows (bool ``[B, T]``) cut into chunks of ``size`` rows of one batch row each:
+    LongTensors ``[K]`` (the batch row of each chunk) and ``[K, C]`` (its rows; the last chunk of
+    a batch row is filled up with row 0), bool ``[K, C]`` (which of them are kept rows).
+    ``None`` where every row is kept."""
+    if bool(rows.all()):
+        return None
+    size = max(1, min(size, rows.shape[1]))
+    items, indices, kept = [], [], []
+    for b, row in enumerate(rows):
+        chosen = row.nonzero().flatten()
+        count = -(-len(chosen) // size)
+        count = max(count, 1) if b == 0 else count  # K >= 1 even if no row is kept
+        filled = torch.zeros(count * size, dtype=torch.long, device=rows.device)
+        filled[: len(chosen)] = chosen
+        flags = torch.arange(count * size, device=rows.device) < len(chosen)
+        indices.append(filled.view(count, size))
+        kept.append(flags.view(count, size))
+        items.append(torch.full((count,), b, dtype=torch.long, device=rows.device))
+    return torch.cat(items), torch.cat(indices), torch.cat(kept)
 
 
 def ttt_unroll_reference(
@@ -236,6 +331,10 @@ class Eagle3(nn.Module):
             return document_attention_mask(batch["document_ids"])
         return document_attention_mask(batch["attention_mask"].long() - 1)
 
+    def ttt_rows(self, batch: dict[str, Tensor]) -> Tensor:
+        """Bool ``[B, T]``: the rows TTT steps ``1 .. S-1`` run (those their losses read)."""
+        return eagle3_rows(batch["loss_mask"], self.steps, batch.get("document_ids"))[1:].any(0)
+
     def forward(self, batch: dict[str, Tensor], hidden: dict[int, Tensor]) -> LossOutput:
         """Loss of a batch: ``input_ids``/``attention_mask``/``loss_mask`` ``[B, T]`` (+ packed
         ``position_ids``/``document_ids``); ``hidden[l]`` ``[B, T, H]`` for the three feature
@@ -255,6 +354,7 @@ class Eagle3(nn.Module):
             positions=positions,
             visible=self._visible(batch),
             steps=self.steps,
+            rows=self.ttt_rows(batch),
         )
         return eagle3_loss(
             states,
