@@ -122,6 +122,7 @@ def cache(method_name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
         out,
         layers=method_layers(method_name, num_layers),
         pad_token_id=pad_id_of(target.tokenizer),
+        target_argmax=method_name == "eagle3",
     )
     seconds = time.perf_counter() - started
     trained = sum(sum(mask) for mask in dataset["loss_mask"])

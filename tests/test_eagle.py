@@ -26,11 +26,11 @@ from headway.train.features import (
     OnlineFeatures,
     cache_features,
     cached_hidden,
-    collate_cached,
 )
 from headway.train.losses_eagle import eagle_loss, eagle_loss_reference, eagle_rows
 from headway.train.method_eagle import Eagle1, add_uniform_noise
 from headway.train.methods import build_method
+from headway.train.packed_features import collate_cached
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 
@@ -79,6 +79,8 @@ def test_forward_shapes_and_loss_on_every_family(family: str) -> None:
     output = eagle_loss(predicted, features, torch.ones(2, 7), lm_head=head.logits)
     assert output.loss.ndim == 0 and torch.isfinite(output.loss)
     assert output.metrics["tokens"] == 2 * 5  # rows 0..4 draft x2..x6
+    some = torch.tensor([5, 0, TINY_VOCAB - 1, 7])  # a head over some columns: those columns
+    torch.testing.assert_close(head.logits(features, some), head.logits(features)[..., some])
 
 
 def test_forward_is_causal_and_a_cache_gives_the_same_rows() -> None:

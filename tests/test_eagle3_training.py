@@ -24,10 +24,10 @@ from headway.train.features import (
     OnlineFeatures,
     cache_features,
     cached_hidden,
-    collate_cached,
 )
 from headway.train.method_eagle3 import Eagle3
 from headway.train.methods import build_method
+from headway.train.packed_features import collate_cached
 from tests.drafting import heads_drafter as load_drafter
 from tests.test_eagle3 import TAPS, TREE, tiny4
 from tests.test_generate import hf_greedy

@@ -16,7 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from headway.errors import HeadwayError
-from headway.train.features import CachedFeatureDataset, cache_features, collate_cached
+from headway.train.features import CachedFeatureDataset, cache_features
+from headway.train.packed_features import collate_cached
 from tests.test_fuzz_heads import FUZZ, keys_of, loads_or_fails_in_one_line, mutate, values
 from tests.test_fuzz_safetensors import lie, split
 from tests.tiny import tiny_model

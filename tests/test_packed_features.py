@@ -46,9 +46,8 @@ def test_offline_packed_blocks_equal_online_packed_blocks(
     layers = feature_layers(online)
     dataset, _ = build_dataset(target.tokenizer, workspace / "chat.jsonl", max_length=128)
     dataset = dataset.select_columns(["input_ids", "loss_mask"])
-    cache_features(
-        target.model, dataset, tmp_path, layers=layers, dtype=torch.float32, shard_samples=7
-    )
+    cache_features(target.model, dataset, tmp_path, layers=layers, dtype=torch.float32,
+                   shard_samples=7, target_argmax=method == "eagle3")  # fmt: skip
     overrides = ["data.features=offline", f"data.features_dir={tmp_path}", "data.pack=true"]
     offline_config = config(workspace, method, *overrides, "data.max_length=256")
     train_set, eval_set, collate = training_data(offline_config, target)
@@ -62,6 +61,7 @@ def test_offline_packed_blocks_equal_online_packed_blocks(
     want = pad_collate([expected[i] for i in range(len(expected))], pad_token_id=pad_id)
     for column, values in want.items():
         assert torch.equal(got[column], values), column
+    assert ("target_argmax" in got) == (method == "eagle3")  # EAGLE-3's loss reads it below
     with torch.no_grad():
         from_online = online(want, OnlineFeatures(target.model, layers)(want))
         from_offline = online(got, cached_hidden(got, layers))
@@ -81,3 +81,30 @@ def test_a_sample_longer_than_a_block_is_a_one_line_error(
     longest = max(len(ids) for ids in dataset["input_ids"])
     with pytest.raises(DataError, match=rf"raise data\.max_length to {longest}"):
         PackedFeatureDataset(CachedFeatureDataset(tmp_path), longest - 1, 0)
+
+
+def test_a_feature_cache_stores_the_targets_argmax(
+    workspace: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Where the LM head's input is cached, each sample carries the target's own argmax (what
+    EAGLE-3 then reads instead of running the head over the whole vocabulary); without the LM
+    head's input, or not asked for (the other methods' caches above), not."""
+    target = load_target(workspace / "target", device="cpu")
+    dataset, _ = build_dataset(target.tokenizer, workspace / "chat.jsonl", max_length=128)
+    dataset = dataset.select_columns(["input_ids", "loss_mask"])
+    depth = int(target.model.config.num_hidden_layers)
+    cache_features(target.model, dataset, tmp_path / "final", layers=(1, depth),
+                   dtype=torch.float32, target_argmax=True)  # fmt: skip
+    cache_features(target.model, dataset, tmp_path / "inner", layers=(1,),
+                   dtype=torch.float32, target_argmax=True)  # fmt: skip
+    cached, inner = (
+        CachedFeatureDataset(tmp_path / "final"),
+        CachedFeatureDataset(tmp_path / "inner"),
+    )
+    assert "target_argmax" not in inner[0]
+    for index in (0, len(dataset) - 1):
+        ids = torch.tensor(dataset[index]["input_ids"])[None]
+        with torch.no_grad():
+            want = target.model(ids).logits[0].argmax(-1)
+        assert torch.equal(cached[index]["target_argmax"].long(), want)

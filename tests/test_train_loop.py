@@ -25,9 +25,9 @@ from headway.train.features import (
     OnlineFeatures,
     cache_features,
     cached_hidden,
-    collate_cached,
 )
 from headway.train.methods import build_method, feature_layers
+from headway.train.packed_features import collate_cached
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 

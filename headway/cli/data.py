@@ -197,6 +197,7 @@ def run_cache_features(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         shard_samples=args.shard_samples,
         pad_token_id=pad_id_of(target.tokenizer),
+        target_argmax=args.method == "eagle3",
     )
     print(
         f"{manifest['tokens']:,} tokens, {manifest['bytes'] / 2**20:.1f} MiB "
@@ -237,7 +238,9 @@ def _add_cache_features(actions: argparse._SubParsersAction) -> None:
         "--method",
         default="medusa1",
         choices=["medusa1", "medusa2", "eagle1", "eagle3"],
-        help="cache the layers this method trains on (eagle3: the three taps and the last)",
+        help="cache the layers this method trains on (eagle3: the three taps and the last, and "
+        "the target's argmax at each token, so its loss runs the target's head over the draft "
+        "vocabulary only)",
     )
     parser.add_argument(
         "--layers",

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.activations import ACT2FN
@@ -334,12 +335,16 @@ class TargetHead:
         embedded: Tensor = self.embed(ids)
         return embedded.to(dtype)
 
-    def logits(self, features: Tensor) -> Tensor:
-        """``features`` ``[..., H]`` -> logits ``[..., V]`` (in the LM head's dtype)."""
+    def logits(self, features: Tensor, ids: Tensor | None = None) -> Tensor:
+        """``features`` ``[..., H]`` -> logits ``[..., V]`` (in the LM head's dtype), or only the
+        columns ``ids`` (int64 ``[N]``) -> ``[..., N]``, without the other rows' matmul."""
         weight = self.lm_head.weight
         assert isinstance(weight, Tensor)
-        logits: Tensor = self.lm_head(features.to(weight.dtype))
-        return logits
+        if ids is None:
+            logits: Tensor = self.lm_head(features.to(weight.dtype))
+            return logits
+        bias = getattr(self.lm_head, "bias", None)
+        return F.linear(features.to(weight.dtype), weight[ids], None if bias is None else bias[ids])
 
 
 def eagle_tensor_shapes(config: EagleConfig) -> dict[str, tuple[int, ...]]:

@@ -34,6 +34,8 @@ from transformers import PreTrainedModel
 
 from headway.atomic import atomic_file, write_text_atomic
 from headway.errors import DataError
+from headway.heads.drafter_medusa import final_hidden_layer
+from headway.heads.eagle import TargetHead
 from headway.locks import exclusive_folder, rank_lock_name
 from headway.target import fingerprint
 from headway.train.batching import pad_collate, target_inputs
@@ -47,7 +49,6 @@ __all__ = [
     "OnlineFeatures",
     "cache_features",
     "cached_hidden",
-    "collate_cached",
     "dataset_hash",
     "hidden_key",
     "read_manifest",
@@ -164,8 +165,11 @@ def cache_features(
     batch_size: int = 8,
     shard_samples: int = 256,
     pad_token_id: int = 0,
+    target_argmax: bool = False,
 ) -> dict[str, Any]:
     """Write the hidden states of `layers` for every sample of `dataset` into shards; resumable.
+    ``target_argmax`` also stores the target's argmax per token where the LM head's input (the
+    last layer) is cached, for EAGLE-3 (:class:`CachedFeatureDataset`).
 
     Shard ``k`` holds samples ``[k·S, (k+1)·S)`` and is written under a temporary name and
     renamed, so a rerun after a kill skips complete shards and redoes at most one.
@@ -180,7 +184,7 @@ def cache_features(
     with exclusive_folder(out_dir, what="--out", name=rank_lock_name()):
         return _cache_features(
             model, dataset, out_dir, layers=layers, dtype=dtype, batch_size=batch_size,
-            shard_samples=shard_samples, pad_token_id=pad_token_id,
+            shard_samples=shard_samples, pad_token_id=pad_token_id, target_argmax=target_argmax,
         )  # fmt: skip
 
 
@@ -194,6 +198,7 @@ def _cache_features(
     batch_size: int,
     shard_samples: int,
     pad_token_id: int,
+    target_argmax: bool,
 ) -> dict[str, Any]:
     depth = int(model.config.get_text_config().num_hidden_layers)
     if not layers or len(set(layers)) != len(layers) or not all(0 <= x <= depth for x in layers):
@@ -207,6 +212,7 @@ def _cache_features(
         "dataset_hash": dataset_hash(dataset),
         "samples": len(dataset),
         "shard_samples": shard_samples,
+        "target_argmax": target_argmax and depth in layers,
     }
     manifest_path = out_dir / MANIFEST
     if manifest_path.is_file():
@@ -229,7 +235,8 @@ def _cache_features(
         path = out_dir / f"shard-{shard_index:05d}.safetensors"
         if not path.is_file():
             _cache_shard(online, dataset, path, starts[shard_index], shard_samples, dtype,
-                         batch_size=batch_size, pad_token_id=pad_token_id)  # fmt: skip
+                         batch_size=batch_size, pad_token_id=pad_token_id,
+                         argmax=target_argmax and depth in layers)  # fmt: skip
     ranks.wait()  # every shard is in
     tokens = sum(len(ids) for ids in dataset["input_ids"])
     size = sum(path.stat().st_size for path in out_dir.glob("shard-*.safetensors"))
@@ -258,10 +265,12 @@ def _cache_shard(
     *,
     batch_size: int,
     pad_token_id: int,
+    argmax: bool,
 ) -> None:
     """Write the features of samples ``[start, start + shard_samples)`` to the shard ``path``."""
     rows = dataset.select(range(start, min(start + shard_samples, len(dataset))))
     device = online.model.device
+    final, head = final_hidden_layer(online.model), TargetHead.of(online.model)
     tensors: dict[str, Tensor] = {}
     for offset in range(0, len(rows), batch_size):
         chunk = [rows[i] for i in range(offset, min(offset + batch_size, len(rows)))]
@@ -275,17 +284,19 @@ def _cache_shard(
             for layer, states in hidden.items():
                 value = states[row_index, :length].to("cpu", dtype).contiguous()
                 tensors[f"{key}.{hidden_key(layer)}"] = value
-    # One metadata key: safetensors writes several in a per-process random order, and a
-    # resumed cache should be byte-identical to an uninterrupted one.
+                if argmax and layer == final:  # from the stored (rounded) features
+                    best = head.logits(value.to(device)).max(-1).indices  # as argmax, faster
+                    tensors[f"{key}.target_argmax"] = best.to("cpu", torch.int32)
+    # One metadata key: safetensors writes several in a random order; a resume is byte-identical
     rows_meta = json.dumps({"first": start, "count": len(rows)})
     _write_shard(path, tensors, {"rows": rows_meta})
 
 
 class CachedFeatureDataset(torch.utils.data.Dataset[dict[str, Tensor]]):
-    """Samples of a feature cache: ``input_ids``/``loss_mask`` ``[T]`` and ``hidden.L`` ``[T, H]``.
-
-    Shards are opened lazily with safetensors (memory-mapped), so only the samples read are loaded.
-    """
+    """Samples of a feature cache: ``input_ids``/``loss_mask`` ``[T]``, ``hidden.L`` ``[T, H]``
+    and, where the LM head's input is cached, ``target_argmax`` ``[T]`` (the target's argmax, so
+    EAGLE-3 runs the target's head over its draft columns only). Shards are opened lazily with
+    safetensors (memory-mapped), so only the samples read are loaded."""
 
     def __init__(self, directory: Path) -> None:
         manifest = read_manifest(directory)
@@ -324,6 +335,7 @@ class CachedFeatureDataset(torch.utils.data.Dataset[dict[str, Tensor]]):
         shard_index = index // self._per_shard
         shard = self._shard(shard_index)
         names = ["input_ids", "loss_mask", *(hidden_key(layer) for layer in self.layers)]
+        names += ["target_argmax"] if self.settings.get("target_argmax") else []
         try:
             row = {name: shard.get_tensor(f"{index}.{name}") for name in names}
         except Exception as error:  # safetensors raises its own error types
@@ -352,6 +364,7 @@ class CachedFeatureDataset(torch.utils.data.Dataset[dict[str, Tensor]]):
         length = row["input_ids"].shape[0] if row["input_ids"].dim() == 1 else -1
         ok = length > 0 and not row["input_ids"].is_floating_point()
         ok = ok and tuple(row["loss_mask"].shape) == (length,)
+        ok = ok and tuple(row.get("target_argmax", row["loss_mask"]).shape) == (length,)
         for layer in self.layers:
             states = row[hidden_key(layer)]
             width = states.shape[1] if states.dim() == 2 else -1
@@ -367,25 +380,6 @@ class CachedFeatureDataset(torch.utils.data.Dataset[dict[str, Tensor]]):
     def __getstate__(self) -> dict[str, Any]:
         # Open shard handles do not cross process boundaries (DataLoader workers); reopen there.
         return {**self.__dict__, "_open": {}}
-
-
-def collate_cached(rows: Sequence[Mapping[str, Tensor]], *, pad_token_id: int) -> dict[str, Tensor]:
-    """Right-pad cached samples: ids/masks via :func:`pad_collate`, hidden states with zeros."""
-    batch = pad_collate(
-        [
-            {"input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()}
-            for r in rows
-        ],
-        pad_token_id=pad_token_id,
-    )
-    length = batch["input_ids"].shape[1]
-    for name in rows[0]:
-        if name.startswith("hidden."):
-            padded = [
-                torch.nn.functional.pad(r[name], (0, 0, 0, length - len(r[name]))) for r in rows
-            ]
-            batch[name] = torch.stack(padded)
-    return batch
 
 
 def remove_cache(directory: Path) -> None:

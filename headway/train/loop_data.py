@@ -20,9 +20,12 @@ from headway.train.features import (
     CachedFeatureDataset,
     OnlineFeatures,
     cached_hidden,
-    collate_cached,
 )
-from headway.train.packed_features import PackedFeatureDataset, collate_packed_features
+from headway.train.packed_features import (
+    PackedFeatureDataset,
+    collate_cached,
+    collate_packed_features,
+)
 
 logger = logging.getLogger(__name__)
 

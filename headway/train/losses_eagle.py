@@ -116,14 +116,15 @@ def eagle_loss(
     count = rows.sum()
     feature_sum = F.smooth_l1_loss(draft, truth, reduction="sum")
     feature_loss = feature_sum / (count * draft.shape[-1]).clamp_min(1)
-    draft_logp = torch.log_softmax(lm_head(draft).float(), dim=-1)  # [N, V]
+    logits = lm_head(draft)  # [N, V], bf16 under autocast
     with torch.no_grad():
         target_p = torch.softmax(lm_head(truth).float(), dim=-1)
-    ce = -(target_p * draft_logp).sum() / count.clamp_min(1)
+    ce = soft_cross_entropy(logits, target_p, torch.arange(len(logits), device=logits.device))
+    ce = ce / count.clamp_min(1)
     loss = feature_weight * feature_loss + ce_weight * ce
     with torch.no_grad():
-        wanted = target_p.argmax(-1)
-        top = draft_logp.topk(min(TOP_K, draft_logp.shape[-1]), dim=-1).indices
+        wanted = target_p.max(-1).indices  # argmax's first maximum
+        top = logits.topk(min(TOP_K, logits.shape[-1]), dim=-1).indices
         hits = top == wanted[:, None]
         stats = torch.stack(
             [feature_loss, ce, (draft - truth).abs().sum(), hits[:, 0].sum(), hits.any(-1).sum()]
@@ -215,10 +216,11 @@ def eagle3_loss(
     loss_mask: Tensor,
     *,
     draft_logits: Callable[[Tensor], Tensor],
-    target_logits: Callable[[Tensor], Tensor],
+    target_logits: Callable[..., Tensor],
     target_ids: Tensor,
     decay: float = 0.8,
     document_ids: Tensor | None = None,
+    target_argmax: Tensor | None = None,
 ) -> LossOutput:
     """EAGLE-3 training-time-test loss (see the module docstring for the formula and alignment).
 
@@ -230,10 +232,14 @@ def eagle3_loss(
         target_states: ``[B, T, H_t]``, the target's LM-head inputs ``f_0 .. f_{T-1}``.
         loss_mask: ``[B, T]``, 1 on trained tokens.
         draft_logits: the draft head, ``[n, H] -> [n, N]``.
-        target_logits: the target's frozen LM head, ``[n, H_t] -> [n, V]``.
+        target_logits: the target's frozen LM head, ``[n, H_t] -> [n, V]``; called as
+            ``target_logits(states, target_ids) -> [n, N]`` (those columns only) when
+            ``target_argmax`` is given.
         target_ids: int64 ``[N]``, the target id of each draft id (``arange + d2t``).
         decay: step j's weight is ``decay^j``.
         document_ids: ``[B, T]`` sample numbers of packed batches, if any.
+        target_argmax: ``[B, T]``, the target's argmax at each position if known (a feature
+            cache stores it): the target's LM head then runs over the N draft columns only.
 
     Returns:
         :class:`LossOutput` with ``depth{j+1}/ce``, ``depth{j+1}/top1`` (the draft's argmax is
@@ -249,19 +255,23 @@ def eagle3_loss(
     where = torch.full(needed.shape, -1, dtype=torch.long, device=needed.device)
     where[needed] = torch.arange(int(needed.sum()), device=needed.device)
     with torch.no_grad():
-        # [n, V] in the head's dtype (bf16 under autocast): widened only over the draft columns
-        full = target_logits(target_states[needed].detach())
-        wanted = full.max(-1).indices  # argmax's first maximum, 4x faster over bf16 on a CPU
-        target_p = torch.softmax(full.index_select(-1, target_ids).float(), dim=-1)  # [n, N]
-        drafted = torch.zeros(full.shape[-1], dtype=torch.bool, device=full.device)
-        drafted[target_ids] = True
+        states_needed = target_states[needed].detach()
+        if target_argmax is None:  # [n, V] in the head's dtype (bf16 under autocast)
+            full = target_logits(states_needed)
+            wanted = full.max(-1).indices  # argmax's first maximum, 4x faster over bf16 on a CPU
+            chosen = full.index_select(-1, target_ids)
+        else:
+            wanted = target_argmax[needed].long()
+            chosen = target_logits(states_needed, target_ids)
+        target_p = torch.softmax(chosen.float(), dim=-1)  # [n, N]
+        in_vocab = torch.isin(wanted, target_ids)  # [n]: the target's argmax is a draft token
     total = step_states[0].new_zeros((), dtype=torch.float32)
     stats = []  # per step: ce, top1 hits, rows counted, rows before the vocabulary check
     for step, (states, rows_j) in enumerate(zip(step_states, rows, strict=True)):
         index = torch.full_like(where, -1)  # [B, T]: row t reads target position t + step + 1
         index[:, : max(length - step - 1, 0)] = where[:, step + 1 :]
         counted = rows_j.clone()
-        counted[rows_j] = drafted[wanted[index[rows_j]]]
+        counted[rows_j] = in_vocab[index[rows_j]]
         targets = index[counted]
         logits = draft_logits(states[counted])  # [n_j, N], bf16 under autocast
         count = counted.sum()

@@ -365,6 +365,7 @@ class Eagle3(nn.Module):
             target_ids=self.draft.vocab.target_ids,
             decay=self.decay,
             document_ids=batch.get("document_ids"),
+            target_argmax=batch.get("target_argmax"),  # offline features carry it
         )
 
     def parameter_groups(self, lr: float, weight_decay: float) -> list[dict[str, Any]]:

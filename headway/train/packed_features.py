@@ -1,4 +1,5 @@
-"""Offline features packed into blocks: ``data.features=offline`` with ``data.pack=true``.
+"""Batches of offline features (``data.features=offline``): padded (:func:`collate_cached`) or,
+with ``data.pack=true``, packed into blocks.
 
 A feature cache holds each sample's hidden states computed alone (:func:`cache_features`), and a
 packed online forward computes each sample of a block as if it were alone too (positions
@@ -16,13 +17,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from headway.errors import DataError
-from headway.train.batching import PAD_VALUES
+from headway.train.batching import PAD_VALUES, pad_collate
 from headway.train.features import CachedFeatureDataset, hidden_key
 
-__all__ = ["PackedFeatureDataset", "collate_packed_features", "plan_blocks"]
+__all__ = ["PackedFeatureDataset", "collate_cached", "collate_packed_features", "plan_blocks"]
 
 
 def plan_blocks(lengths: Sequence[int], block_length: int) -> list[list[int]]:
@@ -86,6 +88,8 @@ class PackedFeatureDataset(torch.utils.data.Dataset[dict[str, Tensor]]):
             states = [row[hidden_key(layer)] for row in rows]
             states.append(states[0].new_zeros(pad, states[0].shape[-1]))
             block[hidden_key(layer)] = torch.cat(states)
+        if "target_argmax" in rows[0]:
+            block["target_argmax"] = _ids([row["target_argmax"] for row in rows], pad, 0)
         return block
 
 
@@ -103,3 +107,20 @@ def _ids(parts: Sequence[Tensor], pad: int, value: int) -> Tensor:
 def collate_packed_features(blocks: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     """Stack blocks of one length: every column ``[B, block]``, ``hidden.L`` ``[B, block, H]``."""
     return {name: torch.stack([block[name] for block in blocks]) for name in blocks[0]}
+
+
+def collate_cached(rows: Sequence[Mapping[str, Tensor]], *, pad_token_id: int) -> dict[str, Tensor]:
+    """Right-pad cached samples: ids/masks via :func:`pad_collate`, hidden states with zeros."""
+    batch = pad_collate(
+        [
+            {"input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()}
+            for r in rows
+        ],
+        pad_token_id=pad_token_id,
+    )
+    length = batch["input_ids"].shape[1]
+    for name in rows[0]:
+        if name.startswith("hidden.") or name == "target_argmax":  # [T, H] or [T]: zeros
+            pads = [(0, 0) * (r[name].dim() - 1) + (0, length - len(r[name])) for r in rows]
+            batch[name] = torch.stack([F.pad(r[name], p) for r, p in zip(rows, pads, strict=True)])
+    return batch
