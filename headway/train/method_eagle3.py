@@ -23,9 +23,11 @@ included, as in the reference (no feature noise and no feature regression in EAG
 Rows. A row's state at step j reaches later steps only at its own row (the identity blocks), so
 steps ``1 .. S-1`` run only on the rows some loss term reads (``rows``: answer tokens and the few
 rows before each answer, about half of a ShareGPT block); step 0 runs on every row, since every
-row's step-0 key is read. The kept rows' states are exactly those of the full unroll, and steps
-1 .. S-1 cost ``R / T`` of the linear work and ``R (T + jR)`` instead of ``T (T + jT)`` of the
-attention (``tests/test_eagle3.py``; ``scripts/bench_train.py`` prints the gain).
+row's step-0 key is read. They run in chunks of ``TTT_CHUNK`` rows of one batch row, each chunk
+over the window of step-0 keys its rows can see (its own packed sample, not the whole block):
+``R / T`` of the linear work and about ``R (W + jC)`` instead of ``T (T + jT)`` of the attention
+(window W, chunk C). The kept rows' states and gradients are exactly those of the full unroll
+(``tests/test_eagle3.py``; ``scripts/bench_train.py`` prints the gain).
 
 **Draft vocabulary.** The N most frequent trained tokens of the training data
 (:func:`~headway.heads.vocab.choose_vocab`), counted over the same dataset the loop builds (all
