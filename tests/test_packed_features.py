@@ -12,7 +12,7 @@ import torch
 
 from headway.errors import DataError
 from headway.target import load_target
-from headway.train.batching import pack, pad_collate
+from headway.train.batching import pack, pad_collate, plan_blocks
 from headway.train.data import build_dataset, pad_id_of
 from headway.train.features import (
     CachedFeatureDataset,
@@ -22,7 +22,7 @@ from headway.train.features import (
 )
 from headway.train.loop_data import training_data
 from headway.train.methods import build_method, feature_layers
-from headway.train.packed_features import PackedFeatureDataset, plan_blocks
+from headway.train.packed_features import PackedFeatureDataset
 from tests.test_packing import config, workspace  # noqa: F401  (the fixture)
 
 

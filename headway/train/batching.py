@@ -93,28 +93,45 @@ def pack(
     """
     if block_length < 1:
         raise ValueError(f"block_length must be >= 1, got {block_length}")
+    samples = list(rows)
+    try:
+        plan = plan_blocks([len(row["input_ids"]) for row in samples], block_length)
+    except ValueError as error:
+        raise ValueError(f"{error}; build the dataset with max_length <= {block_length}") from error
     blocks: dict[str, list[list[int]]] = {key: [] for key in PACKED_FEATURES}
     current: dict[str, list[int]] = {key: [] for key in PACKED_FEATURES}
-    documents = 0
-    for row in rows:
-        length = len(row["input_ids"])
-        if length > block_length:
-            raise ValueError(
-                f"a sample of {length} tokens does not fit a block of {block_length}; build the "
-                f"dataset with max_length <= {block_length}"
-            )
-        if len(current["input_ids"]) + length > block_length:
-            _close_block(current, blocks, block_length, pad_token_id)
-            documents = 0
-        current["input_ids"] += row["input_ids"]
-        current["loss_mask"] += row["loss_mask"]
-        current["attention_mask"] += [1] * length
-        current["position_ids"] += range(length)
-        current["document_ids"] += [documents] * length
-        documents += 1
-    if current["input_ids"]:
+    for block in plan:
+        for document, row in enumerate(samples[index] for index in block):
+            length = len(row["input_ids"])
+            current["input_ids"] += row["input_ids"]
+            current["loss_mask"] += row["loss_mask"]
+            current["attention_mask"] += [1] * length
+            current["position_ids"] += range(length)
+            current["document_ids"] += [document] * length
         _close_block(current, blocks, block_length, pad_token_id)
     return datasets.Dataset.from_dict(blocks, features=PACKED_FEATURES)
+
+
+def plan_blocks(lengths: Sequence[int], block_length: int) -> list[list[int]]:
+    """Sample indices of each block: in order, a block closed where the next sample would not
+    fit (what :func:`pack` and offline packing both place). Raises ValueError for a sample
+    longer than ``block_length``."""
+    blocks: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index, length in enumerate(lengths):
+        if length > block_length:
+            raise ValueError(
+                f"sample {index} has {length} tokens and does not fit a block of {block_length}"
+            )
+        if current and used + length > block_length:
+            blocks.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += length
+    if current:
+        blocks.append(current)
+    return blocks
 
 
 def _close_block(

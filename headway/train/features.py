@@ -205,6 +205,7 @@ def _cache_features(
         raise DataError(
             f"layers {list(layers)}: list distinct indices into output_hidden_states, 0 to {depth}"
         )
+    argmax = target_argmax and depth in layers  # only where the LM head's input is cached
     settings = {
         "target": fingerprint(model).to_dict(),
         "layers": list(layers),
@@ -212,7 +213,7 @@ def _cache_features(
         "dataset_hash": dataset_hash(dataset),
         "samples": len(dataset),
         "shard_samples": shard_samples,
-        "target_argmax": target_argmax and depth in layers,
+        "target_argmax": argmax,
     }
     manifest_path = out_dir / MANIFEST
     if manifest_path.is_file():
@@ -236,7 +237,7 @@ def _cache_features(
         if not path.is_file():
             _cache_shard(online, dataset, path, starts[shard_index], shard_samples, dtype,
                          batch_size=batch_size, pad_token_id=pad_token_id,
-                         argmax=target_argmax and depth in layers)  # fmt: skip
+                         argmax=argmax)  # fmt: skip
     ranks.wait()  # every shard is in
     tokens = sum(len(ids) for ids in dataset["input_ids"])
     size = sum(path.stat().st_size for path in out_dir.glob("shard-*.safetensors"))

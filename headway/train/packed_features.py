@@ -21,29 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from headway.errors import DataError
-from headway.train.batching import PAD_VALUES, pad_collate
+from headway.train.batching import PAD_VALUES, pad_collate, plan_blocks
 from headway.train.features import CachedFeatureDataset, hidden_key
 
-__all__ = ["PackedFeatureDataset", "collate_cached", "collate_packed_features", "plan_blocks"]
-
-
-def plan_blocks(lengths: Sequence[int], block_length: int) -> list[list[int]]:
-    """Sample indices of each block: in order, a block closed where the next sample would not
-    fit. Raises ValueError for a sample longer than ``block_length``."""
-    blocks: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for index, length in enumerate(lengths):
-        if length > block_length:
-            raise ValueError(f"sample {index} has {length} tokens, over a block of {block_length}")
-        if current and used + length > block_length:
-            blocks.append(current)
-            current, used = [], 0
-        current.append(index)
-        used += length
-    if current:
-        blocks.append(current)
-    return blocks
+__all__ = ["PackedFeatureDataset", "collate_cached", "collate_packed_features"]
 
 
 class PackedFeatureDataset(torch.utils.data.Dataset[dict[str, Tensor]]):
