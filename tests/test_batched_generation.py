@@ -125,21 +125,6 @@ def test_sampled_tokens_follow_the_distribution() -> None:
     assert chi_square < 18.47  # the 0.999 quantile of chi-square with 4 degrees of freedom
 
 
-def test_grouped_attention_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    from headway.train.batched_generation import grouped_attention
-
-    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
-    with grouped_attention():
-        assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "1"
-    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
-    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
-    with pytest.raises(RuntimeError), grouped_attention():
-        raise RuntimeError
-    assert os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "0"
-
-
 def test_grouped_attention_restores_the_model_and_changes_no_logits() -> None:
     """Inside the block the tiny Llama (4 query heads over 2 key/value heads) runs its
     multi-token forward through packed_sdpa; the logits are those of its own sdpa."""
@@ -173,3 +158,40 @@ def test_a_model_that_refuses_packed_attention_runs_as_it_is(
     with grouped_attention(model):
         assert model.config._attn_implementation == "sdpa"
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_packed_sdpa_reads_each_key_head_once_and_equals_sdpa(
+    step: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One-token steps and lookahead chains both run as one SDPA call of the ``G · S`` queries
+    of a group against their key/value head (no repeated heads, no ``enable_gqa`` even where
+    the environment forces it for stock sdpa), with sdpa's output."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from headway.train.grouped_attention import packed_sdpa
+
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3  # type: ignore[assignment]
+    module.is_causal = False  # type: ignore[assignment]
+    batch, heads, kv_heads, width, dim = 4, 9, 3, 20, 8
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(batch, heads, step, dim, generator=generator)
+    key = torch.randn(batch, kv_heads, width, dim, generator=generator)
+    value = torch.randn(batch, kv_heads, width, dim, generator=generator)
+    visible = torch.rand(batch, 1, step, width, generator=generator) > 0.4
+    visible[..., 0] = True
+    mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim**-0.5)
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    shapes: list[tuple[int, ...]] = []
+    stock = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        shapes.append(tuple(q.shape))
+        return stock(q, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    found, _ = packed_sdpa(module, query, key, value, mask, scaling=dim**-0.5)
+    assert shapes == [(batch, kv_heads, 3 * step, dim)]
+    torch.testing.assert_close(found, expected)
