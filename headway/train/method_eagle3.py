@@ -317,7 +317,7 @@ class Eagle3(nn.Module):
             vocab = choose_vocab(counts, self.head_config.draft_vocab_size)
             _log_coverage(vocab, counts)
         # Grouped key/value heads read once per query group (the draft's own sdpa repeats
-        # them): the same attention, a third less time in a TTT step on a CPU.
+        # them): the same attention in a third less time on a CPU (module docstring).
         self.draft = Eagle3Model(self.head_config, attn_implementation=PACKED)
         self.draft.set_vocab(vocab)
         self.target_head = TargetHead.of(target.model)  # a plain attribute: not a submodule
