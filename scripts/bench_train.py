@@ -34,12 +34,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from headway.cli.data import method_layers
+from headway.cli.data import cache_method_features
 from headway.config import load_config
 from headway.run_config import RunConfig
 from headway.target import load_target
-from headway.train.data import build_datasets, pad_id_of
-from headway.train.features import OnlineFeatures, cache_features, cached_hidden
+from headway.train.data import build_datasets
+from headway.train.features import OnlineFeatures, cached_hidden
 from headway.train.loop_data import training_data
 from headway.train.method_eagle3 import Eagle3, ttt_row_count
 from headway.train.methods import build_method, feature_layers
@@ -114,16 +114,9 @@ def cache(method_name: str, args: argparse.Namespace, out: Path) -> dict[str, fl
     dataset, _ = build_datasets(
         target.tokenizer, config.data.sources, max_length=config.data.max_length, limit=args.limit
     )
-    num_layers = int(target.model.config.get_text_config().num_hidden_layers)
     started = time.perf_counter()
-    manifest = cache_features(
-        target.model,
-        dataset.select_columns(["input_ids", "loss_mask"]),
-        out,
-        layers=method_layers(method_name, num_layers),
-        pad_token_id=pad_id_of(target.tokenizer),
-        target_argmax=method_name == "eagle3",
-    )
+    columns = dataset.select_columns(["input_ids", "loss_mask"])
+    manifest = cache_method_features(target, columns, out, method_name)
     seconds = time.perf_counter() - started
     trained = sum(sum(mask) for mask in dataset["loss_mask"])
     return {"seconds": seconds, "trained": trained, "bytes_per_token": manifest["bytes_per_token"]}

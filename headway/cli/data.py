@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from headway.cli.common import add_target_flags, target_from_flags
 from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, layer_list, text
 from headway.errors import HeadwayError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+    from headway.target import Target
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -33,8 +40,6 @@ DEFAULT_MAX_PROMPT_CHARS = 4000
 
 
 def run_regenerate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from headway.train.prompts import build_mix, parse_mix
     from headway.train.regenerate import (
         RegenerateOptions,
@@ -164,11 +169,8 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
 
 
 def run_cache_features(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from headway.target import resolve_dtype
-    from headway.train.data import build_datasets, pad_id_of
-    from headway.train.features import cache_features
+    from headway.train.data import build_datasets
 
     target = target_from_flags(args)
     dataset, reports = build_datasets(
@@ -181,29 +183,55 @@ def run_cache_features(args: argparse.Namespace) -> int:
     )
     for report in reports:
         print(report.summary())
+    manifest = cache_method_features(
+        target,
+        dataset,
+        Path(args.out),
+        args.method,
+        layers=args.layers,
+        dtype=resolve_dtype(args.feature_dtype),
+        batch_size=args.batch_size,
+        shard_samples=args.shard_samples,
+    )
+    print(
+        f"{manifest['tokens']:,} tokens, {manifest['bytes'] / 2**20:.1f} MiB "
+        f"({manifest['bytes_per_token']} bytes/token), layers {manifest['settings']['layers']}, "
+        f"in {args.out}"
+    )
+    return 0
+
+
+def cache_method_features(
+    target: Target,
+    dataset: Dataset,
+    out: Path,
+    method: str,
+    *,
+    layers: list[int] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """`headway data cache-features`' cache of the tokenized `dataset` for `method`: its layers
+    (:func:`method_layers`, unless `layers` are given) and, for EAGLE-3, the target's argmax per
+    token; `options` go to :func:`~headway.train.features.cache_features`. Returns the manifest."""
+    from headway.train.data import pad_id_of
+    from headway.train.features import cache_features
+
     num_layers = int(target.model.config.get_text_config().num_hidden_layers)
-    layers = args.layers or method_layers(args.method, num_layers)
+    layers = layers or method_layers(method, num_layers)
     if max(layers) > num_layers:
         raise HeadwayError(
             f"--layers {','.join(map(str, layers))}: the target has {num_layers} layers, so "
             f"indices into output_hidden_states go from 0 to {num_layers}"
         )
-    manifest = cache_features(
+    return cache_features(
         target.model,
         dataset,
-        Path(args.out),
+        out,
         layers=layers,
-        dtype=resolve_dtype(args.feature_dtype),
-        batch_size=args.batch_size,
-        shard_samples=args.shard_samples,
         pad_token_id=pad_id_of(target.tokenizer),
-        target_argmax=args.method == "eagle3",
+        target_argmax=method == "eagle3",
+        **options,
     )
-    print(
-        f"{manifest['tokens']:,} tokens, {manifest['bytes'] / 2**20:.1f} MiB "
-        f"({manifest['bytes_per_token']} bytes/token), layers {layers}, in {args.out}"
-    )
-    return 0
 
 
 def method_layers(method: str, num_layers: int) -> list[int]:
