@@ -32,5 +32,10 @@ class TrainingError(HeadwayError):
     """Training cannot go on (a non-finite loss, a missing checkpoint, a stale feature cache)."""
 
 
+class HardwareError(HeadwayError, ValueError):
+    """A route or dtype that this machine cannot run was asked for by name (e.g. ``--gemm
+    packed`` in bf16 on a CPU without oneDNN's bf16 kernels); a ValueError too."""
+
+
 class SlidingWindowError(TargetError, ValueError):
     """Tree decoding would pass a sliding-window layer's window (a ValueError too, as before)."""

@@ -120,8 +120,14 @@ class TrainConfig:
     batch_size: int = field(default=4, metadata=_help("samples per device per micro-batch"))
     grad_accum: int = field(default=1, metadata=_help("micro-batches per optimizer step"))
     max_grad_norm: float = field(default=1.0, metadata=_help("gradient clipping (0 = off)"))
-    mixed_precision: Literal["no", "bf16", "fp16"] = field(
-        default="no", metadata=_help("accelerate mixed precision")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = field(
+        default="no",
+        metadata=_help(
+            "accelerate mixed precision, also for the frozen target's forward (default no); auto "
+            "is bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 or AMX), no elsewhere "
+            "(on an AVX2-only CPU bf16 is emulated: a Medusa-1 step over 20x slower than fp32); "
+            "`headway env` says what auto picks here"
+        ),
     )
     seed: int = field(default=0, metadata=_help("seed for weights, data order and noise"))
     init_from: str | None = field(

@@ -57,7 +57,7 @@ def main() -> None:
         layer = nn.Linear(fan_in, fan_out, bias=False, dtype=dtype)
         layer.weight.data = weight
         routed = small_block_linear(layer, pad_single=True)
-        packed = packed_linear(layer) if packing_available() else None
+        packed = packed_linear(layer) if packing_available(dtype) else None
         for rows in (1, 2, 4, 8):
             x = torch.randn(1, rows, fan_in, dtype=dtype)
             linear = median_ms(lambda: F.linear(x, weight), args.repeats)  # noqa: B023

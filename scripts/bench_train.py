@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 
 from headway.cli.data import cache_method_features
 from headway.config import load_config
+from headway.hardware import mixed_precision
 from headway.run_config import RunConfig
 from headway.target import load_target
 from headway.train.data import build_datasets
@@ -143,7 +144,7 @@ def run(
     method = build_method(config, target).to(device)
     optimizer = torch.optim.AdamW(method.parameter_groups(config.train.lr, 0.0))  # type: ignore[operator]
     layers = feature_layers(method)
-    mixed = config.train.mixed_precision == "bf16"
+    mixed = mixed_precision(config.train.mixed_precision, device) == "bf16"
     if offline:
         features: Any = partial(cached_hidden, layers=layers)
     else:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from headway.decode import gemm as gemm_module
+from headway.decode import packed
 from headway.decode.gemm import GemmChoice, packing_available
 from headway.train.batched_generation import ContinuousBatcher, SamplingRule
 from tests.tiny import tiny_model
@@ -71,7 +71,7 @@ def test_greedy_equals_generate_on_each_prompt_alone(
         assert answers[key].finish_reason == ("length" if len(expected) == 10 else "eos")
     assert any(c.finish_reason == "eos" for c in answers.values())  # rows did leave early
     assert batcher.gemm == gemm and not any(
-        "forward" in module.__dict__ or module in gemm_module._PACKED for module in model.modules()
+        "forward" in module.__dict__ or module in packed._PACKED for module in model.modules()
     )  # the route was taken; every layer has its own forward back, and no reordered copy
 
 

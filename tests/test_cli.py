@@ -205,3 +205,12 @@ def test_json_output_is_strict_json_when_no_draft_step_ran(
 
     row = json.loads(capsys.readouterr().out, parse_constant=refuse)
     assert row["tau"] is None and len(row["token_ids"]) == 1
+
+
+def test_env_prints_what_a_bug_report_needs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("headway", "torch", "transformers", "accelerate", "CPU", "AVX", "torch kernels"):
+        assert name in printed, name
+    for setting in ("auto regeneration dtype", "train.mixed_precision=auto", "--gemm auto"):
+        assert setting in printed, setting

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from headway.decode import gemm
+from headway.decode import gemm, packed
 from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.gemm import (
     MAX_PACKED_ROWS,
@@ -66,11 +66,12 @@ def test_routed_linear_equals_f_linear(rows: int, bias: bool, pad_single: bool) 
         assert torch.equal(routed, functional.linear(x, layer.weight, layer.bias))
 
 
-@needs_packing
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 5, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1])
 def test_packed_linear_equals_f_linear(rows: int, bias: bool, dtype: torch.dtype) -> None:
+    if not packing_available(dtype):
+        pytest.skip(f"this CPU's oneDNN has no {dtype} linear kernels (`headway env`)")
     torch.manual_seed(rows)
     layer = nn.Linear(48, 80, bias=bias).to(dtype)
     x = torch.randn(1, rows, 48, dtype=dtype)
@@ -82,7 +83,7 @@ def test_packed_linear_equals_f_linear(rows: int, bias: bool, dtype: torch.dtype
         torch.testing.assert_close(routed, stock, atol=1e-5, rtol=1e-5)
     else:  # bf16: the default tolerance of that dtype
         torch.testing.assert_close(routed, stock)
-    assert (layer in gemm._PACKED) == (rows <= MAX_PACKED_ROWS)  # beyond: the stock call
+    assert (layer in packed._PACKED) == (rows <= MAX_PACKED_ROWS)  # beyond: the stock call
 
 
 @needs_packing
@@ -97,10 +98,10 @@ def test_packed_route_remakes_a_changed_weight_and_leaves_autograd_alone() -> No
         torch.testing.assert_close(forward(x) - layer.bias, 2 * (before - layer.bias))
         layer.weight = nn.Parameter(torch.zeros(8, 16))  # a new tensor
         torch.testing.assert_close(forward(x), layer.bias.expand(3, 8))
-    held = gemm._PACKED[layer][1]
+    held = packed._PACKED[layer][1]
     assert held is packed_weight(layer)  # one entry per layer, replaced only on a change
     forget_packed(nn.Sequential(layer))
-    assert layer not in gemm._PACKED
+    assert layer not in packed._PACKED
     x.requires_grad_(True)
     forward(x).sum().backward()  # with autograd: the stock call, gradients as usual
     assert x.grad is not None and torch.equal(x.grad, layer.weight.sum(0).expand(3, 16))
@@ -116,6 +117,7 @@ def test_resolve_gemm_follows_device_dtype_choice_and_measurement(
         return "transposed"
 
     monkeypatch.setattr(gemm, "fastest_route", transposed)
+    monkeypatch.setattr(gemm, "packing_available", lambda dtype: True)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 16))
     assert resolve_gemm(model, "auto") == "transposed"
     assert measured == [(16, 4)]  # fp32 CPU: the largest layer timed
@@ -142,7 +144,7 @@ def test_auto_packs_only_with_room_for_a_copy(
         return "stock"
 
     monkeypatch.setattr(gemm, "fastest_route", route)
-    monkeypatch.setattr(gemm, "packing_available", lambda: True)
+    monkeypatch.setattr(gemm, "packing_available", lambda dtype: True)
     monkeypatch.setattr(gemm.os, "sysconf", lambda name: free_pages if "PAGES" in name else 4096)
     resolve_gemm(nn.Linear(64, 64), "auto")  # 16 KiB of weights: needs 8 free pages
     assert offered == [room]
@@ -152,7 +154,7 @@ def test_auto_packs_only_with_room_for_a_copy(
 def test_resolving_packed_reorders_every_plain_weight() -> None:
     model = nn.Sequential(nn.Linear(4, 4), _Quantized(4, 4), nn.Linear(4, 16))
     assert resolve_gemm(model, "packed") == "packed"
-    held = {module for module in model if module in gemm._PACKED}
+    held = {module for module in model if module in packed._PACKED}
     assert held == {model[0], model[2]}  # the subclass keeps its own forward
 
 
@@ -165,8 +167,8 @@ def test_packed_route_is_refused_off_the_cpu() -> None:
 
 
 def test_packed_route_is_refused_without_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemm, "packing_available", lambda: False)
-    with pytest.raises(ValueError, match="oneDNN"):
+    monkeypatch.setattr(gemm, "packing_available", lambda dtype: False)
+    with pytest.raises(ValueError, match="oneDNN lacks the kernels here"):
         resolve_gemm(nn.Linear(4, 4), "packed")
     timings = iter([1.0, 0.5])  # stock, transposed: packed is not even timed
     assert fastest_route(torch.zeros(8, 4), seconds=lambda f: next(timings)) == "transposed"
@@ -174,20 +176,23 @@ def test_packed_route_is_refused_without_onednn(monkeypatch: pytest.MonkeyPatch)
 
 def test_gemm_module_keeps_no_state_but_packed_weights() -> None:
     """Nothing a call decides is remembered: no process-wide preference, no measurement memo;
-    the one state is the reordered weights, weakly keyed by layer (gone with the layer)."""
+    the one state is the reordered weights, weakly keyed by layer (gone with the layer), beside
+    the probe of what this CPU runs (one answer per dtype)."""
     state = {
-        name: value
-        for name, value in vars(gemm).items()
+        (module.__name__, name): value
+        for module in (gemm, packed)
+        for name, value in vars(module).items()
         if not name.startswith("__") and isinstance(value, dict | list | set | MutableMapping)
     }
-    assert list(state) == ["_PACKED"] and isinstance(state["_PACKED"], WeakKeyDictionary)
+    assert list(state) == [("headway.decode.packed", "_PACKED")]
+    assert isinstance(state[("headway.decode.packed", "_PACKED")], WeakKeyDictionary)
     if packing_available():
         layer = nn.Linear(4, 4)
         packed_weight(layer)
-        assert layer in gemm._PACKED
+        assert layer in packed._PACKED
         del layer
         gc.collect()
-        assert not any(module.in_features == 4 for module in gemm._PACKED)
+        assert not any(module.in_features == 4 for module in packed._PACKED)
 
 
 @pytest.mark.parametrize(
@@ -203,6 +208,8 @@ def test_gemm_module_keeps_no_state_but_packed_weights() -> None:
 def test_fastest_route_prefers_packed_then_transposed(
     timings: list[float], packing: bool, dtype: torch.dtype, route: str
 ) -> None:
+    if packing and not packing_available(dtype):
+        pytest.skip(f"this CPU's oneDNN has no {dtype} linear kernels (`headway env`)")
     answers = iter(timings)
     weight = torch.zeros(8, 4, dtype=dtype)
     chosen = fastest_route(weight, seconds=lambda function: next(answers), packing=packing)

@@ -210,6 +210,30 @@ def test_mix_is_deterministic_and_covers_sources(tmp_path: Path) -> None:
     assert sum(item.meta for item in first) == 4
 
 
+def test_min_turns_keeps_only_conversations_that_go_on(tmp_path: Path) -> None:
+    """``--min-turns 2``: a turn-by-turn run beside a folder that answered the first turns."""
+    data = tmp_path / "turns.jsonl"
+    rows = [
+        {
+            "messages": [
+                message
+                for turn in range(turns)
+                for message in (
+                    {"role": "user", "content": f"c{turns} q{turn}"},
+                    {"role": "assistant", "content": "a"},
+                )
+            ]
+        }
+        for turns in (1, 2, 3, 1)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    every = build_mix({str(data): 9}, seed=0, max_turns=2)
+    assert sorted(len(item.user_turns) for item in every) == [1, 1, 2, 2]
+    going_on = build_mix({str(data): 9}, seed=0, max_turns=2, min_turns=2)
+    assert sorted(item.user_turns[0] for item in going_on) == ["c2 q0", "c3 q0"]
+    assert all(len(item.user_turns) == 2 for item in going_on)  # max_turns still cuts
+
+
 def test_instruct_prompts_are_distinct_and_filled() -> None:
     prompts = instruct_prompts(200, rng=random.Random(0))
     texts = [p.user_turns[0] for p in prompts]

@@ -5,18 +5,34 @@ from __future__ import annotations
 import argparse
 import json
 import typing
-from typing import Any
+from typing import Any, Literal
 
 from headway.decode.gemm import GemmChoice
 from headway.decode.generate import Drafter
 from headway.decode.options import DecodeOptions
 from headway.drafters.specs import DrafterSpec, describe_specs
 from headway.errors import HeadwayError
+from headway.hardware import regeneration_dtype
 from headway.target import Target, load_target, resolve_device
 
+DtypeUse = Literal["decode", "data"]
+"""What ``--dtype auto`` serves: ``decode`` (float32 on a CPU, where greedy output is exact) or
+``data`` (regeneration: bfloat16 wherever the machine computes it natively)."""
 
-def add_target_flags(parser: argparse.ArgumentParser, *, default_dtype: str = "auto") -> None:
-    """``--target``, ``--dtype``, ``--device``, ``--trust-remote-code``."""
+
+def add_target_flags(parser: argparse.ArgumentParser, *, use: DtypeUse = "decode") -> None:
+    """``--target``, ``--dtype``, ``--device``, ``--trust-remote-code``; ``--dtype auto`` is
+    resolved for ``use`` by :func:`dtype_for`."""
+    auto = (
+        "auto (the default) is bfloat16 where this machine computes it natively (CUDA, or a CPU "
+        "with AVX-512 BF16 or AMX) and float32 elsewhere (bf16 is emulated, slower than fp32, on "
+        "an AVX2-only CPU; `headway env` says which this is)"
+        if use == "data"
+        else "auto (the default) is bfloat16 on CUDA and float32 on a CPU; greedy output is "
+        "identical to plain decoding in float32, and in bfloat16 equal up to the rounding of a "
+        "batched forward"
+    )
+    parser.set_defaults(dtype_use=use)
     parser.add_argument(
         "--target",
         default="smollm2-135m",
@@ -25,11 +41,9 @@ def add_target_flags(parser: argparse.ArgumentParser, *, default_dtype: str = "a
     )
     parser.add_argument(
         "--dtype",
-        default=default_dtype,
+        default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help=f"target weights dtype (default {default_dtype}): auto is bfloat16 on CUDA and "
-        "float32 on a CPU; greedy output is identical to plain decoding in float32, and in "
-        "bfloat16 equal up to the rounding of a batched forward",
+        help=f"target weights dtype: {auto}",
     )
     parser.add_argument(
         "--device", default="auto", help="'auto' (CUDA if present, else CPU), 'cpu', 'cuda:0'"
@@ -41,11 +55,14 @@ def add_target_flags(parser: argparse.ArgumentParser, *, default_dtype: str = "a
     )
 
 
-def dtype_for(dtype: str, device: str) -> str:
-    """``--dtype auto``: bfloat16 where the target runs on CUDA, float32 elsewhere (CPU bf16
-    changes greedy text and is not always faster there); other values as given."""
+def dtype_for(dtype: str, device: str, use: DtypeUse = "decode") -> str:
+    """``--dtype auto`` for ``use``: decoding in bfloat16 where the target runs on CUDA, float32
+    elsewhere (CPU bf16 changes greedy text and is not always faster there); data in
+    :func:`headway.hardware.regeneration_dtype`. Other values as given."""
     if dtype != "auto":
         return dtype
+    if use == "data":
+        return regeneration_dtype(resolve_device(device))
     return "bfloat16" if resolve_device(device).type == "cuda" else "float32"
 
 
@@ -53,7 +70,7 @@ def target_from_flags(args: argparse.Namespace) -> Target:
     """Load the target named by :func:`add_target_flags`."""
     return load_target(
         args.target,
-        dtype=dtype_for(args.dtype, args.device),
+        dtype=dtype_for(args.dtype, args.device, getattr(args, "dtype_use", "decode")),
         device=args.device,
         trust_remote_code=args.trust_remote_code,
     )

@@ -71,6 +71,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
             mix,
             seed=args.seed,
             max_turns=args.max_turns,
+            min_turns=args.min_turns,
             max_prompt_chars=args.max_prompt_chars,
             exclude=exclude,
         )
@@ -91,7 +92,7 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         "resumable JSONL shards to --out/data (loadable with data.sources). Rerun the same "
         "command to resume after an interruption: finished shards are kept, none is redone.",
     )
-    add_target_flags(parser, default_dtype="bfloat16")
+    add_target_flags(parser, use="data")
     parser.add_argument(
         "--out", required=True, type=text("--out"), help="output folder (created; resumable)"
     )
@@ -148,6 +149,14 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         default=1,
         help="user turns regenerated per chat conversation, each answered after the target's "
         "own earlier answers",
+    )
+    parser.add_argument(
+        "--min-turns",
+        type=POSITIVE,
+        default=1,
+        help="leave out chat conversations with fewer usable user turns (e.g. 2 with "
+        "--max-turns 4: only conversations that go on, when another folder answered the "
+        "first turns)",
     )
     parser.add_argument(
         "--max-prompt-chars",

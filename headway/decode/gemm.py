@@ -7,25 +7,25 @@ SmolLM2-135M on the AMD EPYC takes ~55 ms for 1 token and 80-120 ms for 2-16. Tw
 for the same product exist here:
 
 - ``"packed"``: oneDNN's linear on weights reordered once into its blocked layout
-  (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the kernels
-  ``torch.compile`` freezing uses on CPU). The same model takes 37-50 ms for any block of 1-16
-  tokens: a verify of 16 tokens costs ~1.3 one-token forwards, against ~2 stock. The reordered
-  copies (one more copy of every plain linear weight: +0.5 GB for SmolLM2-135M in fp32) are held
-  here, one per layer for every decoder and drafter that uses it, weakly keyed by the layer, and
-  remade when a layer's weight tensor is replaced or changed in place through tracked ops. Blocks of
-  1..:data:`MAX_PACKED_ROWS` rows take it, one-token forwards included, so with this route headway's
-  own one-token forwards differ from stock by summation order (~1e-6 relative), as multi-token
-  forwards always did.
+  (:mod:`headway.decode.packed`, the kernels ``torch.compile`` freezing uses on CPU). The same
+  model takes 37-50 ms for any block of 1-16 tokens: a verify of 16 tokens costs ~1.3 one-token
+  forwards, against ~2 stock. The reordered copies (one more copy of every plain linear weight:
+  +0.5 GB for SmolLM2-135M in fp32) are held there, one per layer for every decoder and drafter
+  that uses it. Blocks of 1..:data:`MAX_PACKED_ROWS` rows take it, one-token forwards included,
+  so with this route headway's own one-token forwards differ from stock by summation order
+  (~1e-6 relative), as multi-token forwards always did.
 - ``"transposed"``: the product asked for the other way round, ``(W · xᵀ)ᵀ``, which MKL streams
   faster for 2..:data:`MAX_ROWS` rows on the EPYC (29-43 ms for 2-4 tokens) but not beyond, and
   not on the Intel Xeon measured (2 tokens: 74.5 against 36.7 ms stock). One-token forwards stay
   stock.
 
-``"auto"`` considers fp32 and bf16 models on a CPU only (CUDA is not this problem; packing also only
-where the copy takes at most half of the free memory) and picks, by a one-time timing of the model's
-largest linear layer on 4 rows (:func:`fastest_route`), the packed route if it takes at most
-:data:`FASTER_BY` of the stock time, else the transposed one (fp32 only) on the same test, else
-stock: other CPUs and BLAS builds differ.
+``"auto"`` considers fp32 and bf16 models on a CPU only (CUDA is not this problem) and picks, by
+a one-time timing of the model's largest linear layer on 4 rows (:func:`fastest_route`), the
+packed route if it takes at most :data:`FASTER_BY` of the stock time, else the transposed one
+(fp32 only) on the same test, else stock: other CPUs and BLAS builds differ. Packing is
+considered only where the copy takes at most half of the free memory and where
+:func:`packing_available` says this CPU runs oneDNN's kernels for the weights' dtype (bf16 does
+not on an AVX2-only CPU: the probe says so and never raises).
 ``scripts/bench_decode.py`` prints the whole-model tables. The choice is resolved once per model
 (:func:`resolve_gemm`, by whoever runs the forwards: a :class:`~headway.decode.generate.Decoder`
 for the target, a drafter for its own layers) and handed on as a :data:`Route`; the reordered
@@ -48,7 +48,6 @@ import os
 import statistics
 import time
 import typing
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, cast
@@ -56,6 +55,17 @@ from typing import Any, Literal, cast
 import torch
 from torch import Tensor, nn
 from torch.nn import functional
+
+from headway.decode.packed import (
+    MAX_PACKED_ROWS,
+    forget_packed,
+    packed_linear,
+    packed_product,
+    packed_weight,
+    packing_available,
+    reorder_weight,
+)
+from headway.errors import HardwareError
 
 __all__ = [
     "FASTER_BY",
@@ -77,7 +87,8 @@ GemmChoice = Literal["auto", "stock", "transposed", "packed"]
 """``"auto"``: for fp32 and bf16 models on a CPU, the route a one-time timing of the model's
 largest linear layer finds fastest (:func:`fastest_route`); stock on other devices and dtypes.
 ``"stock"``: never route. ``"transposed"``, ``"packed"``: always that route (any dtype; packed
-needs a CPU with oneDNN; for tests and measurements)."""
+needs a CPU whose oneDNN runs the weights' dtype, else a one-line error; for tests and
+measurements)."""
 
 Route = Literal["stock", "transposed", "packed"]
 """How a model's linear layers multiply, as :func:`resolve_gemm` resolved it (see the module
@@ -90,57 +101,6 @@ head on the EPYC: packed ~0.25 of it, transposed ~0.3, so noise cannot flip the 
 MAX_ROWS = 8
 """Largest block the transposed route takes: it was faster at every size from 2 to 8 rows in
 every measurement on the EPYC; from 9 on the margin shrank to nothing."""
-
-MAX_PACKED_ROWS = 512
-"""Largest block the packed route takes (verify trees, batched steps, prefills of up to 512
-tokens): on the EPYC it was faster than the stock call at every size from 1 to 512 rows, in fp32
-and bf16 (by 5-15% for SmolLM2's MLP layers from 32 rows on, 2-3x for 1-16 rows); longer
-prefills keep the stock call."""
-
-
-_PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple[Any, ...], Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
-"""The packed route's reordered weights, one per layer however many decoders and drafters use
-it, held only as long as the layer lives (the one state this module keeps)."""
-
-
-def packed_weight(module: nn.Linear) -> Tensor:
-    """``module``'s weight in oneDNN's layout, reordered now if none is held for the weight
-    tensor the layer holds at this moment (a new tensor, or one changed in place through tracked
-    ops, is reordered again; an edit through ``.data`` is not seen: call :func:`forget_packed`
-    after such edits)."""
-    weight = module.weight
-    key = (weight.data_ptr(), _version(weight), weight.dtype, weight.device, weight.shape)
-    held = _PACKED.get(module)
-    if held is None or held[0] != key:
-        _PACKED.pop(module, None)  # the old copy goes before the new one is made
-        with torch.no_grad():
-            held = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), MAX_ROWS))
-        _PACKED[module] = held
-    return held[1]
-
-
-def forget_packed(model: nn.Module) -> None:
-    """Drop the reordered weights of ``model``'s layers (they are remade on next use)."""
-    for module in model.modules():
-        _PACKED.pop(module, None)  # type: ignore[call-overload]
-
-
-def _version(tensor: Tensor) -> int:
-    """The in-place version counter of ``tensor`` (-1 for an inference tensor, which has none
-    and cannot be changed in place outside inference mode)."""
-    try:
-        return int(tensor._version)
-    except RuntimeError:
-        return -1
-
-
-def packing_available() -> bool:
-    """Whether this torch build has the oneDNN linear kernels the packed route calls."""
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(
-        torch.ops.mkldnn, "_linear_pointwise"
-    )
 
 
 def _checked(choice: GemmChoice) -> GemmChoice:
@@ -156,14 +116,16 @@ def resolve_gemm(model: nn.Module, choice: GemmChoice) -> Route:
     already held), so the first forward does not pay for it."""
     route = _auto_route(model) if _checked(choice) == "auto" else cast(Route, choice)
     if route == "packed":
-        if not packing_available():
-            raise ValueError(
-                "gemm 'packed' needs torch's oneDNN linear kernels, which this torch build "
-                "lacks; use 'auto', 'stock' or 'transposed'"
-            )
         linears = _plain_linears(model)
         if any(module.weight.device.type != "cpu" for module in linears):
             raise ValueError("gemm 'packed' is for models on a CPU; use 'auto' or 'stock'")
+        for dtype in sorted({module.weight.dtype for module in linears}, key=str):
+            if not packing_available(dtype):
+                raise HardwareError(
+                    f"gemm 'packed' cannot multiply {str(dtype).removeprefix('torch.')} weights "
+                    "on this CPU (oneDNN lacks the kernels here; `headway env` shows the CPU's "
+                    "features); use 'auto', 'stock' or 'transposed', or float32 weights"
+                )
         for module in linears:
             packed_weight(module)
     return route
@@ -176,8 +138,11 @@ def _auto_route(model: nn.Module) -> Route:
     weight = largest.weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return "stock"
-    room = _room_for_a_copy(_plain_linears(model))
-    return fastest_route(weight, packing=packing_available() and room)
+    linears = _plain_linears(model)
+    room = _room_for_a_copy(linears)
+    return fastest_route(
+        weight, packing=room and all(packing_available(m.weight.dtype) for m in linears)
+    )
 
 
 def _room_for_a_copy(linears: list[nn.Linear]) -> bool:
@@ -206,19 +171,21 @@ def fastest_route(
     weight: Tensor,
     *,
     seconds: Callable[[Callable[[], object]], float] = _median_seconds,
-    packing: bool | None = None,
+    packing: bool = True,
 ) -> Route:
     """The route ``"auto"`` takes for a model whose largest linear weight is ``weight``
-    ``[out, in]``, timed now on 4 rows (``seconds`` times a call): packed (if ``packing``,
-    default :func:`packing_available`) if it takes at most :data:`FASTER_BY` of the stock time,
-    else transposed (fp32 only) on the same test, else stock."""
-    packing = packing_available() if packing is None else packing
+    ``[out, in]``, timed now on 4 rows (``seconds`` times a call): packed (where ``packing``
+    allows it and :func:`packing_available` for its dtype) if it takes at most
+    :data:`FASTER_BY` of the stock time, else transposed (fp32 only) on the same test, else
+    stock."""
+    # Whatever the caller allows, the reorder runs only where the probe found that it runs.
+    packing = packing and packing_available(weight.dtype)
     with torch.inference_mode():
         x = torch.randn(4, weight.shape[1], dtype=weight.dtype, device=weight.device)
         stock = seconds(lambda: functional.linear(x, weight))
         if packing:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, MAX_ROWS)
-            timed = seconds(lambda: _packed_product(x, packed, None))
+            packed = reorder_weight(weight, MAX_ROWS)
+            timed = seconds(lambda: packed_product(x, packed, None))
             if timed <= FASTER_BY * stock:
                 return "packed"
         if weight.dtype == torch.float32:
@@ -226,31 +193,6 @@ def fastest_route(
             if timed <= FASTER_BY * stock:
                 return "transposed"
     return "stock"
-
-
-def _packed_product(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def packed_linear(module: nn.Linear) -> Callable[[Tensor], Tensor]:
-    """A forward for ``module``: ``x [..., in]`` → ``[..., out]`` on its reordered weight
-    (:func:`packed_weight`) for 1..:data:`MAX_PACKED_ROWS` rows of the weight's dtype without
-    autograd, and with ``F.linear`` otherwise."""
-
-    def forward(x: Tensor) -> Tensor:
-        features = x.shape[-1]
-        rows = x.numel() // features if features else 0
-        weight = module.weight
-        if (
-            not 1 <= rows <= MAX_PACKED_ROWS
-            or x.dtype != weight.dtype
-            or x.device.type != "cpu"
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        ):
-            return functional.linear(x, weight, module.bias)
-        return _packed_product(x.contiguous(), packed_weight(module), module.bias)
-
-    return forward
 
 
 def small_block_linear(

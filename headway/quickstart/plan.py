@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from headway.hardware import regeneration_dtype
+
 __all__ = ["SMOLLM2_PLAN", "TINY_PLAN", "QuickstartPlan"]
 
 
@@ -45,6 +47,9 @@ class QuickstartPlan:
         export_format: ``medusa-vllm`` or ``medusa``; the eval reads the heads back from it.
         eval_prompts: ``mt-bench`` (or any prompt set); None = the tiny prompts file.
         draft_dtype: dtype the heads draft in (the target always verifies in float32).
+        regen_dtype: dtype the target regenerates the data and computes training features in;
+            ``auto`` (:meth:`data_dtype`): bfloat16 where this machine computes it natively,
+            float32 elsewhere (emulated bf16 is slower than fp32 on an AVX2-only CPU).
         prompt_lookup: merge prompt lookup's drafts (first) with the heads'.
         confidence: the heads draft a token only while their cumulative probability >= this;
             None calibrates it on held-out data (:mod:`headway.quickstart.calibrate`).
@@ -62,7 +67,7 @@ class QuickstartPlan:
     eval_max_new_tokens: int
     eval_prompts: str | None = "mt-bench"
     device: str = "cpu"
-    regen_dtype: str = "bfloat16"
+    regen_dtype: str = "auto"
     export_format: str = "medusa-vllm"
     draft_dtype: str = "float32"
     prompt_lookup: bool = True
@@ -71,6 +76,12 @@ class QuickstartPlan:
     lookup_tokens: int = 8
     confidence: float | None = None
     draft_vocab_size: int = 4096
+
+    def data_dtype(self) -> str:
+        """``regen_dtype`` resolved here (:func:`headway.hardware.regeneration_dtype`)."""
+        if self.regen_dtype != "auto":
+            return self.regen_dtype
+        return regeneration_dtype(self.device)
 
 
 SMOLLM2_PLAN = QuickstartPlan(
@@ -81,7 +92,6 @@ SMOLLM2_PLAN = QuickstartPlan(
     regen_batch_size=32,
     regen_shard_size=32,
     train_overrides=(
-        "target.dtype=bfloat16",
         "train.method=medusa1",
         "medusa.num_heads=2",
         "medusa.num_layers=1",
@@ -91,7 +101,7 @@ SMOLLM2_PLAN = QuickstartPlan(
         "train.warmup_steps=2",
         "train.batch_size=8",
         "train.lr=3e-3",
-        "train.mixed_precision=bf16",
+        "train.mixed_precision=auto",
         "train.eval_every=20",
         "train.save_every=5",
     ),

@@ -145,10 +145,12 @@ class _Pipeline:
             batch_size=self.plan.regen_batch_size,
             shard_size=self.plan.regen_shard_size,
         )
-        target = load_target(self.target_name, dtype=self.plan.regen_dtype, device=self.plan.device)
+        target = load_target(
+            self.target_name, dtype=self.plan.data_dtype(), device=self.plan.device
+        )
         items = build_mix(mix, seed=0)
         manifest = regenerate(target, items, self.data_dir, options, mix=mix)
-        return data_summary(manifest, self.plan.regen_dtype)
+        return data_summary(manifest, self.plan.data_dtype())
 
     # -- stage 3 ---------------------------------------------------------------------------
     def train_config(self) -> RunConfig:
@@ -157,6 +159,7 @@ class _Pipeline:
             f"target.device={self.plan.device}",
             f"data.sources={self.data_dir / 'data'}",
             f"train.output_dir={self.run_dir}",
+            f"target.dtype={self.plan.data_dtype()}",
             *self.plan.train_overrides,
         ]
         return load_config(RunConfig, None, overrides)
@@ -319,7 +322,7 @@ def _run_quickstart(out: Path, *, tiny: bool, echo: Echo, shipped_dir: Path) -> 
         echo,
         "data",
         pipeline.regenerate,
-        lambda: _maybe(pipeline.data_done(), lambda m: data_summary(m, plan.regen_dtype)),
+        lambda: _maybe(pipeline.data_done(), lambda m: data_summary(m, plan.data_dtype())),
     )
     _stage(
         result,

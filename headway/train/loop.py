@@ -32,6 +32,7 @@ from transformers import get_cosine_schedule_with_warmup
 from headway.atomic import write_text_atomic
 from headway.config import to_dict
 from headway.errors import TrainingError
+from headway.hardware import mixed_precision
 from headway.heads.io import save_heads
 from headway.locks import exclusive_folder, rank_lock_name
 from headway.run_config import RunConfig
@@ -72,10 +73,10 @@ class Progress:
 
 
 def _accelerator(config: RunConfig, run_dir: Path) -> Accelerator:
-    mixed = config.train.mixed_precision
-    if mixed == "fp16" and not torch.cuda.is_available():
-        logger.warning("train.mixed_precision=fp16 needs CUDA; training in fp32 instead")
-        mixed = "no"
+    # accelerate trains on CUDA where there is one, else on the CPU
+    mixed = mixed_precision(
+        config.train.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu"
+    )
     # Several processes without CUDA must be told to use CPU DDP (gloo); accelerate otherwise
     # runs each of them as an independent single-process job.
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from headway.errors import TrainingError
+from headway.hardware import mixed_precision
 from headway.run_config import RunConfig
 from headway.target import Target, fingerprint
 from headway.train.batching import pack, padding_share
@@ -89,7 +90,6 @@ def feature_source(config: RunConfig, target: Target, layers: tuple[int, ...]) -
     if config.data.features == "offline":
         return partial(cached_hidden, layers=layers)
     # Mixed precision covers the frozen target's forward too (on a CPU most of a step's time).
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.train.mixed_precision)
-    if autocast is torch.float16 and target.model.device.type != "cuda":
-        autocast = None  # as the loop does: fp16 needs CUDA, the run trains in fp32
+    mixed = mixed_precision(config.train.mixed_precision, target.model.device)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed)  # as the loop decides
     return OnlineFeatures(target.model, layers, autocast=autocast)

@@ -157,11 +157,14 @@ def chat_prompts(
     *,
     rng: random.Random,
     max_turns: int,
+    min_turns: int = 1,
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
     exclude: frozenset[str] = frozenset(),
 ) -> list[PromptItem]:
     """Up to `count` conversations' user turns (at most `max_turns` each) from a chat source,
-    none whose id is in `exclude` (the shuffle is the same with or without it).
+    none whose id is in `exclude` (the shuffle is the same with or without it) and none with
+    fewer than `min_turns` usable user turns (e.g. 2: only conversations that go on, for a
+    turn-by-turn run beside a folder that answered the first turns).
 
     Conversations whose first user turn is longer than `max_prompt_chars` (pasted documents;
     a long prefill costs more than its answer teaches) or empty are left out; later turns stop
@@ -181,7 +184,7 @@ def chat_prompts(
             )
         )[:max_turns]
         system = next((m["content"] for m in sample.messages if m["role"] == "system"), None)
-        if users:
+        if users and len(users) >= min_turns:
             items.append(PromptItem(f"{Path(source).name}/{index}", source, users, system))
     rng.shuffle(items)
     if exclude:
@@ -292,11 +295,13 @@ def build_mix(
     *,
     seed: int,
     max_turns: int = 1,
+    min_turns: int = 1,
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
     exclude: frozenset[str] = frozenset(),
 ) -> list[PromptItem]:
     """The prompt items of `mix` (source -> count), deterministic in `seed`; chat conversations
-    whose id is in `exclude` are skipped (e.g. those another folder answered).
+    whose id is in `exclude` are skipped (e.g. those another folder answered), and so are those
+    with fewer than `min_turns` usable user turns.
 
     Raises:
         DataError: when a source yields fewer items than asked and none at all.
@@ -316,6 +321,7 @@ def build_mix(
                 count,
                 rng=rng,
                 max_turns=max_turns,
+                min_turns=min_turns,
                 max_prompt_chars=max_prompt_chars,
                 exclude=exclude,
             )

@@ -1,0 +1,182 @@
+"""What this machine can run fast: CPU features probed once, and the choices that follow.
+
+headway's users run it on CPUs with AVX-512 BF16 or AMX (native bf16), on AVX2-only machines
+(laptops, older servers, many cloud instances) where bf16 is emulated and oneDNN's bf16 kernels
+refuse to run, and on ARM. Nothing here assumes one of them: :func:`cpu_features` asks torch what
+the CPU has *and* which kernels torch may use on it. The kernel level honours
+``ATEN_CPU_CAPABILITY`` (and oneDNN ``ONEDNN_MAX_CPU_ISA``), so an AVX-512 machine run with
+
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+
+behaves as an AVX2-only machine: no native bf16, oneDNN's bf16 reorder raises the same error it
+raises there. That is how the tests cover the AVX2 path on an AVX-512 machine (the "AVX2
+profile", :data:`AVX2_PROFILE`).
+
+The decisions taken from the probe live here, so the command line, the Python API and training
+agree: :func:`fast_bf16` (does this device compute bf16 natively?), :func:`regeneration_dtype`
+and :func:`mixed_precision` (what ``auto`` means for regeneration and for training).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "AVX2_PROFILE",
+    "CpuFeatures",
+    "cpu_features",
+    "fast_bf16",
+    "mixed_precision",
+    "regeneration_dtype",
+]
+
+logger = logging.getLogger(__name__)
+
+AVX2_PROFILE = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+"""The environment that limits torch, oneDNN and MKL to AVX2 kernels on an AVX-512 machine."""
+
+MixedPrecision = Literal["no", "bf16", "fp16"]
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """The CPU as torch sees it.
+
+    ``avx512``, ``avx512_bf16`` and ``amx`` are what the CPU has; ``kernels`` is the instruction
+    level torch's own kernels run at (``"AVX512"``, ``"AVX2"``, ``"DEFAULT"``, ... — lower than
+    the CPU's where ``ATEN_CPU_CAPABILITY`` limits it); ``onednn_bf16`` whether oneDNN's bf16
+    kernels run here (they need AVX-512 BW/VL/DQ or AVX-NE-CONVERT).
+    """
+
+    model: str
+    machine: str
+    kernels: str
+    avx2: bool
+    avx512: bool
+    avx512_bf16: bool
+    amx: bool
+    onednn_bf16: bool
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether bf16 matmuls run on bf16 hardware (AVX-512 BF16 or AMX, with torch's kernels
+        and oneDNN allowed to use them), not emulated in fp32 registers."""
+        return (
+            self.kernels.startswith("AVX512")
+            and (self.avx512_bf16 or self.amx)
+            and self.onednn_bf16
+        )
+
+    def describe(self) -> str:
+        """One line: the model, its features, the kernel level, e.g. for ``headway env``."""
+        flags = [
+            name
+            for name, present in (
+                ("AVX2", self.avx2),
+                ("AVX-512", self.avx512),
+                ("AVX-512 BF16", self.avx512_bf16),
+                ("AMX", self.amx),
+            )
+            if present
+        ]
+        listed = ", ".join(flags) or "none of AVX2, AVX-512, AVX-512 BF16, AMX"
+        onednn = "yes" if self.onednn_bf16 else "no"
+        native = "yes" if self.native_bf16 else "no (emulated)"
+        return (
+            f"{self.model} ({self.machine}); features: {listed}; torch kernels: {self.kernels}; "
+            f"oneDNN bf16: {onednn}; native bf16: {native}"
+        )
+
+
+def _flag(name: str) -> bool:
+    """A ``torch.cpu._is_*_supported`` probe; ``False`` where this torch lacks it or it fails."""
+    probe = getattr(torch.cpu, name, None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except (RuntimeError, OSError):
+        return False
+
+
+def _onednn_bf16() -> bool:
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(torch.backends.mkldnn.is_available() and probe is not None and probe())
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+@functools.cache
+def cpu_features() -> CpuFeatures:
+    """This machine's :class:`CpuFeatures`, probed once per process (never raises)."""
+    return CpuFeatures(
+        model=_cpu_model(),
+        machine=platform.machine(),
+        kernels=str(torch.backends.cpu.get_cpu_capability()),
+        avx2=_flag("_is_avx2_supported"),
+        avx512=_flag("_is_avx512_supported"),
+        avx512_bf16=_flag("_is_avx512_bf16_supported"),
+        amx=_flag("_is_amx_tile_supported"),
+        onednn_bf16=_onednn_bf16(),
+    )
+
+
+def fast_bf16(device: torch.device | str) -> bool:
+    """Whether ``device`` computes bf16 natively: a CUDA device that supports it, or a CPU
+    whose :attr:`CpuFeatures.native_bf16` holds. Elsewhere bf16 is emulated (slower than fp32
+    on an AVX2 CPU) or absent."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if kind == "cpu":
+        return cpu_features().native_bf16
+    return False
+
+
+def regeneration_dtype(device: torch.device | str) -> Literal["bfloat16", "float32"]:
+    """What ``--dtype auto`` regenerates in: bfloat16 where :func:`fast_bf16` (1.6-2.7x fp32's
+    speed on an AVX-512 BF16 CPU), float32 otherwise (emulated bf16 is slower than fp32)."""
+    return "bfloat16" if fast_bf16(device) else "float32"
+
+
+def mixed_precision(
+    choice: Literal["auto", "no", "bf16", "fp16"], device: torch.device | str
+) -> MixedPrecision:
+    """The mixed precision training runs under for ``train.mixed_precision=choice``.
+
+    ``auto``: bf16 where :func:`fast_bf16`, else none. ``fp16`` needs CUDA: elsewhere none,
+    with a warning. An explicit ``bf16`` on a CPU without native bf16 is kept (it is what was
+    asked) with a warning that it is emulated there."""
+    kind = torch.device(device).type
+    if choice == "auto":
+        return "bf16" if fast_bf16(device) else "no"
+    if choice == "fp16" and kind != "cuda":
+        logger.warning("train.mixed_precision=fp16 needs CUDA; training in fp32 instead")
+        return "no"
+    if choice == "bf16" and kind == "cpu" and not fast_bf16(device):
+        logger.warning(
+            "train.mixed_precision=bf16 on a CPU without native bf16 (%s): bf16 is emulated and "
+            "much slower than fp32 here; train.mixed_precision=auto picks fp32 on this CPU",
+            cpu_features().kernels,
+        )
+    return choice
