@@ -62,7 +62,9 @@ def test_a_reorder_that_raises_turns_the_packed_route_off_once_with_a_reason(
         assert not packed.packing_available(torch.bfloat16)
         assert not packed.packing_available(torch.bfloat16)  # probed once
     reasons = [r.getMessage() for r in caplog.records if r.name == "headway.decode.packed"]
-    assert len(reasons) == 1 and "bfloat16" in reasons[0] and "avx512bw" in reasons[0]
+    # the reason: torch's own report, or (where torch reports support) the reorder's error
+    assert len(reasons) == 1 and "bfloat16" in reasons[0]
+    assert "avx512bw" in reasons[0] or "no kernels for them" in reasons[0]
     assert packed.packing_available(torch.float32) == packed._probe_packing.__wrapped__(
         torch.float32
     )  # fp32 is probed on its own

@@ -110,18 +110,18 @@ def test_packed_route_remakes_a_changed_weight_and_leaves_autograd_alone() -> No
 def test_resolve_gemm_follows_device_dtype_choice_and_measurement(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    measured: list[tuple[int, ...]] = []
+    measured: list[list[tuple[int, ...]]] = []
 
-    def transposed(weight: torch.Tensor, packing: bool) -> str:
-        measured.append(tuple(weight.shape))
+    def transposed(linears: list[nn.Linear], packing: bool) -> str:
+        measured.append([tuple(module.weight.shape) for module in linears])
         return "transposed"
 
     monkeypatch.setattr(gemm, "fastest_route", transposed)
     monkeypatch.setattr(gemm, "packing_available", lambda dtype: True)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 16))
     assert resolve_gemm(model, "auto") == "transposed"
-    assert measured == [(16, 4)]  # fp32 CPU: the largest layer timed
-    monkeypatch.setattr(gemm, "fastest_route", lambda weight, packing: "stock")
+    assert measured == [[(4, 4), (16, 4)]]  # fp32 CPU: every plain layer timed, in order
+    monkeypatch.setattr(gemm, "fastest_route", lambda linears, packing: "stock")
     assert resolve_gemm(model, "auto") == "stock"  # measured no faster here
     assert resolve_gemm(model, "stock") == "stock"
     assert resolve_gemm(model.to(torch.float16), "transposed") == "transposed"
@@ -171,7 +171,7 @@ def test_packed_route_is_refused_without_onednn(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(ValueError, match="oneDNN lacks the kernels here"):
         resolve_gemm(nn.Linear(4, 4), "packed")
     timings = iter([1.0, 0.5])  # stock, transposed: packed is not even timed
-    assert fastest_route(torch.zeros(8, 4), seconds=lambda f: next(timings)) == "transposed"
+    assert fastest_route([nn.Linear(4, 8)], seconds=lambda f: next(timings)) == "transposed"
 
 
 def test_gemm_module_keeps_no_state_but_packed_weights() -> None:
@@ -211,9 +211,25 @@ def test_fastest_route_prefers_packed_then_transposed(
     if packing and not packing_available(dtype):
         pytest.skip(f"this CPU's oneDNN has no {dtype} linear kernels (`headway env`)")
     answers = iter(timings)
-    weight = torch.zeros(8, 4, dtype=dtype)
-    chosen = fastest_route(weight, seconds=lambda function: next(answers), packing=packing)
+    layers = [nn.Linear(4, 8, dtype=dtype), nn.Linear(8, 4, dtype=dtype)]
+    chosen = fastest_route(layers, seconds=lambda function: next(answers), packing=packing)
     assert chosen == route and next(answers, None) is None
+    if route != "packed":  # copies made for the test are dropped unless the route is taken
+        assert not any(module in packed._PACKED for module in layers)
+
+
+def test_the_timed_pass_streams_every_layer_on_one_and_on_eight_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What "auto" times is what a forward does: every layer in order, per block size (a layer
+    timed alone stays in the cache and misjudged whole forwards on a Xeon)."""
+    calls: list[tuple[int, int]] = []
+    layers = [nn.Linear(4, 8), nn.Linear(8, 4)]
+    monkeypatch.setattr(
+        gemm, "_stock", lambda module, x: calls.append((module.in_features, x.shape[0]))
+    )
+    gemm._linear_pass(layers, "stock")()
+    assert calls == [(4, 1), (8, 1), (4, MAX_ROWS), (8, MAX_ROWS)]
 
 
 class _Quantized(nn.Linear):

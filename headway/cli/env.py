@@ -1,9 +1,8 @@
 """``headway env``: what a bug report needs, as ``transformers env`` and ``accelerate env`` do.
 
 Versions, the CPU and the features headway's choices depend on, the CUDA device when there is
-one, and what each ``auto`` setting picks on this machine and why (the GEMM route is timed on a
-weight of the embedded target's largest layer, so it takes a fraction of a second and loads no
-model).
+one, and what each ``auto`` setting picks on this machine and why (the GEMM route is timed on random
+layers of the embedded target's shapes: a second or two, and no model is loaded).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import platform
 import sys
 
 import torch
+from torch import nn
 
 from headway import __version__
 from headway.decode.gemm import fastest_route
@@ -22,8 +22,30 @@ from headway.hardware import cpu_features, fast_bf16, mixed_precision, regenerat
 
 __all__ = ["add_env", "environment_report"]
 
-LARGEST_LAYER = (49152, 576)
-"""SmolLM2-135M's LM head ``[vocab, hidden]``: the layer ``--gemm auto`` times for it."""
+SMOLLM2_LINEARS = (
+    (576, 576),
+    (576, 192),
+    (576, 192),
+    (576, 576),
+    (576, 1536),
+    (576, 1536),
+    (1536, 576),
+)
+"""``(in, out)`` of one SmolLM2-135M decoder layer's linears (q, k, v, o, gate, up, down); it has
+30 such layers and a 576 x 49,152 LM head."""
+
+
+def _smollm2_shaped(dtype: torch.dtype) -> list[nn.Linear]:
+    """Random linear layers of SmolLM2-135M's shapes, in its module order (135M weights)."""
+    shapes = [*SMOLLM2_LINEARS * 30, (576, 49152)]
+    layers = [
+        nn.Linear(fan_in, fan_out, bias=False, dtype=dtype, device="meta")
+        for fan_in, fan_out in shapes
+    ]
+    for layer in layers:
+        layer.to_empty(device="cpu")
+        nn.init.normal_(layer.weight, std=0.02)
+    return layers
 
 
 def _version(package: str) -> str:
@@ -52,10 +74,9 @@ def _cuda() -> list[tuple[str, str]]:
 
 def _gemm_choice(dtype: torch.dtype) -> str:
     """What ``--gemm auto`` takes for a SmolLM2-sized model in ``dtype`` on this CPU, and why."""
-    weight = torch.randn(*LARGEST_LAYER).to(dtype)
-    route = fastest_route(weight)
+    route = fastest_route(_smollm2_shaped(dtype))
     packed = "runs here" if packing_available(dtype) else "unavailable: no oneDNN kernels here"
-    return f"{route} (timed on a {LARGEST_LAYER[0]}x{LARGEST_LAYER[1]} weight; packed {packed})"
+    return f"{route} (timed on SmolLM2-135M-shaped layers; packed {packed})"
 
 
 def environment_report() -> list[tuple[str, str]]:

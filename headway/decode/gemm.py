@@ -20,7 +20,7 @@ for the same product exist here:
   stock.
 
 ``"auto"`` considers fp32 and bf16 models on a CPU only (CUDA is not this problem) and picks, by
-a one-time timing of the model's largest linear layer on 4 rows (:func:`fastest_route`), the
+a one-time timing of the model's linear layers on 1 and 8 rows (:func:`fastest_route`), the
 packed route if it takes at most :data:`FASTER_BY` of the stock time, else the transposed one
 (fp32 only) on the same test, else stock: other CPUs and BLAS builds differ. Packing is
 considered only where the copy takes at most half of the free memory and where
@@ -48,8 +48,9 @@ import os
 import statistics
 import time
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Literal, cast
 
 import torch
@@ -60,10 +61,8 @@ from headway.decode.packed import (
     MAX_PACKED_ROWS,
     forget_packed,
     packed_linear,
-    packed_product,
     packed_weight,
     packing_available,
-    reorder_weight,
 )
 from headway.errors import HardwareError
 
@@ -85,7 +84,7 @@ __all__ = [
 
 GemmChoice = Literal["auto", "stock", "transposed", "packed"]
 """``"auto"``: for fp32 and bf16 models on a CPU, the route a one-time timing of the model's
-largest linear layer finds fastest (:func:`fastest_route`); stock on other devices and dtypes.
+linear layers finds fastest (:func:`fastest_route`); stock on other devices and dtypes.
 ``"stock"``: never route. ``"transposed"``, ``"packed"``: always that route (any dtype; packed
 needs a CPU whose oneDNN runs the weights' dtype, else a one-line error; for tests and
 measurements)."""
@@ -111,9 +110,10 @@ def _checked(choice: GemmChoice) -> GemmChoice:
 
 def resolve_gemm(model: nn.Module, choice: GemmChoice) -> Route:
     """The route ``model``'s decoding forwards take under ``choice``; ``"auto"`` times the
-    model's largest linear layer now (tens of milliseconds), so resolve once per model and keep
-    the answer. For ``"packed"``, every plain linear weight is reordered on return (unless
-    already held), so the first forward does not pay for it."""
+    model's linear layers now (:func:`fastest_route`: about a second for SmolLM2-135M on a
+    2-core CPU), so resolve once per model and keep the answer. For ``"packed"``, every plain
+    linear weight is reordered on return (unless already held), so the first forward does not
+    pay for it."""
     route = _auto_route(model) if _checked(choice) == "auto" else cast(Route, choice)
     if route == "packed":
         linears = _plain_linears(model)
@@ -132,17 +132,14 @@ def resolve_gemm(model: nn.Module, choice: GemmChoice) -> Route:
 
 
 def _auto_route(model: nn.Module) -> Route:
-    largest = _largest_linear(model)
-    if largest is None:
+    linears = _plain_linears(model)
+    if not linears:
         return "stock"
-    weight = largest.weight
+    weight = linears[0].weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return "stock"
-    linears = _plain_linears(model)
     room = _room_for_a_copy(linears)
-    return fastest_route(
-        weight, packing=room and all(packing_available(m.weight.dtype) for m in linears)
-    )
+    return fastest_route(linears, packing=room)
 
 
 def _room_for_a_copy(linears: list[nn.Linear]) -> bool:
@@ -157,7 +154,7 @@ def _room_for_a_copy(linears: list[nn.Linear]) -> bool:
     return needed <= free // 2
 
 
-def _median_seconds(function: Callable[[], object], repeats: int = 5) -> float:
+def _median_seconds(function: Callable[[], object], repeats: int = 3) -> float:
     function()  # warm-up
     times = []
     for _ in range(repeats):
@@ -167,29 +164,68 @@ def _median_seconds(function: Callable[[], object], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+TIMED_ROWS = (1, MAX_ROWS)
+"""The blocks :func:`fastest_route` times every route on: one token (plain decoding, and a
+drafter's own chain steps) and a verify block of :data:`MAX_ROWS` tokens."""
+
+
+def _linear_pass(linears: Sequence[nn.Linear], route: Route) -> Callable[[], None]:
+    """One call multiplies, for each block size of :data:`TIMED_ROWS`, an input by every layer
+    of ``linears`` in order, on ``route``: the weights stream from memory as in a forward (a
+    single layer timed alone sits in the cache, which favoured the packed route on CPUs where a
+    whole forward then ran slower with it)."""
+    forwards = [
+        packed_linear(module)
+        if route == "packed"
+        else small_block_linear(module)
+        if route == "transposed"
+        else partial(_stock, module)
+        for module in linears
+    ]
+    weight = linears[0].weight
+    inputs = {
+        (rows, features): torch.randn(rows, features, dtype=weight.dtype, device=weight.device)
+        for rows in TIMED_ROWS
+        for features in {module.in_features for module in linears}
+    }
+
+    def run() -> None:
+        for rows in TIMED_ROWS:
+            for module, forward in zip(linears, forwards, strict=True):
+                forward(inputs[rows, module.in_features])
+
+    return run
+
+
+def _stock(module: nn.Linear, x: Tensor) -> Tensor:
+    return functional.linear(x, module.weight, module.bias)
+
+
 def fastest_route(
-    weight: Tensor,
+    linears: Sequence[nn.Linear],
     *,
     seconds: Callable[[Callable[[], object]], float] = _median_seconds,
     packing: bool = True,
 ) -> Route:
-    """The route ``"auto"`` takes for a model whose largest linear weight is ``weight``
-    ``[out, in]``, timed now on 4 rows (``seconds`` times a call): packed (where ``packing``
-    allows it and :func:`packing_available` for its dtype) if it takes at most
+    """The route ``"auto"`` takes for a model whose plain linear layers are ``linears`` (in
+    module order), timed now (``seconds`` times a call) as a forward streams them, on 1 and on
+    :data:`MAX_ROWS` rows (:func:`_linear_pass`): packed (where ``packing`` allows it and
+    :func:`packing_available` holds for the weights' dtype) if it takes at most
     :data:`FASTER_BY` of the stock time, else transposed (fp32 only) on the same test, else
-    stock."""
+    stock. The reordered copies made for the test are dropped unless packed is taken."""
+    dtypes = {module.weight.dtype for module in linears}
     # Whatever the caller allows, the reorder runs only where the probe found that it runs.
-    packing = packing and packing_available(weight.dtype)
+    packing = packing and all(packing_available(dtype) for dtype in dtypes)
     with torch.inference_mode():
-        x = torch.randn(4, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        stock = seconds(lambda: functional.linear(x, weight))
+        stock = seconds(_linear_pass(linears, "stock"))
         if packing:
-            packed = reorder_weight(weight, MAX_ROWS)
-            timed = seconds(lambda: packed_product(x, packed, None))
+            timed = seconds(_linear_pass(linears, "packed"))
             if timed <= FASTER_BY * stock:
                 return "packed"
-        if weight.dtype == torch.float32:
-            timed = seconds(lambda: torch.mm(weight, x.t()).t().contiguous())
+            for module in linears:
+                forget_packed(module)
+        if dtypes == {torch.float32}:
+            timed = seconds(_linear_pass(linears, "transposed"))
             if timed <= FASTER_BY * stock:
                 return "transposed"
     return "stock"
@@ -227,11 +263,6 @@ def _plain_linears(model: nn.Module) -> list[nn.Linear]:
     """``model``'s exact-type ``nn.Linear`` layers, in module order (every routed forward walks
     them, so nothing more is done here)."""
     return [module for module in model.modules() if type(module) is nn.Linear]
-
-
-def _largest_linear(model: nn.Module) -> nn.Linear | None:
-    """The layer with the most weights (the first such in module order)."""
-    return max(_plain_linears(model), key=lambda module: module.weight.numel(), default=None)
 
 
 @contextmanager

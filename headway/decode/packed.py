@@ -47,7 +47,8 @@ _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple[Any, ...], Tensor]] = 
     weakref.WeakKeyDictionary()
 )
 """The packed route's reordered weights, one per layer however many decoders and drafters use
-it, held only as long as the layer lives (the one state this module keeps)."""
+it, held only as long as the layer lives (the one state this module keeps beside the probe's
+answer per dtype)."""
 
 
 def packed_weight(module: nn.Linear) -> Tensor:
@@ -143,6 +144,8 @@ def _probe_packing(dtype: torch.dtype) -> bool:
 
 
 def packed_product(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """``x [rows, in]`` times a weight reordered by :func:`reorder_weight` (+ ``bias``) →
+    ``[rows, out]``."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
