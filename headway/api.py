@@ -2,10 +2,16 @@
 
     import headway
     target = headway.load_target("smollm2-135m")
+    out = headway.generate(target, "Name three rivers.", max_new_tokens=64)  # the default drafter
+    print(out.text, out.tau)
     drafter = headway.load_drafter("runs/medusa1-smollm2", target)   # or "prompt-lookup"
     # or a typed spec: headway.load_drafter(EagleSpec(heads="runs/eagle3", depth=5), target)
     out = headway.generate(target, "Name three rivers.", drafter=drafter, max_new_tokens=64)
-    print(out.text, out.tau)
+
+``drafter="default"`` (the default of :func:`generate`) is what ``headway generate`` runs when no
+drafter is named: the drafter shipped for the target, cost-sized, else retrieval over a corpus
+the target regenerated, else prompt lookup (:func:`headway.drafters.resolve.resolve_drafter`
+decides for both).
 
 Token-level work happens in :mod:`headway.decode`; this module adds text in and text out (chat
 template, EOS ids from the target's generation config, stop strings) and timing.
@@ -27,7 +33,8 @@ from headway.decode.generate import Decoder, Drafter
 from headway.decode.options import DecodeOptions
 from headway.decode.probe import check_tree_mask
 from headway.decode.sampling import SamplingParams
-from headway.drafters.build import build_drafter, spec_for
+from headway.drafters.build import build_drafter
+from headway.drafters.resolve import NO_DRAFTER, DrafterChoice, resolve_drafter
 from headway.drafters.specs import DRAFTER_NAMES, SPEC_TYPES, DrafterSpec
 from headway.errors import HeadwayError
 from headway.target import Target, eos_token_ids
@@ -58,6 +65,10 @@ class Generation:
         }
 
 
+DEFAULT_DRAFTER = "default"
+"""The drafter name that asks :func:`~headway.drafters.resolve.resolve_drafter` for the default."""
+
+
 def load_drafter(
     source: str | Path | DrafterSpec,
     target: Target,
@@ -66,9 +77,11 @@ def load_drafter(
     options: Mapping[str, object] | None = None,
 ) -> Drafter:
     """A drafter for ``target``: a spec (:mod:`headway.drafters.specs`), a drafter name
-    (``"prompt-lookup"``, ``"retrieval"``, ...) or a heads folder, with ``options`` checked
-    against that drafter's spec exactly as ``--draft-option`` values are (an unknown key gets
-    the nearest valid name), e.g. ``load_drafter("runs/eagle3", target, options={"depth": 5})``.
+    (``"prompt-lookup"``, ``"retrieval"``, ..., or ``"default"``) or a heads folder, with
+    ``options`` checked against that drafter's spec exactly as ``--draft-option`` values are (an
+    unknown key gets the nearest valid name), e.g. ``load_drafter("runs/eagle3", target,
+    options={"depth": 5})``. The default drafter's sizing is :func:`generate`'s business: pass
+    ``"default"`` there to run it as the command line does.
 
     A Medusa-2 run merges its LoRA adapter into ``target.model`` in place (logged): the output is
     then the merged model's, so compare it with plain decoding of this same ``target``."""
@@ -76,10 +89,22 @@ def load_drafter(
         if options:
             raise HeadwayError("give options inside the spec, not beside it")
         return build_drafter(source, target, gemm=gemm)
-    text, values = str(source), dict(options or {})
-    if text in DRAFTER_NAMES:
-        return build_drafter(spec_for(text, options=values), target, gemm=gemm)
-    return build_drafter(spec_for(heads=text, options=values), target, gemm=gemm)
+    choice = _choice(str(source), target, options)
+    if choice.spec is None:
+        raise HeadwayError("'none' is no drafter: pass drafter=None to generate instead")
+    return build_drafter(choice.spec, target, gemm=gemm)
+
+
+def _choice(
+    name: str, target: Target, options: Mapping[str, object] | None = None
+) -> DrafterChoice:
+    """:func:`resolve_drafter` for a name the API was given (``"default"``, a drafter name or
+    a heads folder)."""
+    if name == DEFAULT_DRAFTER:
+        return resolve_drafter(target.model, options=options)
+    if name in DRAFTER_NAMES or name == NO_DRAFTER:
+        return resolve_drafter(target.model, drafter=name, options=options)
+    return resolve_drafter(target.model, heads=name, options=options)
 
 
 def prompt_ids(
@@ -103,7 +128,7 @@ def generate(
     target: Target,
     prompt: str | Sequence[dict[str, str]],
     *,
-    drafter: Drafter | Decoder | str | None = "prompt-lookup",
+    drafter: Drafter | Decoder | str | None = DEFAULT_DRAFTER,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -123,10 +148,15 @@ def generate(
     :class:`DecodeOptions` (cost sizing, GEMM order, acceptance rule: ``acceptance="typical"``
     is Medusa's typical acceptance, LOSSY when sampling; at temperature 0 both rules are greedy).
     Pass a :class:`~headway.decode.generate.Decoder` as ``drafter`` (it carries its own options)
-    to keep one cost calibration over many prompts.
+    to keep one cost calibration over many prompts. ``drafter`` as a string is resolved as
+    the command line resolves ``--drafter``/``--heads`` (``"default"``: the shipped drafter,
+    cost-sized, unless ``options`` say otherwise); ``None`` decodes without a drafter.
     """
     if isinstance(drafter, str):
-        drafter = load_drafter(drafter, target)
+        choice = _choice(drafter, target)
+        built = None if choice.spec is None else build_drafter(choice.spec, target)
+        options = options or DecodeOptions(sizing=choice.sizing)
+        drafter = built
     model = target.model
     if isinstance(drafter, Decoder):
         if options is not None:

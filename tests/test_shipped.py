@@ -134,22 +134,22 @@ def test_generate_without_a_drafter_retrieves_from_the_default_corpus(
     monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
     flags: dict[str, Any] = {"drafter": None, "heads": None, "draft_option": [], "tree": "default"}
     args = argparse.Namespace(**flags, force=False, gemm="auto")
-    _, spec = drafter_from_flags(args, target)
-    assert spec == RetrievalSpec(data=(str(folder / "data"),))
+    _, choice = drafter_from_flags(args, target)
+    assert choice.spec == RetrievalSpec(data=(str(folder / "data"),))
     with pytest.raises(HeadwayError, match="name what to decode with"):
         drafter_from_flags(args, target, default=None)  # eval: it names its drafter
     args.drafter = "prompt-lookup"  # named: as asked
-    assert isinstance(drafter_from_flags(args, target)[1], PromptLookupSpec)
+    assert isinstance(drafter_from_flags(args, target)[1].spec, PromptLookupSpec)
     monkeypatch.setattr(shipped, "DEFAULT_CORPORA", ())
     args.drafter = None
-    assert isinstance(drafter_from_flags(args, target)[1], PromptLookupSpec)
+    assert isinstance(drafter_from_flags(args, target)[1].spec, PromptLookupSpec)
 
 
 def test_a_default_drafter_runs_cost_sized_unless_sizing_is_given(
     target: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No drafter named: the shipped default is taken and an unset --sizing becomes the one its
-    figures were measured with; a --sizing given, or a drafter named, is left alone."""
+    """No drafter named: the shipped default is taken, sized as its figures were measured
+    unless --sizing is given; a drafter named is sized by itself. The flags are not changed."""
     from headway.cli.common import decode_options, drafter_from_flags
     from headway.drafters import shipped
     from headway.drafters.specs import EagleSpec
@@ -168,13 +168,12 @@ def test_a_default_drafter_runs_cost_sized_unless_sizing_is_given(
         return argparse.Namespace(**(values | given))
 
     args = flags()
-    _, spec = drafter_from_flags(args, wrapped)
-    assert isinstance(spec, EagleSpec)
-    assert Path(spec.heads) == tmp_path / "shipped" / "tiny-eagle3"
-    assert args.sizing == shipped.DEFAULT_SIZING == decode_options(args).sizing
+    _, choice = drafter_from_flags(args, wrapped)
+    assert isinstance(choice.spec, EagleSpec)
+    assert Path(choice.spec.heads) == tmp_path / "shipped" / "tiny-eagle3"
+    assert decode_options(args, choice).sizing == shipped.DEFAULT_SIZING
+    assert args.sizing is None  # nothing written back
     args = flags(sizing="drafter")
-    drafter_from_flags(args, wrapped)
-    assert decode_options(args).sizing == "drafter"
+    assert decode_options(args, drafter_from_flags(args, wrapped)[1]).sizing == "drafter"
     args = flags(drafter="prompt-lookup")
-    drafter_from_flags(args, wrapped)
-    assert decode_options(args).sizing == "drafter"
+    assert decode_options(args, drafter_from_flags(args, wrapped)[1]).sizing == "drafter"

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import typing
 from typing import Any, Literal
 
 from headway.decode.gemm import GemmChoice
 from headway.decode.generate import Drafter
 from headway.decode.options import DecodeOptions
-from headway.drafters.specs import DrafterSpec, describe_specs
+from headway.drafters.resolve import DrafterChoice
+from headway.drafters.specs import describe_specs
 from headway.errors import HeadwayError
 from headway.hardware import regeneration_dtype
 from headway.target import Target, load_target, resolve_device
+
+logger = logging.getLogger(__name__)
 
 DtypeUse = Literal["decode", "data"]
 """What ``--dtype auto`` serves: ``decode`` (float32 on a CPU, where greedy output is exact) or
@@ -125,10 +129,11 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def decode_options(args: argparse.Namespace) -> DecodeOptions:
-    """The :class:`DecodeOptions` of :func:`add_decode_flags`."""
+def decode_options(args: argparse.Namespace, choice: DrafterChoice | None = None) -> DecodeOptions:
+    """The :class:`DecodeOptions` of :func:`add_decode_flags`, sized as ``choice`` (from
+    :func:`drafter_from_flags`) resolved it, else as ``--sizing`` says (default ``drafter``)."""
     return DecodeOptions(
-        sizing=args.sizing or "drafter",
+        sizing=choice.sizing if choice is not None else args.sizing or "drafter",
         gemm=args.gemm,
         acceptance=args.acceptance,
         verify=args.verify,
@@ -206,36 +211,35 @@ def add_drafter_flags(parser: argparse.ArgumentParser, *, allow_none: bool) -> N
 
 
 def drafter_from_flags(
-    args: argparse.Namespace, target: Target, *, default: str | None = "prompt-lookup"
-) -> tuple[Drafter | None, DrafterSpec | None]:
+    args: argparse.Namespace,
+    target: Target,
+    *,
+    default: str | None = "prompt-lookup",
+    preset: dict[str, Any] | None = None,
+) -> tuple[Drafter | None, DrafterChoice]:
     """The drafter of :func:`add_drafter_flags`' flags (``None`` for ``--drafter none``), built by
-    :func:`headway.drafters.build.build_drafter`, and its spec. Where no drafter is named and a
-    shipped default drafter is taken, an unset ``args.sizing`` becomes the sizing it was measured
-    with (:data:`~headway.drafters.shipped.DEFAULT_SIZING`)."""
-    from headway.drafters.build import build_drafter, spec_for
-    from headway.drafters.shipped import DEFAULT_SIZING, default_corpus, default_heads
+    :func:`headway.drafters.build.build_drafter`, and the choice
+    :func:`~headway.drafters.resolve.resolve_drafter` made (its spec and tree sizing: pass it to
+    :func:`decode_options`). ``default`` is the drafter taken when nothing is named and nothing
+    shipped fits (``None``: an error); ``preset`` options come before ``--draft-option``'s,
+    which override them. ``args`` is not changed."""
+    from headway.drafters.build import build_drafter
+    from headway.drafters.resolve import resolve_drafter
 
-    if args.drafter == "none":
-        if args.heads:
-            raise HeadwayError("--drafter none decodes without heads; drop --heads")
-        return None, None
-    heads = args.heads
-    options = parse_draft_options(args.draft_option)
-    if not args.drafter and not heads:
-        shipped = default_heads(target.model)  # the shipped drafter for this target, if any
-        heads = str(shipped) if shipped is not None else None
-        if shipped is not None and getattr(args, "sizing", "drafter") is None:
-            args.sizing = DEFAULT_SIZING
-        corpus = default_corpus(target.model) if heads is None and default else None
-        if corpus is not None:  # a corpus this target regenerated ships: retrieval over it
-            default = "retrieval"
-            options.setdefault("data", str(corpus))
-    name = args.drafter if args.drafter or heads else default
-    if name is None and not heads:
-        raise HeadwayError("name what to decode with: --heads DIR or --drafter NAME")
+    options = {**(preset or {}), **parse_draft_options(args.draft_option)}
     if args.tree != "default":
         options.setdefault("tree", args.tree)
     if args.force:
         options.setdefault("force", True)
-    spec = spec_for(name, heads=heads, options=options)
-    return build_drafter(spec, target, gemm=args.gemm), spec
+    choice = resolve_drafter(
+        target.model,
+        drafter=args.drafter,
+        heads=args.heads,
+        options=options,
+        sizing=getattr(args, "sizing", None),
+        fallback=default,
+    )
+    logger.info("drafter: %s, sizing %s", choice.reason, choice.sizing)
+    if choice.spec is None:
+        return None, choice
+    return build_drafter(choice.spec, target, gemm=args.gemm), choice

@@ -169,17 +169,17 @@ def run_eval(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
     )
     check_tree_mask(target.model)  # a model that ignores the 4-D tree mask is refused here
-    drafter, spec = drafter_from_flags(args, target, default=None)
-    assert drafter is not None and spec is not None  # eval has no --drafter none
+    drafter, choice = drafter_from_flags(args, target, default=None)
+    assert drafter is not None and choice.spec is not None  # eval has no --drafter none
     report = evaluate(
         target,
         drafter,
         prompts,
         settings,
         Path(args.out),
-        drafter_info=describe_drafter(spec),
+        drafter_info=describe_drafter(choice.spec),
         prompt_set=args.prompts,
-        options=decode_options(args),
+        options=decode_options(args, choice),
     )
     print(format_headline(report))
     print(f"report, summary and plots in {args.out}/")

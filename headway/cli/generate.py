@@ -65,11 +65,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
     target = target_from_flags(args)
     lookup = args.drafter in (None, "prompt-lookup", "retrieval") and not args.heads
+    preset = {}
     if lookup and args.draft_length is not None:
-        args.draft_option = [f"num_draft_tokens={args.draft_length}", *args.draft_option]
-    drafter, _ = drafter_from_flags(args, target)
+        preset["num_draft_tokens"] = args.draft_length
+    drafter, choice = drafter_from_flags(args, target, preset=preset)
     # one decoder for every prompt: cost sizing times the target and calibrates only once
-    decoder = Decoder(target.model, drafter, decode_options(args))
+    decoder = Decoder(target.model, drafter, decode_options(args, choice))
     decoder.prepare()  # the printed tokens/s leave the one-off timing out
     for prompt in args.prompts:
         stream = None if args.json else (lambda text: print(text, end="", flush=True))

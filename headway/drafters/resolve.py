@@ -1,0 +1,86 @@
+"""The one place that decides which drafter runs, and how its trees are sized, from what a user
+named: the command line (``headway generate``/``eval``), the Python API, the quickstart and
+``scripts/compare.py`` all call :func:`resolve_drafter`, so the default drafter runs the same way
+everywhere.
+
+What was named, in order:
+
+- ``--drafter none`` / ``drafter="none"``: plain decoding through the same loop (no heads).
+- a drafter name (``prompt-lookup``, ``retrieval``, ``lookup-medusa``) and/or a heads folder:
+  that drafter, its options checked against its spec; sized by the drafter unless a sizing is
+  named.
+- nothing: the drafter shipped for this target (:func:`~headway.drafters.shipped.default_heads`),
+  sized as it was measured (:data:`~headway.drafters.shipped.DEFAULT_SIZING`, cost); else, where
+  a fallback is allowed, retrieval over a corpus this target regenerated that the checkout
+  ships; else the fallback (prompt lookup); else an error.
+
+Nothing given is changed: the answer is a new :class:`DrafterChoice`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from headway.decode.options import Sizing
+from headway.drafters.build import spec_for
+from headway.drafters.shipped import DEFAULT_SIZING, default_corpus, default_heads
+from headway.drafters.specs import DrafterSpec
+from headway.errors import HeadwayError
+
+__all__ = ["NO_DRAFTER", "DrafterChoice", "resolve_drafter"]
+
+NO_DRAFTER = "none"
+"""The drafter name that means plain decoding."""
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    """What runs: ``spec`` (``None``: plain decoding), the tree ``sizing``, and ``reason``, one
+    line on why (printed by the CLI at INFO)."""
+
+    spec: DrafterSpec | None
+    sizing: Sizing
+    reason: str
+
+
+def resolve_drafter(
+    model: Any,
+    *,
+    drafter: str | None = None,
+    heads: str | None = None,
+    options: Mapping[str, object] | None = None,
+    sizing: Sizing | None = None,
+    fallback: str | None = "prompt-lookup",
+) -> DrafterChoice:
+    """The drafter for ``model`` (the target's HF model) from what a user named (see the
+    module docstring). ``options`` are the drafter's spec options (checked, unknown keys get
+    the nearest valid name); ``fallback`` is the drafter taken when nothing is named and no
+    shipped drafter or corpus fits (``None``: that is an error).
+
+    Raises:
+        HeadwayError: plain decoding with heads, or nothing named and no fallback.
+    """
+    values = dict(options or {})
+    if drafter == NO_DRAFTER:
+        if heads:
+            raise HeadwayError("--drafter none decodes without heads; drop --heads")
+        return DrafterChoice(None, sizing or "drafter", "plain decoding (no drafter)")
+    if drafter or heads:
+        spec = spec_for(drafter, heads=heads, options=values)
+        return DrafterChoice(spec, sizing or "drafter", f"named: {drafter or heads}")
+    shipped = default_heads(model)
+    if shipped is not None:
+        spec = spec_for(None, heads=str(shipped), options=values)
+        chosen = sizing or DEFAULT_SIZING
+        return DrafterChoice(spec, chosen, f"the drafter shipped for this target ({shipped})")
+    corpus = default_corpus(model) if fallback else None
+    if corpus is not None:
+        values.setdefault("data", str(corpus))
+        spec = spec_for("retrieval", options=values)
+        return DrafterChoice(spec, sizing or "drafter", f"retrieval over {corpus}")
+    if fallback is None:
+        raise HeadwayError("name what to decode with: --heads DIR or --drafter NAME")
+    spec = spec_for(fallback, options=values)
+    return DrafterChoice(spec, sizing or "drafter", f"{fallback} (nothing shipped fits)")

@@ -1,0 +1,82 @@
+"""One resolver decides the drafter and its sizing for the CLI and the Python API alike, and
+changes nothing it is given."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from headway.api import _choice
+from headway.cli import build_parser
+from headway.cli.common import decode_options, drafter_from_flags
+from headway.drafters import resolve
+from headway.drafters.resolve import resolve_drafter
+from headway.drafters.specs import EagleSpec, PromptLookupSpec, RetrievalSpec
+from headway.errors import HeadwayError
+from headway.target import Target
+from tests.test_eagle3 import tiny4
+from tests.test_formats import random_run
+
+
+@pytest.fixture
+def shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Path]:
+    """A tiny target whose "shipped" drafter is a random EAGLE-3 run."""
+    model = tiny4("llama")
+    run = random_run(tmp_path / "shipped", "eagle3", model)
+    monkeypatch.setattr(resolve, "default_heads", lambda target_model: run)
+    return model, run
+
+
+def test_nothing_named_takes_the_shipped_drafter_cost_sized(shipped: tuple[Any, Path]) -> None:
+    model, run = shipped
+    choice = resolve_drafter(model)
+    assert isinstance(choice.spec, EagleSpec) and choice.spec.heads == str(run)
+    assert choice.sizing == "cost" and "shipped" in choice.reason
+    assert resolve_drafter(model, sizing="drafter").sizing == "drafter"  # a named sizing wins
+    tuned = resolve_drafter(model, options={"depth": 3})
+    assert isinstance(tuned.spec, EagleSpec) and tuned.spec.depth == 3
+
+
+def test_named_drafters_are_sized_by_themselves_and_none_is_plain(
+    shipped: tuple[Any, Path],
+) -> None:
+    model, run = shipped
+    named = resolve_drafter(model, drafter="prompt-lookup")
+    assert isinstance(named.spec, PromptLookupSpec) and named.sizing == "drafter"
+    heads = resolve_drafter(model, heads=str(run))
+    assert isinstance(heads.spec, EagleSpec) and heads.sizing == "drafter"
+    plain = resolve_drafter(model, drafter="none")
+    assert plain.spec is None
+    with pytest.raises(HeadwayError, match="drop --heads"):
+        resolve_drafter(model, drafter="none", heads=str(run))
+
+
+def test_without_anything_shipped_a_corpus_then_the_fallback_then_an_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    model = tiny4("llama")
+    monkeypatch.setattr(resolve, "default_heads", lambda target_model: None)
+    monkeypatch.setattr(resolve, "default_corpus", lambda target_model: None)
+    assert isinstance(resolve_drafter(model).spec, PromptLookupSpec)
+    with pytest.raises(HeadwayError, match="name what to decode with"):
+        resolve_drafter(model, fallback=None)
+    monkeypatch.setattr(resolve, "default_corpus", lambda target_model: tmp_path / "corpus")
+    corpus = resolve_drafter(model)
+    assert isinstance(corpus.spec, RetrievalSpec)
+    assert corpus.spec.data == (str(tmp_path / "corpus"),)
+
+
+def test_the_cli_and_the_api_run_the_default_drafter_alike(shipped: tuple[Any, Path]) -> None:
+    model, _ = shipped
+    target = Target(model=model, tokenizer=None, source="tiny")  # type: ignore[arg-type]
+    args = build_parser().parse_args(["generate", "--device", "cpu", "hi"])
+    before = copy.deepcopy(vars(args))
+    drafter, choice = drafter_from_flags(args, target)
+    assert vars(args) == before  # nothing written back into the flags
+    assert drafter is not None and choice == _choice("default", target)
+    assert decode_options(args, choice).sizing == "cost"
+    explicit = build_parser().parse_args(["generate", "--sizing", "drafter", "hi"])
+    assert decode_options(explicit, drafter_from_flags(explicit, target)[1]).sizing == "drafter"
