@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,9 +52,10 @@ from headway.decode.options import DecodeOptions
 from headway.drafters.build import build_drafter, spec_for
 from headway.drafters.specs import EagleSpec, MedusaSpec, PromptLookupSpec, RetrievalSpec
 from headway.eval.acceptance import acceptance_stats
-from headway.eval.speed import EvalSettings, drafter_runner, plain_runner
+from headway.eval.dispatch import count_decoding, dispatch_table
+from headway.eval.speed import EvalSettings, TimedDrafter, drafter_runner, plain_runner
 from headway.evalsets import load_prompts
-from headway.target import Target, load_target
+from headway.target import Target, eos_token_ids, load_target
 
 Runner = Callable[[Target, torch.Tensor, int], tuple[Callable[[], list[int]], list[Any]]]
 
@@ -71,39 +71,7 @@ class Row:
     traces: list[list[int]] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     drafter: TimedDrafter | None = None
-
-
-class TimedDrafter:
-    """A drafter that adds up the seconds its ``begin``/``propose``/``observe`` calls take (the
-    drafting cost of a step), and counts its proposals."""
-
-    def __init__(self, inner: Drafter, device: torch.device) -> None:
-        self.inner, self.device = inner, device
-        self.seconds, self.steps = 0.0, 0
-
-    def __getattr__(self, name: str) -> Any:  # hidden_layers, max_nodes, ...
-        return getattr(self.inner, name)
-
-    def _timed(self, call: Callable[[], Any]) -> Any:
-        start = time.perf_counter()
-        result = call()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.seconds += time.perf_counter() - start
-        return result
-
-    def begin(self, prompt_ids: torch.Tensor) -> None:
-        self._timed(lambda: self.inner.begin(prompt_ids))
-
-    def propose(self, sequence: torch.Tensor, floor: float | None = None) -> Any:
-        self.steps += 1
-        return self._timed(lambda: self.inner.propose(sequence, floor))
-
-    def observe(self, new_tokens: torch.Tensor, hidden: tuple[torch.Tensor, ...]) -> None:
-        self._timed(lambda: self.inner.observe(new_tokens, hidden))
-
-    def reset(self) -> None:
-        self.seconds, self.steps = 0.0, 0
+    decoder: Decoder | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -150,6 +118,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--retrieval-data corpus if given, find nothing",
     )
     add_gemm_flag(parser, note=" (headway's rows only: the HF rows always take the stock call)")
+    parser.add_argument(
+        "--count-ops",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed runs, decode the first N prompts again under a dispatch counter "
+        "and print each headway row's eager torch ops per step outside the target's forward "
+        "(kernel launches on a GPU), inside it, and potential host syncs per step "
+        "(headway.eval.dispatch: the CPU proxy for GPU decoding cost)",
+    )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     return parser.parse_args(argv)
 
@@ -185,30 +163,35 @@ def hf_runner(lookup: int | None) -> Runner:
 def headway_row(
     name: str,
     target: Target,
-    drafter: Drafter,
+    drafter: Drafter | None,
     sizing: str = "drafter",
     verify: str = "eager",
     gemm: GemmChoice = "auto",
 ) -> Row:
-    """A row of headway's loop with ``drafter``, its drafting time measured."""
-    timed_drafter = TimedDrafter(drafter, target.model.device)
-    runner = headway_runner(target, timed_drafter, sizing, verify, gemm)
-    return Row(name, runner, drafter=timed_drafter)
+    """A row of headway's loop with ``drafter`` (``None``: one token per forward), its drafting
+    time measured."""
+    timed_drafter = None if drafter is None else TimedDrafter(drafter, target.model.device)
+    decoder = headway_decoder(target, timed_drafter, sizing, verify, gemm)
+    return Row(name, decoder_runner(decoder), drafter=timed_drafter, decoder=decoder)
 
 
-def headway_runner(
+def headway_decoder(
     target: Target,
     drafter: Any,
     sizing: str = "drafter",
     verify: str = "eager",
     gemm: GemmChoice = "auto",
-) -> Runner:
+) -> Decoder:
     """headway's loop with ``drafter`` (greedy; ``None``: one token per forward), sized by the
     drafter or by cost, its verify forward eager or captured, its linear layers multiplied as
-    ``gemm`` says, through one :class:`Decoder`; the result list collects accept lengths."""
-    settings = EvalSettings()
+    ``gemm`` says."""
     options = DecodeOptions(sizing=sizing, verify=verify, gemm=gemm)  # type: ignore[arg-type]
-    decoder = Decoder(target.model, drafter, options)
+    return Decoder(target.model, drafter, options)
+
+
+def decoder_runner(decoder: Decoder) -> Runner:
+    """Greedy generations through ``decoder``; the result list collects accept lengths."""
+    settings = EvalSettings()
 
     def make(
         target: Target, ids: torch.Tensor, new: int
@@ -233,7 +216,7 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     rows = [
         Row("hf greedy", hf_runner(None)),
         Row("hf prompt lookup", hf_runner(args.lookup_tokens)),
-        Row("headway, no drafter", headway_runner(target, None, gemm=args.gemm)),
+        headway_row("headway, no drafter", target, None, gemm=args.gemm),
     ]
     paths = ["eager", "captured"] if args.verify == "both" else [args.verify]
 
@@ -366,6 +349,22 @@ def main() -> None:
             f"{row['speedup']:.2f}x | {row['identical']} | "
             f"{'n/a' if cost is None else f'{cost:.2f}'} |"
         )
+    if args.count_ops:
+        counts = {
+            row.name: count_decoding(
+                row.decoder,
+                encoded[: args.count_ops],
+                max_new_tokens=args.max_new_tokens,
+                eos_token_ids=eos_token_ids(target),
+            )
+            for row in rows
+            if row.decoder is not None
+        }
+        print(f"\ndispatched ops, first {args.count_ops} prompt(s):\n")
+        print("\n".join(dispatch_table(counts)))
+        for row in results:
+            count = counts.get(row["drafter"])
+            row["dispatch"] = None if count is None else count.per_step()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2), encoding="utf-8")
 

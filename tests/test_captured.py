@@ -157,3 +157,14 @@ def test_sampling_through_the_static_path_matches_the_eager_path() -> None:
         )
         outputs.append(result.tokens)
     assert outputs[0] == outputs[1]
+
+
+def test_growing_the_cache_drops_the_graphs_and_their_memory_pool() -> None:
+    """A longer prompt grows the static cache: every graph of the smaller cache and the handle
+    of their private pool go (a stale handle crashed the next CUDA capture)."""
+    forward = StaticForward(tiny_model("llama"))
+    forward.begin(16)
+    forward._pool = object()  # as after a capture on CUDA
+    forward._shapes[(1, ())] = forward._shape(1, ())
+    forward.reserve(forward.cache.capacity + 1)
+    assert forward._shapes == {} and forward._pool is None

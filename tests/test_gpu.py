@@ -167,3 +167,43 @@ def test_captured_verify_feeds_an_eagle3_drafter_on_cuda() -> None:
     prompt = torch.tensor(PROMPT, device=CUDA)
     result = decoder.generate(prompt, max_new_tokens=30, eos_token_ids=())
     assert result.tokens == truth
+
+
+def long_tiny() -> Any:
+    """tests/tiny.py's Llama with room for prompts of 1,500 tokens, on CUDA."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny import tiny_config
+
+    config = tiny_config("llama")
+    config.max_position_embeddings = 2048
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.eval().to(CUDA)
+
+
+@pytest.mark.parametrize("drafter_name", ["none", "prompt-lookup"])
+def test_a_longer_prompt_grows_the_captured_cache_without_a_crash(drafter_name: str) -> None:
+    """One captured Decoder: a short prompt captures graphs, a long one then grows the static
+    cache (dropping them and their pool) and captures again; both equal transformers' greedy."""
+    model = long_tiny()
+    decoder = Decoder(model, make_drafter(drafter_name, []), DecodeOptions(verify="captured"))
+    for prompt in (PROMPT, [(7 * i) % 90 + 3 for i in range(600)]):
+        result = decoder.generate(
+            torch.tensor(prompt, device=CUDA), max_new_tokens=24, eos_token_ids=()
+        )
+        assert result.tokens == hf_greedy(model, prompt, 24)
+
+
+def test_one_decoder_grows_its_captured_cache_across_prompts_of_mixed_lengths() -> None:
+    """40 prompts of 5-1,500 tokens through one captured Decoder, each equal to HF greedy."""
+    model = long_tiny()
+    drafter = PromptLookupDrafter(num_draft_tokens=5)
+    decoder = Decoder(model, drafter, DecodeOptions(verify="captured"))
+    for index in range(40):
+        length = 5 + (index * 389) % 1496
+        prompt = [(11 * i + index) % 90 + 3 for i in range(length)]
+        result = decoder.generate(
+            torch.tensor(prompt, device=CUDA), max_new_tokens=12, eos_token_ids=()
+        )
+        assert result.tokens == hf_greedy(model, prompt, 12), (index, length)

@@ -160,6 +160,9 @@ class StaticForward:
                 target.values[:, :, : old.length] = source.values[:, :, : old.length]
         self.cache = new
         self._shapes.clear()
+        # The graphs' private memory pool goes with them: capturing into its stale handle
+        # aborts in CUDA's caching allocator, so the next capture opens a new pool.
+        self._pool = None
 
     def prefill(
         self, ids: Tensor, hidden_layers: tuple[int, ...]

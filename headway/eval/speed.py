@@ -328,3 +328,36 @@ def _running_figures(records: Sequence[PromptRecord]) -> dict[str, str]:
         sum(r.plain_seconds for r in records), 1e-9
     )
     return {"tau": f"{tau:.2f}", "speedup": f"{drafter_rate / max(plain_rate, 1e-9):.2f}x"}
+
+
+class TimedDrafter:
+    """A drafter that adds up the seconds its ``begin``/``propose``/``observe`` calls take (the
+    drafting cost of a step), and counts its proposals."""
+
+    def __init__(self, inner: Drafter, device: torch.device) -> None:
+        self.inner, self.device = inner, device
+        self.seconds, self.steps = 0.0, 0
+
+    def __getattr__(self, name: str) -> Any:  # hidden_layers, max_nodes, ...
+        return getattr(self.inner, name)
+
+    def _timed(self, call: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = call()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds += time.perf_counter() - start
+        return result
+
+    def begin(self, prompt_ids: torch.Tensor) -> None:
+        self._timed(lambda: self.inner.begin(prompt_ids))
+
+    def propose(self, sequence: torch.Tensor, floor: float | None = None) -> Any:
+        self.steps += 1
+        return self._timed(lambda: self.inner.propose(sequence, floor))
+
+    def observe(self, new_tokens: torch.Tensor, hidden: tuple[torch.Tensor, ...]) -> None:
+        self._timed(lambda: self.inner.observe(new_tokens, hidden))
+
+    def reset(self) -> None:
+        self.seconds, self.steps = 0.0, 0
