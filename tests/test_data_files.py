@@ -92,7 +92,7 @@ MALFORMED_ROWS = [
         "unknown format",
         b'{"prompt": "a", "response": "b"}',
         r"row has neither 'conversations', 'messages' nor 'text'; convert it to one of the "
-        r"formats in README 'Train on your own data'",
+        r"formats in docs/usage.md 'Train on your own data'",
     ),
     ("not a JSON object", b'["a", "b"]', r"row is a list, not an object"),
     ("malformed message", b'{"messages": ["hi"]}', r"message 1 is not an object with 'role'"),

@@ -24,7 +24,7 @@ heads' probabilities of the chosen ranks, and each step sends only the best node
 their share of the verify forward (the loop's :class:`~headway.decode.costs.TreeSizer`), none when
 the heads are unsure. Since verify forwards of 2-8 tokens got cheaper than one-token forwards on
 CPU (:mod:`headway.decode.gemm`), that is the mode that pays there: with the recipes' heads on
-MT-bench, Medusa-1 0.69x → 1.32x and Medusa-2 0.81x → 1.51x HF greedy (README, "Measured"). The
+MT-bench, Medusa-1 0.69x → 1.32x and Medusa-2 0.81x → 1.51x HF greedy (docs/benchmarks.md). The
 fixed 16-node tree above (17 verified tokens, beyond the routed sizes) predates that change.
 """
 

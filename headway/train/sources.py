@@ -47,7 +47,7 @@ from headway.train.samples import (
 
 __all__ = ["CHITCHAT", "EMBEDDED", "SHAREGPT", "load_conversations", "row_to_sample"]
 
-FORMATS_HINT = "convert it to one of the formats in README 'Train on your own data'"
+FORMATS_HINT = "convert it to one of the formats in docs/usage.md 'Train on your own data'"
 SHAREGPT_ROLES: dict[str, Role] = {
     "human": "user",
     "user": "user",
