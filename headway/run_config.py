@@ -77,6 +77,14 @@ class DataConfig:
     eval_fraction: float = field(
         default=0.02, metadata=_help("fraction of samples held out for evaluation")
     )
+    eval_max_samples: int | None = field(
+        default=None,
+        metadata=_help(
+            "evaluate on at most this many of the held-out samples (the first of the fixed "
+            "split; null = all): a held-out 2% of a large corpus is thousands of samples, "
+            "minutes per evaluation on a CPU"
+        ),
+    )
     features: Literal["online", "offline"] = field(
         default="online",
         metadata=_help("online: run the target in each step; offline: read features_dir"),
@@ -94,6 +102,10 @@ class DataConfig:
             raise ConfigError(f"data.limit={self.limit} must be >= 1 (or null for all)")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        if self.eval_max_samples is not None and self.eval_max_samples < 1:
+            raise ConfigError(
+                f"data.eval_max_samples={self.eval_max_samples} must be >= 1 (or null for all)"
+            )
         if self.features == "offline" and not self.features_dir:
             raise ConfigError("data.features=offline needs data.features_dir (a feature cache)")
         if self.loop_repeats < 0:

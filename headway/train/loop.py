@@ -38,6 +38,7 @@ from headway.locks import exclusive_folder, rank_lock_name
 from headway.run_config import RunConfig
 from headway.target import fingerprint, load_target
 from headway.train.curves import CURVE_FILE, record_eval, simulated_tau, write_learning_curve
+from headway.train.held_out import evaluate, first_samples
 from headway.train.loop_data import feature_source, training_data
 from headway.train.methods import build_method, feature_layers
 
@@ -167,27 +168,6 @@ def _check_finite(loss: Tensor, progress: Progress) -> None:
         )
 
 
-@torch.no_grad()
-def evaluate(method: Any, loader: Any, features: Any, accelerator: Accelerator) -> dict[str, float]:
-    """Mean loss and metrics over the held-out loader (averaged over batches and processes)."""
-    was_training = method.training
-    method.eval()
-    totals: dict[str, float] = {}
-    batches = 0
-    for batch in loader:
-        output = method(batch, features(batch))
-        values = {"loss": float(output.loss), **output.metrics}
-        for name, value in values.items():
-            totals[name] = totals.get(name, 0.0) + value
-        batches += 1
-    method.train(was_training)
-    names = sorted(totals)
-    local = torch.tensor([totals[n] for n in names] + [batches], device=accelerator.device)
-    summed = accelerator.reduce(local, reduction="sum")
-    count = max(float(summed[-1]), 1.0)
-    return {f"eval/{name}": float(summed[i]) / count for i, name in enumerate(names)}
-
-
 def train(config: RunConfig, *, resume: bool = False) -> Path:
     """Train ``config.train.method`` and save the heads to ``config.train.output_dir``.
 
@@ -221,6 +201,7 @@ def _train(config: RunConfig, run_dir: Path, *, resume: bool) -> Path:
         attn_implementation=config.target.attn_implementation,
     )
     train_set, eval_set, collate = training_data(config, target)
+    eval_set = first_samples(eval_set, config.data.eval_max_samples)
     method = build_method(config, target, from_init=checkpoint is None)  # resumed: checkpoint
     batch = config.train.batch_size
     train_loader = DataLoader(train_set, batch_size=batch, shuffle=True, collate_fn=collate)
