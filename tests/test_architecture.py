@@ -46,3 +46,18 @@ def test_training_and_loading_know_the_same_methods() -> None:
 
     accepted = set(typing.get_args(typing.get_type_hints(TrainConfig)["method"]))
     assert set(METHODS) == set(DRAFTER_METHODS) == accepted
+
+
+def test_the_generation_engine_imports_nothing_from_training() -> None:
+    """Regeneration's engine is inference: no chain of imports leads from it to ``train``."""
+    graph = grimp.build_graph("headway")
+    engine = sorted(m for m in graph.modules if m.startswith("headway.generation"))
+    training = sorted(m for m in graph.modules if m.startswith("headway.train"))
+    assert len(engine) >= 6
+    reached = [
+        (source, target)
+        for source in engine
+        for target in training
+        if graph.chain_exists(importer=source, imported=target)
+    ]
+    assert reached == []

@@ -27,8 +27,8 @@ from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.gemm import GemmChoice, resolve_gemm
 from headway.decode.generate import generate
 from headway.decode.options import DecodeOptions
+from headway.generation.batched_generation import ContinuousBatcher
 from headway.hardware import AVX2_PROFILE, CpuFeatures, mixed_precision, regeneration_dtype
-from headway.train.batched_generation import ContinuousBatcher
 from tests.tiny import tiny_model
 
 AVX2_ERROR = (

@@ -17,12 +17,12 @@ from transformers import AutoModelForCausalLM
 
 from headway.config import load_config
 from headway.errors import ConfigError
+from headway.generation.grouped_attention import PACKED
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model, default_feature_layers
 from headway.heads.vocab import DraftVocab, choose_vocab, token_counts
 from headway.run_config import RunConfig
 from headway.target import Target
 from headway.train.batching import document_attention_mask
-from headway.train.grouped_attention import PACKED
 from headway.train.losses_eagle import eagle3_loss, eagle3_loss_reference
 from headway.train.method_eagle3 import Eagle3, ttt_attention_mask, ttt_unroll, ttt_unroll_reference
 from tests.test_generate import hf_greedy

@@ -19,11 +19,11 @@ from headway.decode.generate import Decoder, Drafter, generate
 from headway.decode.kv import new_cache, prefill, tree_forward
 from headway.decode.options import DecodeOptions
 from headway.decode.tree import root_to_leaf_paths
+from headway.generation.batched_generation import ContinuousBatcher
 from headway.heads.drafter_eagle3 import Eagle3Drafter
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.vocab import DraftVocab
-from headway.train.batched_generation import ContinuousBatcher
 from tests.test_eagle3 import TREE as EAGLE3_TREE
 from tests.test_eagle3 import tiny4
 from tests.test_generate import hf_greedy as cpu_hf_greedy

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from headway.decode.drafters import NgramIndex
-from headway.train.batched_generation import ContinuousBatcher
-from headway.train.lookahead import accept_chains
-from headway.train.sampling_rule import SamplingRule
+from headway.generation.batched_generation import ContinuousBatcher
+from headway.generation.lookahead import accept_chains
+from headway.generation.sampling_rule import SamplingRule
 from tests.families import FAMILIES, family_config, family_model
 from tests.test_batched_generation import eos_that_ends_some, reference
 from tests.tiny import tiny_model

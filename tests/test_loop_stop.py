@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from headway.errors import DataError
+from headway.generation.batched_generation import ContinuousBatcher
+from headway.generation.loops import ends_in_loop, loop_cut, remove_loops
 from headway.target import Target
 from headway.train.answering import ENGINES
-from headway.train.batched_generation import ContinuousBatcher
-from headway.train.loops import ends_in_loop, loop_cut, remove_loops
 from headway.train.regenerate import RegenerateOptions, regenerate
 from tests.test_batched_generation import reference
 from tests.test_regenerate import OPTIONS, items, read_all

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from headway.config import load_config
 from headway.errors import ConfigError
+from headway.generation.loops import remove_loops
 from headway.run_config import RunConfig
 from headway.train.chat_format import tokenize_sample
 from headway.train.data import build_dataset, inspect_samples
-from headway.train.loops import remove_loops
 from tests.test_data import conversation, write_jsonl
 from tests.tokenizers_fixture import smollm2_tokenizer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from headway.train.ragged_cache import RaggedCache, step_mask
+from headway.generation.ragged_cache import RaggedCache, step_mask
 from tests.tiny import tiny_model
 
 

@@ -1,6 +1,6 @@
 """How the target answers a shard of prompts: turn by turn, through one of two engines.
 
-- ``continuous`` (default): :class:`~headway.train.batched_generation.ContinuousBatcher` keeps
+- ``continuous`` (default): :class:`~headway.generation.batched_generation.ContinuousBatcher` keeps
   every row busy (finished rows leave, waiting prompts and next turns join);
 - ``generate``: HF ``generate`` on left-padded batches of similar length (the reference).
 
@@ -19,9 +19,9 @@ import torch
 
 from headway.decode.gemm import GemmChoice, contiguous_head
 from headway.errors import DataError
+from headway.generation.batched_generation import ContinuousBatcher, SamplingRule
+from headway.generation.loops import loop_cut
 from headway.target import Target
-from headway.train.batched_generation import ContinuousBatcher, SamplingRule
-from headway.train.loops import loop_cut
 from headway.train.prompts import PromptItem
 
 logger = logging.getLogger(__name__)
@@ -48,12 +48,12 @@ class RegenerateOptions:
     # "generate": HF generate on padded batches (the reference, kept for benchmarks).
     engine: str = "continuous"
     # continuous only: tokens each row drafts per step by prompt lookup in its own text, all
-    # verified in the same forward (0: one token per step); see headway.train.lookahead.
+    # verified in the same forward (0: one token per step); see headway.generation.lookahead.
     # None: GREEDY_LOOKAHEAD for greedy answers, 0 when sampling (fewer drafts are kept there:
     # 1.40 tokens per forward at temperature 0.7, where lookahead 3 ran 0.94x of none).
     lookahead: int | None = None
     # > 0: an answer stops at its first token past this many periods of a repetition loop
-    # (headway.train.loops), finish_reason "loop". Greedy answers of small targets often loop
+    # (headway.generation.loops), finish_reason "loop". Greedy answers of small targets often loop
     # until max_new_tokens: half of smollm2-sharegpt-2's answer tokens were such tails.
     stop_loops: int = 0
 

@@ -16,7 +16,7 @@ pairs) and steps ``1 .. j`` at row t itself (its own chain), nothing else. :func
 the stock draft layer once per step over a ``DynamicCache`` that grows by T keys per step, with
 the 4-D mask ``[causal within the sample | I | I | ... | I]`` (:func:`ttt_attention_mask`): the
 reference's concatenated per-step KV and custom mask, written with transformers' own attention
-layer; its attention function is :func:`~headway.train.grouped_attention.packed_sdpa` (SDPA
+layer; its attention function is :func:`~headway.generation.grouped_attention.packed_sdpa` (SDPA
 with each grouped key/value head read once for its query heads, where the stock function
 repeats it; fwd + bwd of a TTT chunk 1.6x faster on a CPU). :func:`ttt_unroll_reference`
 recomputes every (row, step) from scratch as plain causal decoding, and a test holds the two
@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from headway.errors import ConfigError
+from headway.generation.grouped_attention import PACKED
 from headway.heads.drafter_medusa import final_hidden_layer
 from headway.heads.eagle import TargetHead, additive_mask
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
@@ -60,7 +61,6 @@ from headway.target import Target
 from headway.train.batching import document_attention_mask
 from headway.train.data import build_datasets
 from headway.train.features import CachedFeatureDataset
-from headway.train.grouped_attention import PACKED
 from headway.train.init_weights import check_head_config, load_initial
 from headway.train.losses import LossOutput
 from headway.train.losses_eagle import eagle3_loss, eagle3_rows

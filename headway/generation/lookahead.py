@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from headway.train.sampling_rule import SamplingRule
+from headway.generation.sampling_rule import SamplingRule
 
 
 @dataclass(frozen=True)

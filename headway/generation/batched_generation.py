@@ -14,9 +14,9 @@ model, no forked modeling code):
   (left-padded among themselves, logits of the last position only) and placed in free slots;
 - with ``lookahead = k > 0`` each row drafts up to ``k`` tokens by prompt lookup in its own
   prompt and answer, and one forward of ``1 + k`` tokens per row verifies every chain
-  (:mod:`headway.train.lookahead`): a CPU step is bound by reading the KV cache, which a longer
+  (:mod:`headway.generation.lookahead`): a CPU step is bound by reading the KV cache, which a longer
   step reads once for all its tokens;
-- grouped key/value heads are read once per step (:mod:`headway.train.grouped_attention`);
+- grouped key/value heads are read once per step (:mod:`headway.generation.grouped_attention`);
 - the LM head gets a contiguous input (:func:`~headway.decode.gemm.contiguous_head`): a prefill
   keeps the last position only, a strided ``[rows, 1, hidden]`` view.
 
@@ -49,11 +49,11 @@ from headway.decode.gemm import (
     routed_linears,
 )
 from headway.decode.kv import cache_argument
-from headway.train.grouped_attention import grouped_attention
-from headway.train.lookahead import accept_chains
-from headway.train.loops import ends_in_loop
-from headway.train.ragged_cache import RaggedCache, step_mask
-from headway.train.sampling_rule import SamplingRule
+from headway.generation.grouped_attention import grouped_attention
+from headway.generation.lookahead import accept_chains
+from headway.generation.loops import ends_in_loop
+from headway.generation.ragged_cache import RaggedCache, step_mask
+from headway.generation.sampling_rule import SamplingRule
 
 __all__ = [
     "Completion",
@@ -105,7 +105,7 @@ class ContinuousBatcher:
     ``lookahead`` is the most tokens a row drafts per step (0: plain decoding), ``ngram`` the
     longest suffix prompt lookup matches. ``stop_loops`` > 0 ends a row (``"loop"``) at the
     first token past that many periods of a repetition loop, that token left out
-    (:func:`~headway.train.loops.ends_in_loop`).
+    (:func:`~headway.generation.loops.ends_in_loop`).
     """
 
     def __init__(
