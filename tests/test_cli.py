@@ -207,7 +207,15 @@ def test_json_output_is_strict_json_when_no_draft_step_ran(
     assert row["tau"] is None and len(row["token_ids"]) == 1
 
 
-def test_env_prints_what_a_bug_report_needs(capsys: pytest.CaptureFixture[str]) -> None:
+def test_env_prints_what_a_bug_report_needs(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch import nn
+
+    from headway.cli import env
+
+    # the route is timed on small layers here; `headway env` itself times SmolLM2's shapes
+    monkeypatch.setattr(env, "_smollm2_shaped", lambda dtype: [nn.Linear(64, 128, dtype=dtype)])
     assert main(["env"]) == 0
     printed = capsys.readouterr().out
     for name in ("headway", "torch", "transformers", "accelerate", "CPU", "AVX", "torch kernels"):
