@@ -53,8 +53,10 @@ class _SectionParser(HfArgumentParser):
 
 
 def _readable(message: str, section: str) -> str:
-    """``argument --lr: invalid float value`` -> ``train.lr: invalid float value``."""
-    return re.sub(r"argument --(\w+)(/--[\w-]+)?", lambda m: f"{section}.{m.group(1)}", message)
+    """``argument --lr: invalid float value`` -> ``train.lr: invalid float value``, on one line
+    (a value with a line break in it is quoted back by argparse and transformers' parser)."""
+    named = re.sub(r"argument --(\w+)(/--[\w-]+)?", lambda m: f"{section}.{m.group(1)}", message)
+    return " ".join(named.split())
 
 
 def _section_types(config_type: type[Any]) -> dict[str, type[Any]]:

@@ -32,7 +32,8 @@ import yaml
 from safetensors import safe_open
 from transformers import PreTrainedModel
 
-from headway.train.regenerate import prompts_path, read_jsonl
+from headway.corpus.jsonl import read_jsonl
+from headway.train.regenerate import prompts_path
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 

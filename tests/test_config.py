@@ -111,3 +111,10 @@ def test_describe_lists_every_key_with_help() -> None:
     for key in ("target.name", "data.sources", "data.max_length", "train.lr", "train.log_with"):
         assert key in text
     assert "default 0.001" in text
+
+
+def test_a_value_with_a_line_break_is_refused_on_one_line() -> None:
+    """Found by tests/test_fuzz.py: the parser quotes a bad value back, line break and all."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(RunConfig, None, ["eagle.fc_bias=0\n0"])
+    assert "\n" not in str(refused.value) and "eagle.fc_bias" in str(refused.value)

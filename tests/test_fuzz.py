@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
 from headway.config import load_config
+from headway.corpus.sources import load_conversations
 from headway.errors import ConfigError, DataError, HeadwayError
 from headway.run_config import RunConfig
 from headway.train.chat_format import tokenize_sample
 from headway.train.data import build_dataset
-from headway.train.sources import load_conversations
 from tests.tokenizers_fixture import (
     CHATML_GENERATION_TEMPLATE,
     byte_bpe_tokenizer,

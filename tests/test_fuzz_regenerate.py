@@ -16,11 +16,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from headway.corpus.sources import load_conversations
 from headway.errors import DataError
 from headway.target import Target
 from headway.train.prompts import PromptItem
 from headway.train.regenerate import RegenerateOptions, prompts_path, regenerate
-from headway.train.sources import load_conversations
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from headway.corpus.jsonl import read_jsonl
+from headway.corpus.sources import load_conversations
 from headway.errors import DataError
 from headway.target import Target
 from headway.train import answering
@@ -29,10 +31,8 @@ from headway.train.regenerate import (
     frozen_prompt_ids,
     prompts_from_self_instruct,
     prompts_path,
-    read_jsonl,
     regenerate,
 )
-from headway.train.sources import load_conversations
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from headway.train.regenerate import prompts_path, read_jsonl
+from headway.corpus.jsonl import read_jsonl
+from headway.train.regenerate import prompts_path
 from tests.killing import ENV, HEADWAY, make_workspace
 
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from headway.corpus import embedded
+from headway.corpus.json_stream import StreamProblem, iter_array
+from headway.corpus.sources import load_conversations
 from headway.errors import DataError
 from headway.evalsets import evaluation_prompt_keys, mt_bench, normalise_prompt
-from headway.train import embedded
-from headway.train.json_stream import StreamProblem, iter_array
 from headway.train.prompts import build_mix, parse_mix
-from headway.train.sources import load_conversations
 
 
 def conversation(user: str, answer: str = "An answer.", row_id: str = "x") -> dict[str, object]:

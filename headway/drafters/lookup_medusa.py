@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from headway.atomic import write_text_atomic
+from headway.corpus.jsonl import read_jsonl
 from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.generate import Drafter
 from headway.decode.merged import MergedDrafter
@@ -34,7 +35,6 @@ from headway.heads.drafter_medusa import check_final_hidden, final_hidden_layer
 from headway.heads.loading import FoundHeads
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.target import Target, resolve_dtype
-from headway.train.regenerate import read_jsonl
 
 __all__ = [
     "draft_vocabulary",

@@ -18,13 +18,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from headway.atomic import atomic_dir
+from headway.corpus.sources import load_conversations
 from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.merged import FirstDrafter
 from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
 from headway.drafters.specs import RetrievalSpec
 from headway.errors import HeadwayError
 from headway.target import Target, cache_dir, eos_token_ids
-from headway.train.sources import load_conversations
 
 __all__ = ["answer_texts", "answer_token_ids", "corpus_index", "retrieval_drafter"]
 

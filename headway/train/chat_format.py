@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import jinja2
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
+from headway.corpus.samples import BadRowError, Message, Sample
 from headway.errors import DataError
 from headway.generation.loops import remove_loops
-from headway.train.samples import BadRowError, Message, Sample
 
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 

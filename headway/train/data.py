@@ -5,7 +5,7 @@
     loader = DataLoader(dataset, collate_fn=partial(pad_collate, pad_token_id=pad_id_of(tok)))
     blocks = pack(dataset, block_length=2048, pad_token_id=pad_id_of(tok))
 
-Reading and validating rows lives in :mod:`headway.train.sources`, chat templates and loss masks
+Reading and validating rows lives in :mod:`headway.corpus.sources`, chat templates and loss masks
 in :mod:`headway.train.chat_format`, padding and packing in :mod:`headway.train.batching`; this
 module ties them into a ``datasets.Dataset`` and renders samples for ``headway data inspect``.
 """
@@ -20,6 +20,8 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from headway.corpus.samples import BadRowError, DataReport, Message, Sample
+from headway.corpus.sources import CHITCHAT, load_conversations, no_samples_message
 from headway.errors import DataError
 from headway.train.batching import document_attention_mask, pack, pad_collate
 from headway.train.chat_format import (
@@ -27,8 +29,6 @@ from headway.train.chat_format import (
     chat_template_of,
     tokenize_sample,
 )
-from headway.train.samples import BadRowError, DataReport, Message, Sample
-from headway.train.sources import CHITCHAT, load_conversations, no_samples_message
 
 __all__ = [
     "CHITCHAT",

@@ -29,9 +29,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from headway.corpus.embedded import EVAL_OVERLAP
+from headway.corpus.sources import CHITCHAT, SHAREGPT, load_conversations
 from headway.errors import DataError
-from headway.train.embedded import EVAL_OVERLAP
-from headway.train.sources import CHITCHAT, SHAREGPT, load_conversations
 
 logger = logging.getLogger(__name__)
 

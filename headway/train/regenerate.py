@@ -33,6 +33,8 @@ import torch
 from tqdm.auto import tqdm
 
 from headway.atomic import write_bytes_atomic, write_text_atomic
+from headway.corpus.jsonl import DAMAGED as _DAMAGED
+from headway.corpus.jsonl import read_jsonl
 from headway.errors import DataError
 from headway.locks import exclusive_folder, rank_lock_name
 from headway.target import Target, fingerprint
@@ -60,39 +62,6 @@ logger = logging.getLogger(__name__)
 
 def _jsonl(rows: Sequence[dict[str, Any]]) -> str:
     return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-
-
-_DAMAGED = "the folder is damaged: remove this file to regenerate it, or use a new --out folder"
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Objects of a ``.jsonl`` or ``.jsonl.gz`` file that headway wrote.
-
-    Raises:
-        DataError: naming the file (and line) when it is not gzip, UTF-8, or one JSON object
-            per line.
-    """
-    data = path.read_bytes()
-    try:
-        if path.name.endswith(".gz"):
-            data = gzip.decompress(data)
-        text = data.decode("utf-8")
-    except (OSError, EOFError, UnicodeDecodeError) as error:  # BadGzipFile is an OSError
-        raise DataError(f"{path}: cannot be read ({error}); {_DAMAGED}") from None
-    rows = []
-    # Split on "\n" only: str.splitlines() also splits at U+2028 and other separators that
-    # json.dumps(ensure_ascii=False) leaves unescaped inside strings.
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except (ValueError, RecursionError) as error:
-            raise DataError(f"{path}:{number}: not JSON ({error}); {_DAMAGED}") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{number}: not a JSON object; {_DAMAGED}")
-        rows.append(row)
-    return rows
 
 
 def shard_path(shard_dir: Path, index: int) -> Path:

@@ -24,8 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
-from headway.errors import DataError
-from headway.train.embedded import (
+from headway.corpus.embedded import (
     CHITCHAT,
     CUT_OFF,
     EMBEDDED,
@@ -35,8 +34,8 @@ from headway.train.embedded import (
     iter_embedded,
     read_text_tolerant,
 )
-from headway.train.json_stream import StreamProblem, iter_array
-from headway.train.samples import (
+from headway.corpus.json_stream import StreamProblem, iter_array
+from headway.corpus.samples import (
     ROLES,
     BadRowError,
     DataReport,
@@ -44,6 +43,7 @@ from headway.train.samples import (
     Role,
     Sample,
 )
+from headway.errors import DataError
 
 __all__ = ["CHITCHAT", "EMBEDDED", "SHAREGPT", "load_conversations", "row_to_sample"]
 
@@ -326,7 +326,7 @@ def _json_problem(error: ValueError | RecursionError) -> str:
 def _iter_json_array(path: Path) -> Iterator[RawRow]:
     """Rows of a ``.json`` file holding one list, decoded row by row: rows before a syntax error
     or a cut-off end are kept, and what could not be read comes last as one ``cut-off file`` row
-    (see :mod:`headway.train.json_stream`)."""
+    (see :mod:`headway.corpus.json_stream`)."""
     text = read_text_tolerant(path)
     try:
         elements = iter_array(text)

