@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from headway.decode.options import DecodeOptions
-from headway.drafters.build import build_drafter, spec_for
-from headway.drafters.shipped import SHIPPED_DIR, shipped_heads
+from headway.drafters.build import build_drafter
+from headway.drafters.resolve import resolve_drafter
+from headway.drafters.shipped import DEFAULT_SIZING, SHIPPED_DIR, shipped_heads
 from headway.eval.run import describe_drafter, evaluate
 from headway.eval.speed import EvalSettings
 from headway.evalsets import EvalPrompt
@@ -36,16 +37,18 @@ def evaluate_shipped(
     found = shipped_heads(target.model, shipped_dir=shipped_dir)
     if not found:
         return NONE_SHIPPED
-    spec = spec_for(heads=found[0])
+    # named by folder, sized as a shipped default runs (the resolver's rule, not a literal)
+    choice = resolve_drafter(target.model, heads=str(found[0]), sizing=DEFAULT_SIZING)
+    assert choice.spec is not None
     report = evaluate(
         target,
-        build_drafter(spec, target),
+        build_drafter(choice.spec, target),
         prompts,
         settings,
         out_dir,
-        drafter_info=describe_drafter(spec),
+        drafter_info=describe_drafter(choice.spec),
         prompt_set=prompt_set,
-        options=DecodeOptions(sizing="cost"),
+        options=DecodeOptions(sizing=choice.sizing),
     )
     return shipped_summary(report)
 
