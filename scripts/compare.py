@@ -52,12 +52,11 @@ from headway.decode.options import DecodeOptions
 from headway.drafters.build import build_drafter, spec_for
 from headway.drafters.specs import EagleSpec, MedusaSpec, PromptLookupSpec, RetrievalSpec
 from headway.eval.acceptance import acceptance_stats
+from headway.eval.baselines import Runner, hf_runner
 from headway.eval.dispatch import count_decoding, dispatch_table
-from headway.eval.speed import EvalSettings, TimedDrafter, drafter_runner, plain_runner
+from headway.eval.speed import EvalSettings, TimedDrafter, drafter_runner
 from headway.evalsets import load_prompts
 from headway.target import Target, eos_token_ids, load_target
-
-Runner = Callable[[Target, torch.Tensor, int], tuple[Callable[[], list[int]], list[Any]]]
 
 
 @dataclass
@@ -119,6 +118,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_gemm_flag(parser, note=" (headway's rows only: the HF rows always take the stock call)")
     parser.add_argument(
+        "--hf-static",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run HF greedy over a StaticCache (transformers compiles its decoding forward "
+        "on CUDA: the best plain baseline there); default: on CUDA only",
+    )
+    parser.add_argument(
         "--count-ops",
         type=int,
         default=0,
@@ -130,34 +136,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     return parser.parse_args(argv)
-
-
-def hf_runner(lookup: int | None) -> Runner:
-    """HF generate, greedy, optionally with its prompt-lookup candidate generator."""
-    settings = EvalSettings(baseline="hf")
-
-    def make(
-        target: Target, ids: torch.Tensor, new: int
-    ) -> tuple[Callable[[], list[int]], list[Any]]:
-        if lookup is None:
-            return plain_runner(target, ids, settings, 0, new), []
-        model = target.model
-
-        def run() -> list[int]:
-            batch = ids.to(model.device)[None]
-            with torch.inference_mode():
-                out = model.generate(  # type: ignore[operator]
-                    batch,
-                    attention_mask=torch.ones_like(batch),
-                    max_new_tokens=new,
-                    do_sample=False,
-                    prompt_lookup_num_tokens=lookup,
-                )
-            return [int(t) for t in out[0, batch.shape[1] :]]
-
-        return run, []
-
-    return make
 
 
 def headway_row(
@@ -216,9 +194,15 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     rows = [
         Row("hf greedy", hf_runner(None)),
         Row("hf prompt lookup", hf_runner(args.lookup_tokens)),
-        headway_row("headway, no drafter", target, None, gemm=args.gemm),
     ]
+    if args.hf_static or (args.hf_static is None and target.model.device.type == "cuda"):
+        rows.append(Row("hf greedy, static cache", hf_runner(None, static=True)))
     paths = ["eager", "captured"] if args.verify == "both" else [args.verify]
+    for verify in paths:  # the best plain decoder of each verify path, beside the drafters
+        suffix = ", captured" if verify == "captured" else ""
+        rows.append(
+            headway_row(f"headway, no drafter{suffix}", target, None, verify=verify, gemm=args.gemm)
+        )
 
     def add(name: str, spec: Any, sizing: str = "drafter", *, fallback: bool = False) -> None:
         for verify in paths:  # a drafter per row: drafters keep state between steps
