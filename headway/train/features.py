@@ -20,7 +20,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,14 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 def hidden_key(layer: int) -> str:
     return f"hidden.{layer}"
+
+
+Batch = Mapping[str, Tensor]
+"""One collated batch: ``input_ids``, ``loss_mask`` and the rest, each ``[batch, seq, ...]``."""
+
+FeatureSource = Callable[[Batch], dict[int, Tensor]]
+"""A batch -> the target's hidden states a method trains on, by ``output_hidden_states`` index
+(:class:`OnlineFeatures`, or :func:`cached_hidden` over a feature cache)."""
 
 
 class OnlineFeatures:

@@ -6,8 +6,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from torch.utils.data import Dataset, Subset
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
+
+from headway.train.features import Batch, FeatureSource
 
 __all__ = ["evaluate", "first_samples"]
 
@@ -21,7 +24,12 @@ def first_samples(dataset: Dataset[Any], limit: int | None) -> Dataset[Any]:
 
 
 @torch.no_grad()
-def evaluate(method: Any, loader: Any, features: Any, accelerator: Accelerator) -> dict[str, float]:
+def evaluate(
+    method: nn.Module,
+    loader: DataLoader[Batch],
+    features: FeatureSource,
+    accelerator: Accelerator,
+) -> dict[str, float]:
     """Mean loss and metrics over the held-out loader (averaged over batches and processes);
     the main process shows a progress bar (a held-out set of a large corpus takes minutes on a
     CPU: ``data.eval_max_samples`` bounds it)."""

@@ -23,8 +23,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import DataLoaderShard
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
@@ -38,6 +41,7 @@ from headway.locks import exclusive_folder, rank_lock_name
 from headway.run_config import RunConfig
 from headway.target import fingerprint, load_target
 from headway.train.curves import CURVE_FILE, record_eval, simulated_tau, write_learning_curve
+from headway.train.features import Batch, FeatureSource
 from headway.train.held_out import evaluate, first_samples
 from headway.train.loop_data import feature_source, training_data
 from headway.train.methods import build_method, feature_layers
@@ -123,7 +127,9 @@ def _remove_partial_checkpoints(run_dir: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def _epochs(loader: Any, accelerator: Accelerator, progress: Progress) -> Iterator[Any]:
+def _epochs(
+    loader: DataLoaderShard, accelerator: Accelerator, progress: Progress
+) -> Iterator[Batch]:
     """Batches forever, epoch after epoch, starting at the saved position of the saved epoch.
 
     Fetching batches leaves the global RNG untouched (:func:`_rng_neutral`): a DataLoader draws a
@@ -143,7 +149,7 @@ def _epochs(loader: Any, accelerator: Accelerator, progress: Progress) -> Iterat
         progress.batches_in_epoch = 0
 
 
-def _rng_neutral(loader: Iterable[Any]) -> Iterator[Any]:
+def _rng_neutral(loader: Iterable[Batch]) -> Iterator[Batch]:
     """Iterate ``loader`` with the global CPU RNG restored after every fetch."""
     state = torch.get_rng_state()
     iterator = iter(loader)
@@ -275,7 +281,7 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _summary(accelerator: Accelerator, method: Any, seconds: float) -> dict[str, Any]:
+def _summary(accelerator: Accelerator, method: nn.Module, seconds: float) -> dict[str, Any]:
     """Time, memory and a per-process checksum of the trained weights (equal on every rank when
     the processes trained one model)."""
     checksum = sum(float(p.detach().double().sum()) for p in method.parameters() if p.requires_grad)
@@ -292,12 +298,12 @@ def _summary(accelerator: Accelerator, method: Any, seconds: float) -> dict[str,
 def _run_steps(
     config: RunConfig,
     accelerator: Accelerator,
-    method: Any,
-    optimizer: Any,
-    scheduler: Any,
-    train_loader: Any,
-    eval_loader: Any,
-    features: Any,
+    method: nn.Module,
+    optimizer: AcceleratedOptimizer,
+    scheduler: AcceleratedScheduler,
+    train_loader: DataLoaderShard,
+    eval_loader: DataLoader[Batch],
+    features: FeatureSource,
     progress: Progress,
     run_dir: Path,
 ) -> None:
@@ -346,9 +352,9 @@ _SHOWN = {"loss", "head1/top1", "depth1/top1"}
 
 
 def _evaluate_and_record(
-    method: Any,
-    eval_loader: Any,
-    features: Any,
+    method: nn.Module,
+    eval_loader: DataLoader[Batch],
+    features: FeatureSource,
     accelerator: Accelerator,
     progress: Progress,
     run_dir: Path,

@@ -19,6 +19,7 @@ from headway.train.batching import pack, padding_share
 from headway.train.data import build_datasets, pad_collate, pad_id_of
 from headway.train.features import (
     CachedFeatureDataset,
+    FeatureSource,
     OnlineFeatures,
     cached_hidden,
 )
@@ -84,7 +85,9 @@ def training_data(config: RunConfig, target: Target) -> tuple[Dataset[Any], Data
     return train_set, eval_set, partial(pad_collate, pad_token_id=pad_id)
 
 
-def feature_source(config: RunConfig, target: Target, layers: tuple[int, ...]) -> Any:
+def feature_source(config: RunConfig, target: Target, layers: tuple[int, ...]) -> FeatureSource:
+    """Where a method's target features come from: none (Medusa-2 runs the target itself), the
+    offline cache, or the frozen target run now (under the run's mixed precision)."""
     if not layers:  # the method runs the target itself (medusa2): no extra frozen forward
         return lambda batch: {}
     if config.data.features == "offline":
