@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel
 
 from headway.decode.bench import target_seconds
 from headway.decode.forwards import EagerForward, TargetForward
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 
 def verify_timer(
-    target_model: Any,
+    target_model: PreTrainedModel,
     prefix_tokens: int,
     *,
     gemm: Route = "stock",

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from transformers import PreTrainedModel
 
 from headway.decode.options import Sizing
 from headway.drafters.build import spec_for
@@ -46,7 +47,7 @@ class DrafterChoice:
 
 
 def resolve_drafter(
-    model: Any,
+    model: PreTrainedModel,
     *,
     drafter: str | None = None,
     heads: str | None = None,

@@ -16,7 +16,8 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+
+from transformers import PreTrainedModel
 
 from headway.decode.options import Sizing
 from headway.errors import HeadwayError
@@ -64,7 +65,7 @@ index loads from the cache in a fraction of a second after the first use."""
 
 
 def default_corpus(
-    model: Any, *, corpus_dir: Path | None = None, names: Sequence[str] | None = None
+    model: PreTrainedModel, *, corpus_dir: Path | None = None, names: Sequence[str] | None = None
 ) -> Path | None:
     """The ``data`` folder of the first default corpus that ``model`` regenerated, or ``None``.
 
@@ -111,7 +112,7 @@ def _recorded_target(file: Path, block: str) -> TargetFingerprint | None:
 
 
 def default_heads(
-    model: Any, *, shipped_dir: Path | None = None, names: Sequence[str] | None = None
+    model: PreTrainedModel, *, shipped_dir: Path | None = None, names: Sequence[str] | None = None
 ) -> Path | None:
     """The shipped drafter that is the default for ``model``, or ``None``.
 
@@ -129,7 +130,7 @@ def default_heads(
 
 
 def shipped_heads(
-    model: Any, *, shipped_dir: Path | None = None, names: Sequence[str] | None = None
+    model: PreTrainedModel, *, shipped_dir: Path | None = None, names: Sequence[str] | None = None
 ) -> list[Path]:
     """The shipped drafters trained for ``model`` (matched by target fingerprint), default or not.
 

@@ -42,7 +42,7 @@ from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from headway.decode.costs import verify_timer
 from headway.decode.gemm import GemmChoice, Route, resolve_gemm, routed_linears
@@ -82,7 +82,7 @@ reference does the same with its own table (``[40, 48, 50, 56, 60]`` -> ``[1, 1.
 
 
 def auto_total_tokens(
-    target_model: Any,
+    target_model: PreTrainedModel,
     *,
     prefix_tokens: int = 128,
     seconds: Callable[[int], float] | None = None,

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel
 
 from headway.decode.gemm import GemmChoice, resolve_gemm, routed_linears
 from headway.decode.tree import DraftTree, StaticTree, empty_tree, static_tree
@@ -113,7 +113,7 @@ def medusa_tree(choices: str | Sequence[Sequence[int]], config: MedusaConfig) ->
     return tree
 
 
-def final_hidden_layer(model: Any) -> int:
+def final_hidden_layer(model: PreTrainedModel) -> int:
     """Index into ``output_hidden_states`` of the LM head's input: ``num_hidden_layers``, the last
     entry. In transformers 5.23 that entry is taken after the final norm for Llama, Qwen2 and
     GPT-2 (and every model built on the standard decoder template);
@@ -121,7 +121,7 @@ def final_hidden_layer(model: Any) -> int:
     return int(model.config.get_text_config().num_hidden_layers)
 
 
-def _probe_ids(model: Any) -> Tensor:
+def _probe_ids(model: PreTrainedModel) -> Tensor:
     """A few ordinary token ids ``[1, 4]`` (not the pad token, whose embedding is often zero and
     would make every hidden state zero, hence equal)."""
     pad = model.config.get_text_config().pad_token_id
@@ -130,7 +130,7 @@ def _probe_ids(model: Any) -> Tensor:
     return torch.tensor([ids], dtype=torch.long, device=model.device)
 
 
-def check_final_hidden(model: Any, layer: int) -> None:
+def check_final_hidden(model: PreTrainedModel, layer: int) -> None:
     """Run a few tokens through ``model`` and check that ``output_hidden_states[layer]`` is exactly
     what its output embedding (LM head) consumes, by capturing that input with a forward hook.
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import DynamicCache, LlamaConfig
+from transformers import DynamicCache, LlamaConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -150,7 +150,7 @@ class EagleConfig:
         return cls(**data)
 
     @classmethod
-    def from_target(cls, model: Any, *, fc_bias: bool = True) -> EagleConfig:
+    def from_target(cls, model: PreTrainedModel, *, fc_bias: bool = True) -> EagleConfig:
         """Draft-layer sizes copied from a target model (any family, see the module docstring)."""
         text = model.config.get_text_config()
         hidden = int(text.hidden_size)
@@ -326,7 +326,7 @@ class TargetHead:
     lm_head: nn.Module
 
     @classmethod
-    def of(cls, model: Any) -> TargetHead:
+    def of(cls, model: PreTrainedModel) -> TargetHead:
         """The input embedding and output embedding of a Hugging Face causal LM."""
         return cls(embed=model.get_input_embeddings(), lm_head=model.get_output_embeddings())
 

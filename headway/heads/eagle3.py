@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache, LlamaConfig
+from transformers import DynamicCache, LlamaConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaMLP,
@@ -174,7 +174,7 @@ class Eagle3Config:
     @classmethod
     def from_target(
         cls,
-        model: Any,
+        model: PreTrainedModel,
         *,
         draft_vocab_size: int,
         feature_layers: tuple[int, int, int] | None = None,

@@ -10,9 +10,9 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from torch import Tensor
+from transformers import PreTrainedModel
 
 from headway.heads.eagle import EagleConfig
 from headway.heads.eagle3 import Eagle3Config
@@ -88,7 +88,9 @@ def heads_family(directory: str | Path) -> str:
     return DRAFTER_METHODS[method].family
 
 
-def find_heads(directory: str | Path, target_model: Any, *, force: bool = False) -> FoundHeads:
+def find_heads(
+    directory: str | Path, target_model: PreTrainedModel, *, force: bool = False
+) -> FoundHeads:
     """Read the heads in ``directory`` for ``target_model``.
 
     Args:

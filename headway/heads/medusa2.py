@@ -34,11 +34,11 @@ import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from peft.utils import set_peft_model_state_dict
 from torch import Tensor
+from transformers import PreTrainedModel
 
 from headway.heads.io import (
     CONFIG_NAME,
@@ -79,7 +79,7 @@ def _quiet_peft() -> Iterator[None]:
         yield
 
 
-def add_lora(model: Any, config: LoraConfig) -> PeftModel:
+def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
     """Wrap ``model`` in LoRA adapters *in place* (peft injects them into its modules): the base
     weights are frozen, only ``lora_A`` / ``lora_B`` require grad, and ``lora_B`` starts at zero
     so the adapted model equals the original until it is trained."""
@@ -163,7 +163,7 @@ def set_adapter_weights(
     set_peft_model_state_dict(peft_model, dict(tensors))
 
 
-def merge_adapter(run_dir: str | Path, model: Any) -> None:
+def merge_adapter(run_dir: str | Path, model: PreTrainedModel) -> None:
     """Merge the LoRA adapter of Medusa-2 run ``run_dir`` into ``model`` in place (module
     docstring); a no-op if this run's adapter is merged already.
 

@@ -45,6 +45,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from torch import Tensor, nn
+from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from headway.errors import ConfigError
@@ -68,7 +69,7 @@ __all__ = ["FrozenBackbone", "Medusa2", "check_lora_targets"]
 _LORA_LEAVES = (nn.Linear, Conv1D)  # what peft's LoRA adapts in a transformers decoder
 
 
-def check_lora_targets(model: Any, names: Sequence[str]) -> None:
+def check_lora_targets(model: PreTrainedModel, names: Sequence[str]) -> None:
     """Refuse ``medusa.lora_target_modules`` entries that name no linear layer of ``model``, or
     name its embedding or LM head (peft matches a name against whole module paths or their
     dotted suffixes, e.g. ``q_proj`` matches every ``....self_attn.q_proj``).
