@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from headway.atomic import write_text_atomic
 from headway.corpus.jsonl import read_jsonl
@@ -83,7 +83,9 @@ def lookup_medusa_drafter(
     return MergedDrafter(drafters, max_nodes=budget)
 
 
-def frequent_answer_tokens(data_dir: Path, tokenizer: Any, size: int) -> list[int]:
+def frequent_answer_tokens(
+    data_dir: Path, tokenizer: PreTrainedTokenizerBase, size: int
+) -> list[int]:
     """The ``size`` most frequent token ids of the assistant answers in regenerated data
     (``data_dir/*.jsonl[.gz]`` with ``messages`` rows), most frequent first."""
     counts: Counter[int] = Counter()
@@ -121,7 +123,7 @@ def _read_vocabulary_file(path: Path, vocab_size: int) -> list[int]:
     return ids
 
 
-def draft_vocabulary(source: Path, tokenizer: Any, size: int) -> Tensor:
+def draft_vocabulary(source: Path, tokenizer: PreTrainedTokenizerBase, size: int) -> Tensor:
     """The draft vocabulary, sorted, as a LongTensor: the ``size`` most frequent answer tokens of
     a chat-data folder, or the first ``size`` ids of a file written by
     :func:`write_draft_vocabulary` (no tokenizing).

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 from headway.atomic import atomic_file
 
@@ -32,7 +35,7 @@ def _figure() -> tuple[Any, Any]:
     return figure, figure.add_subplot()
 
 
-def _accept_lengths(report: dict[str, Any], axes: Any) -> None:
+def _accept_lengths(report: dict[str, Any], axes: Axes) -> None:
     histogram = {int(k): v for k, v in report["accept_length_histogram"].items()}
     lengths = list(range(1, max(histogram, default=1) + 1))
     axes.bar(lengths, [histogram.get(length, 0) for length in lengths], color="tab:blue")
@@ -47,7 +50,7 @@ def _accept_lengths(report: dict[str, Any], axes: Any) -> None:
     axes.set_title(f"accept lengths: {report['drafter']['name']}")
 
 
-def _acceptance_by_depth(report: dict[str, Any], axes: Any) -> None:
+def _acceptance_by_depth(report: dict[str, Any], axes: Axes) -> None:
     rates = report["acceptance_by_depth"]
     conditional = [
         value if value is not None else 0.0 for value in report["conditional_acceptance_by_depth"]
@@ -64,7 +67,7 @@ def _acceptance_by_depth(report: dict[str, Any], axes: Any) -> None:
     axes.legend()
 
 
-def _tokens_per_s(report: dict[str, Any], axes: Any) -> None:
+def _tokens_per_s(report: dict[str, Any], axes: Axes) -> None:
     categories = list(report["per_category"])
     rows = [report["per_category"][name] for name in categories]
     positions = list(range(len(categories)))
