@@ -232,6 +232,13 @@ def test_the_timed_pass_streams_every_layer_on_one_and_on_eight_rows(
     assert calls == [(4, 1), (8, 1), (4, MAX_ROWS), (8, MAX_ROWS)]
 
 
+def test_auto_times_a_model_whose_layers_differ_in_dtype() -> None:
+    """A model that keeps one layer in another dtype (say an fp32 head under bf16 layers) is
+    timed with inputs of each layer's own dtype."""
+    model = nn.Sequential(nn.Linear(8, 16).to(torch.bfloat16), nn.Linear(16, 4))
+    assert resolve_gemm(model, "auto") in ("stock", "transposed", "packed")
+
+
 class _Quantized(nn.Linear):
     """Stands for a Linear subclass with its own weight format (e.g. int8): never rerouted."""
 

@@ -182,17 +182,18 @@ def _linear_pass(linears: Sequence[nn.Linear], route: Route) -> Callable[[], Non
         else partial(_stock, module)
         for module in linears
     ]
-    weight = linears[0].weight
+    device = linears[0].weight.device
+    shapes = {(module.in_features, module.weight.dtype) for module in linears}
     inputs = {
-        (rows, features): torch.randn(rows, features, dtype=weight.dtype, device=weight.device)
+        (rows, features, dtype): torch.randn(rows, features, dtype=dtype, device=device)
         for rows in TIMED_ROWS
-        for features in {module.in_features for module in linears}
-    }
+        for features, dtype in shapes
+    }  # keyed by dtype too: a model may keep some layers in another dtype
 
     def run() -> None:
         for rows in TIMED_ROWS:
             for module, forward in zip(linears, forwards, strict=True):
-                forward(inputs[rows, module.in_features])
+                forward(inputs[rows, module.in_features, module.weight.dtype])
 
     return run
 
