@@ -34,6 +34,7 @@ __all__ = [
     "cpu_features",
     "fast_bf16",
     "mixed_precision",
+    "onednn_supports",
     "regeneration_dtype",
 ]
 
@@ -108,10 +109,21 @@ def _flag(name: str) -> bool:
         return False
 
 
-def _onednn_bf16() -> bool:
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+_ONEDNN_REPORTS = {
+    torch.bfloat16: "_is_mkldnn_bf16_supported",
+    torch.float16: "_is_mkldnn_fp16_supported",
+}
+
+
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """torch's own report of whether oneDNN runs ``dtype`` on this CPU (float32 wherever this
+    torch has oneDNN; bf16 and fp16 by ``torch.ops.mkldnn._is_mkldnn_*_supported``, which honours
+    ``ONEDNN_MAX_CPU_ISA``); ``False`` where this build lacks the report or it fails."""
     try:
-        return bool(torch.backends.mkldnn.is_available() and probe is not None and probe())
+        if not torch.backends.mkldnn.is_available():
+            return False
+        name = _ONEDNN_REPORTS.get(dtype)
+        return True if name is None else bool(getattr(torch.ops.mkldnn, name)())
     except (RuntimeError, AttributeError):
         return False
 
@@ -137,7 +149,7 @@ def cpu_features() -> CpuFeatures:
         avx512=_flag("_is_avx512_supported"),
         avx512_bf16=_flag("_is_avx512_bf16_supported"),
         amx=_flag("_is_amx_tile_supported"),
-        onednn_bf16=_onednn_bf16(),
+        onednn_bf16=onednn_supports(torch.bfloat16),
     )
 
 

@@ -86,7 +86,7 @@ def test_torchs_own_report_keeps_the_reorder_from_being_tried(
     def never(weight: torch.Tensor, rows: int) -> torch.Tensor:
         raise AssertionError("the reorder ran although torch reported no bf16 kernels")
 
-    monkeypatch.setattr(packed, "_reports", lambda name: False)
+    monkeypatch.setattr(packed, "onednn_supports", lambda dtype: False)
     monkeypatch.setattr(packed, "reorder_weight", never)
     packed._probe_packing.cache_clear()
     try:

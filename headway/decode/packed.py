@@ -21,6 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional
 
+from headway.hardware import onednn_supports
+
 __all__ = [
     "MAX_PACKED_ROWS",
     "forget_packed",
@@ -97,14 +99,6 @@ def packing_available(dtype: torch.dtype = torch.float32) -> bool:
     return _probe_packing(dtype)
 
 
-def _reports(name: str) -> bool:
-    """torch's own report ``torch.ops.mkldnn.<name>()`` (false where this build lacks it)."""
-    try:
-        return bool(getattr(torch.ops.mkldnn, name)())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 @functools.cache
 def _probe_packing(dtype: torch.dtype) -> bool:
     if not (
@@ -112,11 +106,7 @@ def _probe_packing(dtype: torch.dtype) -> bool:
     ):
         logger.info("gemm: no packed route: this torch build lacks oneDNN's linear kernels")
         return False
-    supported = {
-        torch.bfloat16: "_is_mkldnn_bf16_supported",
-        torch.float16: "_is_mkldnn_fp16_supported",
-    }.get(dtype)
-    if supported is not None and not _reports(supported):
+    if not onednn_supports(dtype):
         logger.info(
             "gemm: no packed route for %s weights: oneDNN has no kernels for them on this CPU "
             "(torch kernels: %s; `headway env` lists its features); the stock route is used",

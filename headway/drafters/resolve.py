@@ -1,7 +1,7 @@
 """The one place that decides which drafter runs, and how its trees are sized, from what a user
-named: the command line (``headway generate``/``eval``), the Python API, the quickstart and
-``scripts/compare.py`` all call :func:`resolve_drafter`, so the default drafter runs the same way
-everywhere.
+named: the command line (``headway generate``/``eval``), the Python API and the quickstart all
+call :func:`resolve_drafter`, so the default drafter runs the same way everywhere
+(``scripts/compare.py`` builds each of its rows from an explicit spec instead).
 
 What was named, in order:
 
