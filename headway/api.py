@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from headway.decode.gemm import GemmChoice
 from headway.decode.generate import Decoder, Drafter
 from headway.decode.options import DecodeOptions
 from headway.decode.probe import check_tree_mask
@@ -73,7 +72,6 @@ def load_drafter(
     source: str | Path | DrafterSpec,
     target: Target,
     *,
-    gemm: GemmChoice = "auto",
     options: Mapping[str, object] | None = None,
 ) -> Drafter:
     """A drafter for ``target``: a spec (:mod:`headway.drafters.specs`), a drafter name
@@ -88,11 +86,11 @@ def load_drafter(
     if isinstance(source, SPEC_TYPES):
         if options:
             raise HeadwayError("give options inside the spec, not beside it")
-        return build_drafter(source, target, gemm=gemm)
+        return build_drafter(source, target)
     choice = _choice(str(source), target, options)
     if choice.spec is None:
         raise HeadwayError("'none' is no drafter: pass drafter=None to generate instead")
-    return build_drafter(choice.spec, target, gemm=gemm)
+    return build_drafter(choice.spec, target)
 
 
 def _choice(

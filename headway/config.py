@@ -24,12 +24,15 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 import yaml
 from transformers import HfArgumentParser
 
 from headway.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 T = TypeVar("T")
 _NULLS = {"null", "none", "~"}
@@ -69,11 +72,11 @@ def _field_types(section_type: type[Any]) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_type) if f.init}
 
 
-def _is_list(annotation: Any) -> bool:
+def _is_list(annotation: object) -> bool:
     return typing.get_origin(annotation) is list
 
 
-def _is_optional(annotation: Any) -> bool:
+def _is_optional(annotation: object) -> bool:
     origin = typing.get_origin(annotation)
     is_union = origin is typing.Union or origin is types.UnionType
     return is_union and type(None) in typing.get_args(annotation)
@@ -87,7 +90,7 @@ def unknown_name(kind: str, name: str, valid: Sequence[str], where: str) -> Conf
     return ConfigError(f"{where}: unknown {kind} {name!r}; {hint}")
 
 
-def _as_argument(value: Any) -> list[str]:
+def _as_argument(value: object) -> list[str]:
     """One YAML value as argparse tokens: lists become several tokens, booleans 'true'/'false'."""
     if isinstance(value, bool):
         return ["true" if value else "false"]
@@ -241,7 +244,7 @@ def load_config(
     return config_type(**built)
 
 
-def to_dict(config: Any) -> dict[str, Any]:
+def to_dict(config: DataclassInstance) -> dict[str, Any]:
     """A config as plain YAML-able data (for saving beside a run)."""
     return dataclasses.asdict(config)
 

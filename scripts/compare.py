@@ -44,12 +44,13 @@ from tqdm.auto import tqdm
 from headway.api import prompt_ids
 from headway.cli.common import add_gemm_flag
 from headway.decode.bench import timed
-from headway.decode.drafters import PromptLookupDrafter
-from headway.decode.gemm import GemmChoice
+from headway.decode.gemm import apply_gemm
 from headway.decode.generate import Decoder, Drafter
-from headway.decode.merged import FirstDrafter
 from headway.decode.options import DecodeOptions
 from headway.drafters.build import build_drafter, spec_for
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.merged import FirstDrafter
+from headway.drafters.resolve import resolve_drafter
 from headway.drafters.specs import EagleSpec, MedusaSpec, PromptLookupSpec, RetrievalSpec
 from headway.eval.acceptance import acceptance_stats
 from headway.eval.baselines import Runner, hf_runner
@@ -144,12 +145,11 @@ def headway_row(
     drafter: Drafter | None,
     sizing: str = "drafter",
     verify: str = "eager",
-    gemm: GemmChoice = "auto",
 ) -> Row:
     """A row of headway's loop with ``drafter`` (``None``: one token per forward), its drafting
     time measured."""
     timed_drafter = None if drafter is None else TimedDrafter(drafter, target.model.device)
-    decoder = headway_decoder(target, timed_drafter, sizing, verify, gemm)
+    decoder = headway_decoder(target, timed_drafter, sizing, verify)
     return Row(name, decoder_runner(decoder), drafter=timed_drafter, decoder=decoder)
 
 
@@ -158,12 +158,11 @@ def headway_decoder(
     drafter: Any,
     sizing: str = "drafter",
     verify: str = "eager",
-    gemm: GemmChoice = "auto",
 ) -> Decoder:
     """headway's loop with ``drafter`` (greedy; ``None``: one token per forward), sized by the
-    drafter or by cost, its verify forward eager or captured, its linear layers multiplied as
-    ``gemm`` says."""
-    options = DecodeOptions(sizing=sizing, verify=verify, gemm=gemm)  # type: ignore[arg-type]
+    drafter or by cost, its verify forward eager or captured (its linear layers multiplied as
+    the ``--gemm`` applied to the target says)."""
+    options = DecodeOptions(sizing=sizing, verify=verify)  # type: ignore[arg-type]
     return Decoder(target.model, drafter, options)
 
 
@@ -200,18 +199,23 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     paths = ["eager", "captured"] if args.verify == "both" else [args.verify]
     for verify in paths:  # the best plain decoder of each verify path, beside the drafters
         suffix = ", captured" if verify == "captured" else ""
-        rows.append(
-            headway_row(f"headway, no drafter{suffix}", target, None, verify=verify, gemm=args.gemm)
-        )
+        rows.append(headway_row(f"headway, no drafter{suffix}", target, None, verify=verify))
 
     def add(name: str, spec: Any, sizing: str = "drafter", *, fallback: bool = False) -> None:
         for verify in paths:  # a drafter per row: drafters keep state between steps
             suffix = ", captured" if verify == "captured" else ""
-            drafter = build_drafter(spec, target, gemm=args.gemm)
+            drafter = build_drafter(spec, target)
             if fallback:
-                drafter = behind_cheap_guesses(drafter, target, args.retrieval_data, args.gemm)
-            rows.append(headway_row(name + suffix, target, drafter, sizing, verify, args.gemm))
+                drafter = behind_cheap_guesses(drafter, target, args.retrieval_data)
+            rows.append(headway_row(name + suffix, target, drafter, sizing, verify))
 
+    default = resolve_drafter(target.model)  # what `headway generate` runs when nothing is named
+    if default.spec is not None:
+        add(
+            f"default drafter, as headway generate runs it ({default.reason})",
+            default.spec,
+            default.sizing,
+        )
     add("prompt lookup", PromptLookupSpec(num_draft_tokens=args.lookup_tokens))
     # cost-sized: full-length continuations ranked by share (the sizer replaces adaptation)
     sized_lookup = PromptLookupSpec(num_draft_tokens=args.lookup_tokens, adaptive=False)
@@ -247,13 +251,11 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     return rows
 
 
-def behind_cheap_guesses(
-    drafter: Drafter, target: Target, corpus: str | None, gemm: GemmChoice = "auto"
-) -> Drafter:
+def behind_cheap_guesses(drafter: Drafter, target: Target, corpus: str | None) -> Drafter:
     """``drafter`` proposing only where prompt lookup's exact matches (self-sized, as in the
     retrieval drafter) and the ``corpus``'s guesses, if any, have nothing."""
     if corpus:
-        retrieval = build_drafter(RetrievalSpec(data=(corpus,)), target, gemm=gemm)
+        retrieval = build_drafter(RetrievalSpec(data=(corpus,)), target)
         assert isinstance(retrieval, FirstDrafter)
         return FirstDrafter([*retrieval.drafters, drafter], self_sized=1)
     return FirstDrafter([PromptLookupDrafter(), drafter], self_sized=1)
@@ -311,6 +313,7 @@ def _tau(value: float | None) -> str:
 def main() -> None:
     args = parse_args()
     target = load_target(args.target, dtype=args.dtype, device=args.device)
+    apply_gemm(target.model, args.gemm)  # headway's rows; HF's rows run outside decoding: stock
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
     encoded = [prompt_ids(target, p.text, chat=p.chat) for p in prompts]
     rows = configurations(args, target)

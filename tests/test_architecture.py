@@ -3,6 +3,7 @@ and nothing dodges a circle with an import inside a function."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import re
 from pathlib import Path
@@ -49,10 +50,10 @@ def test_training_and_loading_know_the_same_methods() -> None:
 
 
 def test_inference_and_corpora_import_nothing_from_training() -> None:
-    """The generation engine, the corpus readers, the decoder, the runtime drafters and the
-    Python API are inference: no chain of imports leads from them to ``train``."""
+    """The generation engine, the corpus readers, the decoder, the runtime drafters, evaluation
+    and the Python API are inference: no chain of imports leads from them to ``train``."""
     graph = grimp.build_graph("headway")
-    inference = ("generation", "corpus", "decode", "drafters", "heads", "api")
+    inference = ("generation", "corpus", "decode", "drafters", "heads", "eval", "api")
     engine = sorted(
         m for m in graph.modules if any(m.startswith(f"headway.{p}") for p in inference)
     )
@@ -65,3 +66,34 @@ def test_inference_and_corpora_import_nothing_from_training() -> None:
         if graph.chain_exists(importer=source, imported=target)
     ]
     assert reached == []
+
+
+def test_every_runtime_drafter_lives_in_drafters() -> None:
+    """A class with a ``propose`` method (the Drafter protocol) is defined in ``drafters/`` only;
+    ``decode/`` keeps the protocol and the loop's "no drafter", ``heads/`` the trainable modules,
+    ``eval/`` wrappers that time or record another drafter."""
+    allowed = {("decode", "Drafter"), ("decode", "_NoDrafter")}
+    allowed |= {("eval", "TimedDrafter"), ("eval", "RecordingDrafter")}
+    outside = [
+        f"{path.relative_to(PACKAGE)}:{node.name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.parent.name != "drafters"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ClassDef)
+        and any(isinstance(f, ast.FunctionDef) and f.name == "propose" for f in node.body)
+        and (path.parent.name, node.name) not in allowed
+    ]
+    assert outside == []
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """One name, one module: outside ``cli/`` (whose modules are named after their commands) no
+    two modules of different packages share a file name, and none is named like a package."""
+    names: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.stem not in ("__init__", "__main__") and path.parent.name != "cli":
+            names.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE)))
+    shared = {name: paths for name, paths in names.items() if len(paths) > 1}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert shared == {}
+    assert sorted(packages & set(names)) == []

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from headway.decode import packed
-from headway.decode.gemm import GemmChoice, packing_available
-from headway.generation.batched_generation import ContinuousBatcher, SamplingRule
+from headway.decode.gemm import GemmChoice, apply_gemm, packing_available
+from headway.decode.sampling import SamplingParams, pick_tokens, probs_from_logits
+from headway.generation.batched_generation import ContinuousBatcher
 from tests.tiny import tiny_model
 
 EOS = [5, 17]
@@ -48,6 +49,7 @@ def test_greedy_equals_generate_on_each_prompt_alone(
     if gemm == "packed" and not packing_available():
         pytest.skip("no oneDNN linear kernels")
     model = tiny_model(family)
+    apply_gemm(model, gemm)
     rng = random.Random(7)
     prompts = {f"p{i}": [rng.randrange(3, 96) for _ in range(rng.randint(1, 20))] for i in range(9)}
     eos = eos_that_ends_some(model, list(prompts.values()))
@@ -59,7 +61,6 @@ def test_greedy_equals_generate_on_each_prompt_alone(
         pad_token_id=0,
         refill_fraction=refill,
         prefill_tokens=40,  # small, so prefills split and caches of unequal width merge
-        gemm=gemm,
     )
     for key, prompt in prompts.items():
         batcher.submit(key, prompt)
@@ -100,29 +101,18 @@ def test_bad_arguments_are_refused() -> None:
         batcher.submit("x", [])
 
 
-def test_sampling_rule_probabilities_follow_temperature_and_nucleus() -> None:
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    plain = SamplingRule(temperature=1.0).probabilities(logits)
-    torch.testing.assert_close(plain, torch.softmax(logits, dim=-1))
-    hot = SamplingRule(temperature=2.0).probabilities(logits)
-    torch.testing.assert_close(hot, torch.softmax(logits / 2, dim=-1))
-    # p = [0.644, 0.237, 0.087, 0.032]: top_p 0.8 keeps the two best (0.644 < 0.8 <= 0.881).
-    nucleus = SamplingRule(temperature=1.0, top_p=0.8).probabilities(logits)
-    expected = torch.softmax(logits[:, :2], dim=-1)
-    torch.testing.assert_close(nucleus, torch.cat([expected, torch.zeros(1, 2)], dim=1))
-    assert SamplingRule().pick(logits, None).tolist() == [0]  # greedy
-
-
 def test_sampled_tokens_follow_the_distribution() -> None:
-    """Chi-square goodness of fit of 20,000 draws against the rule's probabilities."""
+    """Chi-square goodness of fit of 20,000 draws (the engine's pick) against the target's
+    probabilities; greedy picks the first maximum."""
     logits = torch.tensor([[1.5, 1.0, 0.2, -0.5, -3.0]]).repeat(20_000, 1)
-    rule = SamplingRule(temperature=0.8)
+    params = SamplingParams(temperature=0.8)
     generator = torch.Generator().manual_seed(0)
-    draws = rule.pick(logits, generator)
+    draws = pick_tokens(logits, params, generator)
     counts = torch.bincount(draws, minlength=5).double()
-    expected = rule.probabilities(logits[:1])[0].double() * len(draws)
+    expected = probs_from_logits(logits[:1], params)[0].double() * len(draws)
     chi_square = float(((counts - expected) ** 2 / expected).sum())
     assert chi_square < 18.47  # the 0.999 quantile of chi-square with 4 degrees of freedom
+    assert pick_tokens(logits[:1], SamplingParams(), None).tolist() == [0]  # greedy
 
 
 def test_grouped_attention_restores_the_model_and_changes_no_logits() -> None:

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from headway.decode.captured import MIN_CAPACITY, StaticForward, block_bucket
-from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
-from headway.heads.drafter_eagle3 import Eagle3Drafter
+from headway.drafters.eagle3_drafter import Eagle3Drafter
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.oracle import OracleDrafter
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.vocab import DraftVocab

@@ -10,7 +10,7 @@ import torch
 
 from headway.decode.costs import AcceptanceCalibration, TreeSizer, worth_threshold
 from headway.decode.generate import generate
-from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
+from headway.drafters.datastore import NgramDatastore, RetrievalDrafter
 from tests.loop_sized import LoopSized
 from tests.test_generate import hf_greedy
 from tests.tiny import tiny_model

@@ -23,10 +23,9 @@ import torch
 from torch import nn
 
 from headway.decode import packed
-from headway.decode.drafters import PromptLookupDrafter
-from headway.decode.gemm import GemmChoice, resolve_gemm
+from headway.decode.gemm import GemmChoice, apply_gemm
 from headway.decode.generate import generate
-from headway.decode.options import DecodeOptions
+from headway.drafters.lookup import PromptLookupDrafter
 from headway.generation.batched_generation import ContinuousBatcher
 from headway.hardware import AVX2_PROFILE, CpuFeatures, mixed_precision, regeneration_dtype
 from tests.tiny import tiny_model
@@ -74,9 +73,9 @@ def test_auto_never_packs_bf16_there_and_packed_is_refused_in_one_line(
     no_bf16_packing: None,
 ) -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 256)).to(torch.bfloat16)
-    assert resolve_gemm(model, "auto") == "stock"  # transposed is fp32 only
+    assert apply_gemm(model, "auto") == "stock"  # transposed is fp32 only
     with pytest.raises(ValueError, match="cannot multiply bfloat16 weights") as refused:
-        resolve_gemm(model, "packed")
+        apply_gemm(model, "packed")
     assert "\n" not in str(refused.value) and "headway env" in str(refused.value)
 
 
@@ -96,20 +95,21 @@ def test_torchs_own_report_keeps_the_reorder_from_being_tried(
 
 
 def _decoded(model: Any, gemm: GemmChoice) -> list[int]:
+    apply_gemm(model, gemm)
     result = generate(
         model,
         PROMPT,
         drafter=PromptLookupDrafter(min_ngram=1),
         max_new_tokens=16,
         eos_token_ids=(),
-        options=DecodeOptions(gemm=gemm),
     )
     return result.tokens
 
 
 def _regenerated(model: Any, gemm: GemmChoice) -> dict[Hashable, list[int]]:
+    apply_gemm(model, gemm)
     batcher = ContinuousBatcher(
-        model, slots=3, max_new_tokens=8, eos_token_ids=(99,), pad_token_id=0, gemm=gemm
+        model, slots=3, max_new_tokens=8, eos_token_ids=(99,), pad_token_id=0
     )
     for index in range(4):
         batcher.submit(f"p{index}", PROMPT[index:])

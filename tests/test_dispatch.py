@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.forwards import EagerForward
 from headway.decode.generate import Decoder, generate
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.oracle import OracleDrafter
 from headway.eval.dispatch import DispatchCounter, count_decoding, dispatch_table
 from tests.tiny import tiny_model
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
 from headway.drafters.build import build_drafter, spec_for
+from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.specs import (
     EagleSpec,
     LookupMedusaSpec,

@@ -8,14 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from headway.decode.drafters import (
-    AdversarialDrafter,
-    OracleDrafter,
-    PromptLookupDrafter,
-    prompt_lookup_reference,
-    trie_tree,
-)
 from headway.decode.tree import DraftTree
+from headway.drafters.lookup import PromptLookupDrafter, prompt_lookup_reference, trie_tree
+from headway.drafters.oracle import AdversarialDrafter, OracleDrafter
 from tests.loop_sized import LoopSized
 
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.generate import generate
-from headway.decode.merged import FirstDrafter
 from headway.decode.sampling import SamplingParams
-from headway.heads.drafter_eagle3 import Eagle3Drafter
+from headway.drafters.eagle3_drafter import Eagle3Drafter
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.merged import FirstDrafter
 from headway.heads.eagle import TargetHead
 from headway.heads.vocab import DraftVocab
 from tests.test_eagle3 import (
@@ -203,8 +203,8 @@ def test_a_bfloat16_draft_model_over_a_float32_target_keeps_the_output(
     """``EagleSpec(dtype="bfloat16")`` casts the draft model (not the target, nor EAGLE-3's
     integer vocabulary maps); greedy output stays transformers' own."""
     from headway.drafters.build import build_drafter
+    from headway.drafters.eagle_drafter import EagleDrafter
     from headway.drafters.specs import EagleSpec
-    from headway.heads.drafter_eagle import EagleDrafter
     from headway.target import Target
     from tests.test_formats import random_run
 

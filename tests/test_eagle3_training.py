@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from headway.config import load_config
 from headway.decode.generate import generate
+from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.errors import ConfigError
-from headway.heads.drafter_eagle3 import Eagle3Drafter
 from headway.heads.vocab import choose_vocab, token_counts
 from headway.run_config import RunConfig
 from headway.target import load_target

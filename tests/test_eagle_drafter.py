@@ -17,13 +17,13 @@ from torch import Tensor
 from headway.decode.generate import Drafter, generate
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree, ancestor_mask
-from headway.errors import ConfigError
-from headway.heads.drafter_eagle import (
+from headway.drafters.eagle_drafter import (
     AUTO_CANDIDATES,
     EagleDrafter,
     auto_total_tokens,
     select_nodes,
 )
+from headway.errors import ConfigError
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
 from headway.heads.io import save_heads
 from headway.target import fingerprint
@@ -318,12 +318,12 @@ def save_run(directory: Path, target: Any, draft: EagleModel) -> Path:
 def test_spec_options_and_the_auto_tree(tmp_path: Path) -> None:
     model, _ = target_and_truth("llama")
     run = save_run(tmp_path / "eagle", model, EagleModel(EagleConfig.from_target(model)))
-    auto = heads_drafter(run, model, tree="auto")
+    auto = heads_drafter(run, model, total_tokens="auto")
     assert isinstance(auto, EagleDrafter) and auto.total_tokens in AUTO_CANDIDATES
     sized = heads_drafter(run, model, top_k=2, depth=3)
     assert isinstance(sized, EagleDrafter) and (sized.top_k, sized.depth) == (2, 3)
-    with pytest.raises(ConfigError, match=r"tree: .* is not 'default' or 'auto'"):
-        heads_drafter(run, model, tree=[[0], [1]])
+    with pytest.raises(ConfigError, match=r"tree names Medusa trees.*total_tokens=auto"):
+        heads_drafter(run, model, tree="auto")
     with pytest.raises(ConfigError, match="total_tokens=1 must be >= 2"):
         heads_drafter(run, model, total_tokens=1)
     with pytest.raises(ConfigError, match="did you mean 'top_k'"):

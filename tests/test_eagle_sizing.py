@@ -9,9 +9,7 @@ import torch
 
 from headway.decode.costs import best_prefix, verify_cost_table
 from headway.decode.generate import generate
-from headway.heads.drafter_eagle import (
-    EagleDrafter,
-)
+from headway.drafters.eagle_drafter import EagleDrafter
 from headway.heads.eagle import TargetHead
 from tests.loop_sized import LoopSized
 from tests.test_eagle_drafter import (
@@ -46,7 +44,7 @@ def test_verify_cost_table_times_a_grid_and_interpolates() -> None:
         timed.append(size)
         return 0.001 * size * size
 
-    table = verify_cost_table(None, 10, seconds=seconds)
+    table = verify_cost_table(None, 10, seconds=seconds)  # type: ignore[arg-type]
     assert timed == [1, 2, 3, 4, 6, 8, 10]
     assert len(table) == 10
     assert table[3] == pytest.approx(0.016) and table[4] == pytest.approx((0.016 + 0.036) / 2)

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from headway.cli import main
-from headway.decode.drafters import OracleDrafter
 from headway.decode.options import DecodeOptions
+from headway.drafters.oracle import OracleDrafter
 from headway.eval.acceptance import acceptance_stats, draft_steps
-from headway.eval.heads_only import weighted_means
 from headway.eval.plots import PLOT_NAMES
 from headway.eval.run import evaluate
 from headway.eval.speed import EvalSettings, RecordingDrafter
 from headway.evalsets import EvalPrompt
 from headway.target import Target
+from headway.train.heads_accuracy import weighted_means
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 
@@ -89,6 +89,7 @@ REPORT_KEYS = (
     "tau",
     "acceptance_by_depth",
     "conditional_acceptance_by_depth",
+    "per_position_acceptance",
     "accept_length_histogram",
     "tokens_per_s",
     "speedup",
@@ -157,6 +158,8 @@ def test_oracle_drafter_is_identical_and_counted_exactly(tmp_path: Path) -> None
     assert report["acceptance_by_depth"] == pytest.approx([6 / 7, 6 / 7])
     assert report["conditional_acceptance_by_depth"] == pytest.approx([6 / 7, 1.0])
     assert report["drafted_by_depth"] == pytest.approx([1.0, 6 / 7])
+    # vLLM's per-position rate: all 7 steps drafted; the last one's accepted token was cut.
+    assert report["per_position_acceptance"] == pytest.approx([6 / 7, 6 / 7])
     assert report["verify_ms_by_block_size"] is None  # the drafter sized its own trees
 
 
@@ -180,6 +183,8 @@ def test_a_cost_sized_run_reports_the_verify_costs_it_sized_by(tmp_path: Path) -
     costs = report["verify_ms_by_block_size"]
     assert len(costs) == drafter.max_nodes + 1 and all(ms > 0 for ms in costs)
     assert report["decode"]["sizing"] == "cost"
+    assert report["decode"]["gemm"] == "auto"  # nothing applied: auto, decided on first use
+    assert report["decode"]["gemm_route"] in ("stock", "transposed", "packed")
     summary = (tmp_path / "c" / "summary.md").read_text()
     assert f"1: {costs[0]:.1f}, 2: {costs[1]:.1f}" in summary
 

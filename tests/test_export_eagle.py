@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from headway.cli import main
 from headway.decode.generate import generate
+from headway.drafters.eagle_drafter import EagleDrafter
 from headway.errors import TargetError
-from headway.heads.drafter_eagle import EagleDrafter
 from headway.heads.eagle import EagleConfig, EagleModel
 from headway.heads.format_eagle1 import (
     export_eagle1,

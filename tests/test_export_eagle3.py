@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from headway.cli import main
 from headway.decode.generate import generate
+from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.errors import TargetError
-from headway.heads.drafter_eagle3 import Eagle3Drafter
 from headway.heads.eagle3 import Eagle3Config
 from headway.heads.format_eagle3 import (
     eagle3_hf_config,

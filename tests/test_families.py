@@ -10,14 +10,16 @@ from typing import Any
 import pytest
 import torch
 
-from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.generate import Drafter, generate
 from headway.decode.kv import sliding_window
+from headway.drafters.eagle3_drafter import Eagle3Drafter
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.medusa_drafter import MedusaDrafter
+from headway.drafters.oracle import OracleDrafter
 from headway.errors import HeadwayError, SlidingWindowError, TargetError
-from headway.heads.drafter_eagle3 import Eagle3Drafter
-from headway.heads.drafter_medusa import MedusaDrafter, final_hidden_layer
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
+from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.heads.vocab import DraftVocab
 from headway.target import load_target

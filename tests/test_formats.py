@@ -19,7 +19,7 @@ from headway.target import fingerprint
 from tests.test_eagle3 import tiny4
 
 RUN_METHOD = {"medusa": "medusa1", "medusa-vllm": "medusa1", "eagle1": "eagle1"}
-RUN_METHOD["eagle3-hf"] = "eagle3"
+RUN_METHOD["eagle3-hf"] = RUN_METHOD["speculators"] = "eagle3"
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +55,8 @@ def random_run(directory: Path, method: str, target: Any) -> Path:
     )
 
 
-def test_the_registry_names_the_four_engine_formats() -> None:
-    assert sorted(ENGINE_FORMATS) == ["eagle1", "eagle3-hf", "medusa", "medusa-vllm"]
+def test_the_registry_names_the_five_engine_formats() -> None:
+    assert sorted(ENGINE_FORMATS) == ["eagle1", "eagle3-hf", "medusa", "medusa-vllm", "speculators"]
     assert all(engine.method in DRAFTER_METHODS for engine in ENGINE_FORMATS.values())
 
 

@@ -15,23 +15,24 @@ from torch import nn
 from torch.nn import functional
 
 from headway.decode import gemm, packed
-from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.gemm import (
     MAX_PACKED_ROWS,
     MAX_ROWS,
     Route,
+    apply_gemm,
     fastest_route,
     forget_packed,
+    gemm_choice,
     packed_linear,
     packed_weight,
     packing_available,
-    resolve_gemm,
     routed_linears,
     small_block_linear,
 )
 from headway.decode.generate import generate
 from headway.decode.kv import new_cache, prefill, tree_forward
-from headway.decode.options import DecodeOptions
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.oracle import OracleDrafter
 from tests.test_generate import hf_greedy
 from tests.tiny import TINY_FAMILIES, tiny_model
 
@@ -107,7 +108,7 @@ def test_packed_route_remakes_a_changed_weight_and_leaves_autograd_alone() -> No
     assert x.grad is not None and torch.equal(x.grad, layer.weight.sum(0).expand(3, 16))
 
 
-def test_resolve_gemm_follows_device_dtype_choice_and_measurement(
+def test_apply_gemm_follows_device_dtype_choice_and_measurement(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     measured: list[list[tuple[int, ...]]] = []
@@ -119,18 +120,19 @@ def test_resolve_gemm_follows_device_dtype_choice_and_measurement(
     monkeypatch.setattr(gemm, "fastest_route", transposed)
     monkeypatch.setattr(gemm, "packing_available", lambda dtype: True)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 16))
-    assert resolve_gemm(model, "auto") == "transposed"
+    assert gemm_choice(model) == "auto" and gemm.gemm_route(model) == "transposed"  # lazily
     assert measured == [[(4, 4), (16, 4)]]  # fp32 CPU: every plain layer timed, in order
-    monkeypatch.setattr(gemm, "fastest_route", lambda linears, packing: "stock")
-    assert resolve_gemm(model, "auto") == "stock"  # measured no faster here
-    assert resolve_gemm(model, "stock") == "stock"
-    assert resolve_gemm(model.to(torch.float16), "transposed") == "transposed"
-    monkeypatch.setattr(gemm, "fastest_route", transposed)
-    assert resolve_gemm(model, "auto") == "stock" and len(measured) == 1  # fp16: never
-    assert resolve_gemm(model.to(torch.bfloat16), "auto") == "transposed"  # bf16: timed
-    assert resolve_gemm(nn.ReLU(), "auto") == "stock"  # no linear layer at all
+    assert apply_gemm(model, "auto") == "transposed"  # applied once: not timed again
+    assert apply_gemm(model, "stock") == "stock" and gemm_choice(model) == "stock"
+    assert gemm.gemm_route(model) == "stock"
+    assert apply_gemm(model, "auto") == "transposed" and len(measured) == 1  # back: remembered
+    assert apply_gemm(model.to(torch.float16), "transposed") == "transposed"
+    assert apply_gemm(model, "auto") == "stock" and len(measured) == 1  # fp16: never timed
+    model.to(torch.bfloat16)  # another dtype: the recorded choice is decided again
+    assert gemm.gemm_route(model) == "transposed" and len(measured) == 2  # bf16: timed
+    assert apply_gemm(nn.ReLU(), "auto") == "stock"  # no linear layer at all
     with pytest.raises(ValueError, match="gemm must be"):
-        resolve_gemm(model, "fast")  # type: ignore[arg-type]
+        apply_gemm(model, "fast")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("free_pages", "room"), [(1, False), (10**9, True)])
@@ -146,14 +148,14 @@ def test_auto_packs_only_with_room_for_a_copy(
     monkeypatch.setattr(gemm, "fastest_route", route)
     monkeypatch.setattr(gemm, "packing_available", lambda dtype: True)
     monkeypatch.setattr(gemm.os, "sysconf", lambda name: free_pages if "PAGES" in name else 4096)
-    resolve_gemm(nn.Linear(64, 64), "auto")  # 16 KiB of weights: needs 8 free pages
+    apply_gemm(nn.Linear(64, 64), "auto")  # 16 KiB of weights: needs 8 free pages
     assert offered == [room]
 
 
 @needs_packing
 def test_resolving_packed_reorders_every_plain_weight() -> None:
     model = nn.Sequential(nn.Linear(4, 4), _Quantized(4, 4), nn.Linear(4, 16))
-    assert resolve_gemm(model, "packed") == "packed"
+    assert apply_gemm(model, "packed") == "packed"
     held = {module for module in model if module in packed._PACKED}
     assert held == {model[0], model[2]}  # the subclass keeps its own forward
 
@@ -162,30 +164,33 @@ def test_resolving_packed_reorders_every_plain_weight() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_packed_route_is_refused_off_the_cpu() -> None:
     with pytest.raises(ValueError, match="for models on a CPU"):
-        resolve_gemm(nn.Linear(4, 4).cuda(), "packed")
-    assert resolve_gemm(nn.Linear(4, 4).cuda(), "auto") == "stock"
+        apply_gemm(nn.Linear(4, 4).cuda(), "packed")
+    assert apply_gemm(nn.Linear(4, 4).cuda(), "auto") == "stock"
 
 
 def test_packed_route_is_refused_without_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemm, "packing_available", lambda dtype: False)
     with pytest.raises(ValueError, match="oneDNN lacks the kernels here"):
-        resolve_gemm(nn.Linear(4, 4), "packed")
+        apply_gemm(nn.Linear(4, 4), "packed")
     timings = iter([1.0, 0.5])  # stock, transposed: packed is not even timed
     assert fastest_route([nn.Linear(4, 8)], seconds=lambda f: next(timings)) == "transposed"
 
 
-def test_gemm_module_keeps_no_state_but_packed_weights() -> None:
-    """Nothing a call decides is remembered: no process-wide preference, no measurement memo;
-    the one state is the reordered weights, weakly keyed by layer (gone with the layer), beside
-    the probe of what this CPU runs (one answer per dtype)."""
+def test_gemm_module_keeps_no_state_but_per_model_records() -> None:
+    """No process-wide preference: the state is the choice applied to each model and the
+    reordered weights, both weakly keyed by module (gone with it), beside the probe of what
+    this CPU runs (one answer per dtype)."""
     state = {
         (module.__name__, name): value
         for module in (gemm, packed)
         for name, value in vars(module).items()
         if not name.startswith("__") and isinstance(value, dict | list | set | MutableMapping)
     }
-    assert list(state) == [("headway.decode.packed", "_PACKED")]
-    assert isinstance(state[("headway.decode.packed", "_PACKED")], WeakKeyDictionary)
+    assert sorted(state) == [
+        ("headway.decode.gemm", "_APPLIED"),
+        ("headway.decode.packed", "_PACKED"),
+    ]
+    assert all(isinstance(value, WeakKeyDictionary) for value in state.values())
     if packing_available():
         layer = nn.Linear(4, 4)
         packed_weight(layer)
@@ -236,7 +241,7 @@ def test_auto_times_a_model_whose_layers_differ_in_dtype() -> None:
     """A model that keeps one layer in another dtype (say an fp32 head under bf16 layers) is
     timed with inputs of each layer's own dtype."""
     model = nn.Sequential(nn.Linear(8, 16).to(torch.bfloat16), nn.Linear(16, 4))
-    assert resolve_gemm(model, "auto") in ("stock", "transposed", "packed")
+    assert apply_gemm(model, "auto") in ("stock", "transposed", "packed")
 
 
 class _Quantized(nn.Linear):
@@ -271,7 +276,8 @@ def _routed_flags(model: Any, block: int, route: Route) -> tuple[torch.Tensor, l
     handle = head.register_forward_pre_hook(lambda m, _: flags.append("forward" in m.__dict__))
     tokens = torch.arange(20, 20 + block)[None]
     parents = torch.arange(-1, block - 2)
-    logits, _ = tree_forward(model, cache, tokens, parents, PROMPT.numel(), gemm=route)
+    apply_gemm(model, route)
+    logits, _ = tree_forward(model, cache, tokens, parents, PROMPT.numel())
     handle.remove()
     return logits, flags
 
@@ -311,6 +317,7 @@ def test_greedy_output_is_identical_with_every_gemm(family: str, gemm: str) -> N
         pytest.skip("no oneDNN linear kernels")
     model = tiny_model(family)
     expected = hf_greedy(model, PROMPT, 24, None)
+    apply_gemm(model, gemm)  # type: ignore[arg-type]
     for drafter in (OracleDrafter(expected, 3), PromptLookupDrafter(min_ngram=1)):
         result = generate(
             model,
@@ -318,6 +325,30 @@ def test_greedy_output_is_identical_with_every_gemm(family: str, gemm: str) -> N
             drafter=drafter,
             max_new_tokens=24,
             eos_token_ids=[],
-            options=DecodeOptions(gemm=gemm),  # type: ignore[arg-type]
         )
         assert result.tokens == expected
+
+
+def test_auto_is_timed_once_per_model_and_every_decoding_forward_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two decoders over one model time ``"auto"`` once; the verify forwards take the route
+    recorded for the model, and forwards outside decoding stay stock."""
+    timed: list[int] = []
+
+    def transposed(linears: list[nn.Linear], packing: bool) -> str:
+        timed.append(len(linears))
+        return "transposed"
+
+    monkeypatch.setattr(gemm, "fastest_route", transposed)
+    model = tiny_model("llama")
+    expected = hf_greedy(model, PROMPT, 12, None)
+    for _ in range(2):
+        result = generate(
+            model, PROMPT, drafter=OracleDrafter(expected, 3), max_new_tokens=12, eos_token_ids=[]
+        )
+        assert result.tokens == expected
+    assert len(timed) == 1 and gemm.gemm_route(model) == "transposed"
+    _, flags = _routed_flags(model, 4, "transposed")
+    assert flags == [True]
+    assert "forward" not in model.get_output_embeddings().__dict__  # outside: stock

@@ -11,11 +11,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from headway.decode.drafters import AdversarialDrafter, OracleDrafter, PromptLookupDrafter
 from headway.decode.generate import Drafter, generate
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams, probs_from_logits
 from headway.decode.tree import DraftTree
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.oracle import AdversarialDrafter, OracleDrafter
 from tests.loop_sized import LoopSized
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model
 

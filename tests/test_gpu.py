@@ -13,14 +13,15 @@ import pytest
 import torch
 
 from headway.decode.captured import StaticForward
-from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.generate import Decoder, Drafter, generate
 from headway.decode.kv import new_cache, prefill, tree_forward
 from headway.decode.options import DecodeOptions
 from headway.decode.tree import root_to_leaf_paths
+from headway.drafters.eagle3_drafter import Eagle3Drafter
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.oracle import OracleDrafter
 from headway.generation.batched_generation import ContinuousBatcher
-from headway.heads.drafter_eagle3 import Eagle3Drafter
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.vocab import DraftVocab

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 import headway.heads.io as heads_io
+from headway.drafters.medusa_drafter import MedusaDrafter
 from headway.errors import HeadwayError, TargetError
-from headway.heads.drafter_medusa import MedusaDrafter
 from headway.heads.io import (
     HeadsError,
     load_heads,

@@ -14,12 +14,12 @@ from safetensors.torch import load_file
 
 from headway.config import load_config
 from headway.errors import ConfigError, HeadwayError
-from headway.eval.heads_only import heads_only
 from headway.heads.io import load_heads
 from headway.heads.loading import ENGINE_FORMATS
 from headway.run_config import RunConfig
 from headway.target import load_target
 from headway.train import loop
+from headway.train.heads_accuracy import heads_only
 from headway.train.method_eagle3 import Eagle3
 from headway.train.methods import build_method
 from tests.test_eagle3_training import workspace  # noqa: F401 (a fixture)

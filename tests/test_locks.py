@@ -125,7 +125,7 @@ def test_feature_caching_and_quickstart_into_a_busy_folder_are_refused(
 ) -> None:
     import datasets
 
-    from headway.quickstart.run import run_quickstart
+    from headway.quickstart.pipeline import run_quickstart
     from headway.train.features import cache_features
 
     rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 1]]})

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from headway.decode.drafters import NgramIndex
+from headway.decode.sampling import SamplingParams, probs_from_logits
+from headway.drafters.lookup import NgramIndex
 from headway.generation.batched_generation import ContinuousBatcher
 from headway.generation.lookahead import accept_chains
-from headway.generation.sampling_rule import SamplingRule
 from tests.families import FAMILIES, family_config, family_model
 from tests.test_batched_generation import eos_that_ends_some, reference
 from tests.tiny import tiny_model
@@ -43,7 +43,7 @@ def test_greedy_chains_keep_the_matching_drafts_then_the_target_token() -> None:
         for position, token in enumerate(tokens):
             logits[row, position, token] = 5.0
     drafts = [[4, 5, 6], [1, 9], []]
-    accepted = accept_chains(logits, drafts, SamplingRule())
+    accepted = accept_chains(logits, drafts, SamplingParams())
     assert accepted.kept == [3, 1, 0]
     assert accepted.tokens == [[4, 5, 6, 7], [1, 2], [8]]
 
@@ -53,10 +53,10 @@ def test_sampled_chains_keep_the_target_distribution() -> None:
     drawn as p1 (20,000 identical rows; chi-square at the 0.999 quantile)."""
     rows, vocab = 20_000, 5
     logits = torch.tensor([[1.5, 1.0, 0.2, -0.5, -3.0], [0.1, -1.0, 2.0, 0.5, 0.0]])
-    rule = SamplingRule(temperature=0.9)
+    rule = SamplingParams(temperature=0.9)
     generator = torch.Generator().manual_seed(0)
     accepted = accept_chains(logits[None].repeat(rows, 1, 1), [[1]] * rows, rule, generator)
-    probs = rule.probabilities(logits).double()
+    probs = probs_from_logits(logits, rule).double()
 
     def chi_square(tokens: list[int], expected: torch.Tensor) -> float:
         counts = torch.bincount(torch.tensor(tokens), minlength=vocab).double()
@@ -157,7 +157,7 @@ def test_sampling_through_the_batcher_with_lookahead_keeps_the_target_distributi
     model = tiny_model("qwen2")
     start = [94, 63, 72, 73, 63]
     prompt = start + reference(model, start, 16, [0])  # greedy falls into a loop here
-    rule = SamplingRule(temperature=0.3)
+    rule = SamplingParams(temperature=0.3)
     batcher = ContinuousBatcher(
         model,
         slots=64,
@@ -178,7 +178,7 @@ def test_sampling_through_the_batcher_with_lookahead_keeps_the_target_distributi
     def next_probs(prefixes: list[list[int]]) -> torch.Tensor:
         with torch.no_grad():
             logits = model(input_ids=torch.tensor(prefixes)).logits[:, -1]
-        return rule.probabilities(logits).double()
+        return probs_from_logits(logits, rule).double()
 
     vocab = model.config.vocab_size
     first = next_probs([prompt])[0]  # [V]

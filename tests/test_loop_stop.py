@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from headway.errors import DataError
 from headway.generation.batched_generation import ContinuousBatcher
-from headway.generation.loops import ends_in_loop, loop_cut, remove_loops
+from headway.generation.repetition import ends_in_loop, loop_cut, remove_loops
 from headway.target import Target
 from headway.train.answering import ENGINES
 from headway.train.regenerate import RegenerateOptions, regenerate

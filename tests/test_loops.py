@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from headway.config import load_config
 from headway.errors import ConfigError
-from headway.generation.loops import remove_loops
+from headway.generation.repetition import remove_loops
 from headway.run_config import RunConfig
 from headway.train.chat_format import tokenize_sample
 from headway.train.data import build_dataset, inspect_samples

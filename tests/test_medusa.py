@@ -16,15 +16,14 @@ import torch
 from torch import Tensor
 
 from headway.decode.generate import generate
-from headway.errors import TargetError
-from headway.heads.drafter_medusa import (
+from headway.drafters.medusa_drafter import (
     DEFAULT_CHOICES,
     MC_SIM_7B_63,
     MedusaDrafter,
-    check_final_hidden,
-    final_hidden_layer,
     resolve_choices,
 )
+from headway.errors import TargetError
+from headway.heads.hidden_states import check_final_hidden, final_hidden_layer
 from headway.heads.medusa import MedusaConfig, MedusaHeads, medusa_tensor_shapes
 from headway.train.losses import (
     distillation_kl,

@@ -15,13 +15,13 @@ from safetensors.torch import load_file
 import headway
 from headway.cli import main
 from headway.drafters.build import build_drafter, spec_for
-from headway.eval.heads_only import heads_only
 from headway.eval.run import describe_drafter
 from headway.heads.export_medusa2 import export_medusa2_target
 from headway.heads.io import HeadsError
 from headway.heads.medusa2 import ADAPTER_DIR, MERGED_ATTRIBUTE
 from headway.target import load_target
 from headway.train import loop
+from headway.train.heads_accuracy import heads_only
 from headway.train.method_medusa2 import Medusa2
 from headway.train.methods import build_method
 from tests.test_medusa import PROMPT, hf_greedy

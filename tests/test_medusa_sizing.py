@@ -16,7 +16,8 @@ from torch import Tensor
 from headway.decode.costs import best_prefix
 from headway.decode.generate import Decoder, generate
 from headway.decode.options import DecodeOptions
-from headway.heads.drafter_medusa import DEFAULT_CHOICES, MedusaDrafter, final_hidden_layer
+from headway.drafters.medusa_drafter import DEFAULT_CHOICES, MedusaDrafter
+from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.io import HeadsError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from tests.drafting import heads_drafter as load_drafter

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from headway.cli import main
-from headway.decode.drafters import OracleDrafter, PromptLookupDrafter
-from headway.decode.merged import MergedDrafter, tree_paths
 from headway.decode.tree import chain
-from headway.heads.drafter_confident import ConfidentMedusaDrafter
+from headway.drafters.confident_drafter import ConfidentMedusaDrafter
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.merged import MergedDrafter, tree_paths
+from headway.drafters.oracle import OracleDrafter
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.quickstart.calibrate import choose_threshold
-from headway.quickstart.shipped import NONE_SHIPPED
+from headway.quickstart.shipped_stage import NONE_SHIPPED
 
 
 def test_tiny_quickstart_runs_every_stage_then_resumes(
@@ -73,7 +74,7 @@ def test_interrupted_training_resumes_from_its_checkpoint(tmp_path: Path) -> Non
 def test_the_shipped_drafter_is_measured_beside_the_quickstarts_own(tmp_path: Path) -> None:
     """Stage 6 finds the drafter shipped for the target by its fingerprint, evaluates it on the
     same prompts, prints its figures and records them; a rerun reports it as done."""
-    from headway.quickstart.run import run_quickstart
+    from headway.quickstart.pipeline import run_quickstart
 
     out = tmp_path / "qs"
     run_quickstart(out, tiny=True, echo=lambda line: None, shipped_dir=tmp_path / "none")
@@ -145,7 +146,7 @@ def test_confident_medusa_drafts_only_above_the_threshold() -> None:
 
 def test_a_folder_with_other_files_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     from headway.errors import HeadwayError
-    from headway.quickstart.run import run_quickstart
+    from headway.quickstart.pipeline import run_quickstart
 
     (tmp_path / "README.md").write_text("a project, not a quickstart folder\n")
     with pytest.raises(HeadwayError, match=r"holds files a quickstart did not write \(README.md\)"):

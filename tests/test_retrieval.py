@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from headway.cli import main
-from headway.decode.drafters import PromptLookupDrafter, ranked_trie
 from headway.decode.generate import generate
-from headway.decode.merged import FirstDrafter
-from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
 from headway.decode.tree import ancestor_mask
 from headway.drafters.build import build_drafter, spec_for
+from headway.drafters.datastore import NgramDatastore, RetrievalDrafter
+from headway.drafters.eagle_drafter import EagleDrafter
+from headway.drafters.lookup import PromptLookupDrafter, ranked_trie
+from headway.drafters.merged import FirstDrafter
 from headway.drafters.retrieval import corpus_index
 from headway.drafters.specs import RetrievalSpec
 from headway.errors import HeadwayError
-from headway.heads.drafter_eagle import EagleDrafter
 from headway.target import load_target
 from tests.loop_sized import LoopSized
 from tests.test_eval import _tiny_target

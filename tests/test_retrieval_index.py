@@ -14,8 +14,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from headway.decode import retrieval
-from headway.decode.retrieval import NgramDatastore
+from headway.drafters import datastore as retrieval
+from headway.drafters.datastore import NgramDatastore
 
 
 def reference(

@@ -133,7 +133,7 @@ def test_generate_without_a_drafter_retrieves_from_the_default_corpus(
     monkeypatch.setattr(shipped, "DEFAULT_CORPORA", ("tiny-chat",))
     monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
     flags: dict[str, Any] = {"drafter": None, "heads": None, "draft_option": [], "tree": "default"}
-    args = argparse.Namespace(**flags, force=False, gemm="auto")
+    args = argparse.Namespace(**flags, force=False)
     _, choice = drafter_from_flags(args, target)
     assert choice.spec == RetrievalSpec(data=(str(folder / "data"),))
     with pytest.raises(HeadwayError, match="name what to decode with"):
@@ -163,7 +163,7 @@ def test_a_default_drafter_runs_cost_sized_unless_sizing_is_given(
 
     def flags(**given: Any) -> argparse.Namespace:
         values: dict[str, Any] = {"drafter": None, "heads": None, "draft_option": []}
-        values |= {"tree": "default", "force": False, "gemm": "stock", "sizing": None}
+        values |= {"tree": "default", "force": False, "sizing": None}
         values |= {"acceptance": "lossless", "verify": "eager"}
         return argparse.Namespace(**(values | given))
 

@@ -170,3 +170,12 @@ def test_cuda_without_a_device_is_refused(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(TargetError, match="no CUDA device here"):
         resolve_device("cuda:7")
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_engines_load_the_embedded_target_by_its_hub_id() -> None:
+    """A drafter trained on the embedded alias names the model vLLM loads (speculators'
+    verifier); any other name is kept as recorded."""
+    from headway.target import DEFAULT_TARGET, DEFAULT_TARGET_HUB_ID, hub_id
+
+    assert hub_id(DEFAULT_TARGET) == DEFAULT_TARGET_HUB_ID == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert hub_id("org/model") == "org/model" and hub_id(None) is None

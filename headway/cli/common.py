@@ -8,7 +8,7 @@ import logging
 import typing
 from typing import Any, Literal
 
-from headway.decode.gemm import GemmChoice
+from headway.decode.gemm import GemmChoice, apply_gemm
 from headway.decode.generate import Drafter
 from headway.decode.options import DecodeOptions
 from headway.drafters.resolve import DrafterChoice
@@ -71,13 +71,18 @@ def dtype_for(dtype: str, device: str, use: DtypeUse = "decode") -> str:
 
 
 def target_from_flags(args: argparse.Namespace) -> Target:
-    """Load the target named by :func:`add_target_flags`."""
-    return load_target(
+    """Load the target named by :func:`add_target_flags`, with ``--gemm`` (where the command
+    has it) applied to its model once (:func:`~headway.decode.gemm.apply_gemm`): its decoding
+    forwards and the layers of any drafter built for it take that choice."""
+    target = load_target(
         args.target,
         dtype=dtype_for(args.dtype, args.device, getattr(args, "dtype_use", "decode")),
         device=args.device,
         trust_remote_code=args.trust_remote_code,
     )
+    if getattr(args, "gemm", None) is not None:
+        apply_gemm(target.model, args.gemm)
+    return target
 
 
 def add_gemm_flag(parser: argparse.ArgumentParser, *, note: str = "") -> None:
@@ -87,17 +92,21 @@ def add_gemm_flag(parser: argparse.ArgumentParser, *, note: str = "") -> None:
         "--gemm",
         default="auto",
         choices=typing.get_args(GemmChoice),
-        help="how decoding forwards multiply the linear layers on a CPU: auto (default) times "
-        "the largest layer once and takes, for fp32 or bf16 on CPU, packed (oneDNN on weights "
-        "reordered once; one more copy of the weights in memory) or else transposed ((W x^T)^T "
-        "for blocks of 2-8 tokens, fp32) where clearly faster than stock, else stock; stock, "
-        "transposed and packed force that route" + note,
+        help="how decoding forwards multiply the linear layers on a CPU, decided once per model "
+        "when it is loaded (the drafter's layers take the target's choice): auto (default) "
+        "times the model's linear layers on 1 and 8 rows (about a second) and takes, for fp32 "
+        "or bf16 on CPU, packed (oneDNN on weights reordered once; one more copy of the weights "
+        "in memory; only where this CPU runs oneDNN for the dtype) or else transposed "
+        "((W x^T)^T for blocks of 2-8 tokens, fp32) where clearly faster than stock, else stock; "
+        "stock, transposed and packed force that route; `headway env` shows what auto picks "
+        "here" + note,
     )
 
 
 def add_decode_flags(parser: argparse.ArgumentParser) -> None:
-    """``--sizing``, ``--gemm``, ``--acceptance``, ``--verify``: the :class:`DecodeOptions`
-    (:func:`decode_options`)."""
+    """``--sizing``, ``--acceptance``, ``--verify``: the :class:`DecodeOptions`
+    (:func:`decode_options`); and ``--gemm``, applied to the target by
+    :func:`target_from_flags`."""
     parser.add_argument(
         "--sizing",
         default=None,
@@ -134,7 +143,6 @@ def decode_options(args: argparse.Namespace, choice: DrafterChoice | None = None
     :func:`drafter_from_flags`) resolved it, else as ``--sizing`` says (default ``drafter``)."""
     return DecodeOptions(
         sizing=choice.sizing if choice is not None else args.sizing or "drafter",
-        gemm=args.gemm,
         acceptance=args.acceptance,
         verify=args.verify,
     )
@@ -199,9 +207,9 @@ def add_drafter_flags(parser: argparse.ArgumentParser, *, allow_none: bool) -> N
     parser.add_argument(
         "--tree",
         default="default",
-        help="the draft option 'tree': Medusa a named tree (default, mc_sim_7b_63) or a JSON "
-        "list of rank paths such as [[0],[0,0],[1]]; EAGLE default or auto (total_tokens chosen "
-        "by timing the target)",
+        help="the draft option 'tree' of Medusa heads: a named tree (default, mc_sim_7b_63) or a "
+        "JSON list of rank paths such as [[0],[0,0],[1]]. EAGLE trees are sized by the draft "
+        "options top_k, depth and total_tokens (total_tokens=auto: chosen by timing the target)",
     )
     parser.add_argument(
         "--force", action="store_true", help="use heads trained for a different target anyway"
@@ -242,4 +250,4 @@ def drafter_from_flags(
     logger.info("drafter: %s, sizing %s", choice.reason, choice.sizing)
     if choice.spec is None:
         return None, choice
-    return build_drafter(choice.spec, target, gemm=args.gemm), choice
+    return build_drafter(choice.spec, target), choice

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from headway.cli.common import (
     add_decode_flags,
@@ -15,15 +17,30 @@ from headway.cli.common import (
     decode_options,
     drafter_from_flags,
     dtype_for,
+    parse_draft_options,
 )
 from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, text
 from headway.errors import HeadwayError
+
+if TYPE_CHECKING:
+    from headway.decode.options import DecodeOptions
+    from headway.drafters.specs import DrafterSpec
 
 DESCRIPTION = """\
 Evaluate a drafter. In ONE run, every prompt is decoded with the drafter and with plain decoding
 (interleaved prompt by prompt, after a warm-up), and --out receives report.json (tau, acceptance
 by tree depth, tokens/s of both, speedup, per-category figures, identical-output fraction at
 temperature 0), summary.md and PNG plots.
+
+It also prints the per-position acceptance rate (vLLM's definition: of the draft steps that
+proposed tokens, the fraction that accepted at least i of them, for positions 1..k).
+
+With --write-gates DRAFTER/gates.json the run also (re)writes the drafter's per-position
+acceptance gates: its prompts, settings and per-position acceptance, which tests/test_gates.py
+holds the drafter to (each position >= 0.9 x the recorded rate). Gates need a reproducible
+setting: --temperature 0, --dtype float32, --sizing drafter (set it: no cost sizing), no drafter
+option set to auto, lossless acceptance, and outputs identical to plain decoding. Whoever ships
+a new drafter reruns the command its gates.json records.
 
 With --heads-only, the heads of a training run directory are scored on its held-out data with
 the training method's own metrics (top-1 / top-5 per head or draft step), without decoding.
@@ -32,6 +49,10 @@ Examples:
   headway eval --drafter prompt-lookup --prompts mt-bench --num-prompts 10 --out eval-out
   headway eval --heads runs/medusa1-smollm2 --tree default --out eval-medusa
   headway eval --heads runs/medusa1-smollm2 --heads-only --num-samples 64
+  headway eval --heads drafters/smollm2-135m-eagle3 --dtype float32 --device cpu \
+    --num-prompts 8 --max-new-tokens 48 --sizing drafter --gemm stock \
+    --draft-option top_k=1 --draft-option depth=4 --draft-option total_tokens=5 \
+    --write-gates drafters/smollm2-135m-eagle3/gates.json
 """
 
 
@@ -87,6 +108,13 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         help="folder for report.json, summary, plots",
     )
     parser.add_argument(
+        "--write-gates",
+        metavar="PATH",
+        type=text("--write-gates"),
+        help="also write the per-position acceptance gates of this run to PATH (a drafter "
+        "folder's gates.json, beside its weights; see above)",
+    )
+    parser.add_argument(
         "--heads-only",
         action="store_true",
         help="score --heads (a run directory) on held-out data without decoding",
@@ -117,7 +145,7 @@ def _heads_target(heads: str | None) -> str | None:
 
 
 def run_heads_only(args: argparse.Namespace) -> int:
-    from headway.eval.heads_only import heads_only
+    from headway.train.heads_accuracy import heads_only
 
     if not args.heads:
         raise HeadwayError("--heads-only needs --heads RUN_DIR (a training run directory)")
@@ -146,8 +174,12 @@ def run_heads_only(args: argparse.Namespace) -> int:
 
 def run_eval(args: argparse.Namespace) -> int:
     if args.heads_only:
+        if args.write_gates:
+            raise HeadwayError("--write-gates measures decoding; --heads-only does not decode")
         return run_heads_only(args)
+    from headway.decode.gemm import apply_gemm
     from headway.decode.probe import check_tree_mask
+    from headway.eval.report import format_positions
     from headway.eval.run import describe_drafter, evaluate
     from headway.eval.speed import EvalSettings
     from headway.evalsets import load_prompts
@@ -169,8 +201,12 @@ def run_eval(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
     )
     check_tree_mask(target.model)  # a model that ignores the 4-D tree mask is refused here
+    apply_gemm(target.model, args.gemm)  # before the drafter: its layers take the same choice
     drafter, choice = drafter_from_flags(args, target, default=None)
     assert drafter is not None and choice.spec is not None  # eval has no --drafter none
+    options = decode_options(args, choice)
+    if args.write_gates:
+        _check_gates_flags(args, choice.spec, options, str(target.model.dtype))
     report = evaluate(
         target,
         drafter,
@@ -179,11 +215,77 @@ def run_eval(args: argparse.Namespace) -> int:
         Path(args.out),
         drafter_info=describe_drafter(choice.spec),
         prompt_set=args.prompts,
-        options=decode_options(args, choice),
+        options=options,
     )
     print(format_headline(report))
+    if report["per_position_acceptance"]:
+        rates = format_positions(report["per_position_acceptance"])
+        print(f"per-position acceptance (vLLM's definition), position: rate: {rates}")
     print(f"report, summary and plots in {args.out}/")
+    if args.write_gates:
+        _write_gates(args, report, choice.spec)
     return 0
+
+
+def _check_gates_flags(
+    args: argparse.Namespace, spec: DrafterSpec, options: DecodeOptions, dtype: str
+) -> None:
+    """Refuse ``--write-gates`` before decoding anything: a setting gates cannot be measured in,
+    or a path outside the drafter folder the gates describe."""
+    from headway.eval.gates import refuse_ungateable
+
+    refuse_ungateable(
+        temperature=args.temperature,
+        decode=dataclasses.asdict(options),
+        dtype=dtype.removeprefix("torch."),
+        spec=spec,
+    )
+    heads = getattr(spec, "heads", "")
+    if heads and Path(args.write_gates).resolve().parent != Path(heads).resolve():
+        raise HeadwayError(
+            f"--write-gates: gates describe the drafter in the folder they sit in; write them "
+            f"to {Path(heads) / 'gates.json'}"
+        )
+
+
+def gates_command(args: argparse.Namespace, spec: DrafterSpec, target: str) -> str:
+    """The ``headway eval`` command that measures these gates again (recorded in the file)."""
+    heads = getattr(spec, "heads", "")
+    parts = ["headway", "eval", *(["--heads", heads] if heads else ["--drafter", spec.name])]
+    parts += ["--target", target, "--dtype", "float32", "--device", args.device]
+    parts += ["--prompts", args.prompts, "--num-prompts", str(args.num_prompts)]
+    parts += ["--max-new-tokens", str(args.max_new_tokens), "--sizing", "drafter"]
+    parts += ["--gemm", args.gemm, "--verify", args.verify]
+    if args.tree != "default":
+        parts += ["--tree", args.tree]
+    for option in args.draft_option:
+        parts += ["--draft-option", option]
+    parts += ["--force"] if args.force else []
+    parts += ["--trust-remote-code"] if args.trust_remote_code else []
+    return shlex.join([*parts, "--write-gates", args.write_gates])
+
+
+def _given_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The drafter options the flags gave, as :func:`~headway.cli.common.drafter_from_flags`
+    reads them (``--draft-option``, ``--tree``, ``--force``)."""
+    options = parse_draft_options(args.draft_option)
+    if args.tree != "default":
+        options.setdefault("tree", args.tree)
+    if args.force:
+        options.setdefault("force", True)
+    return options
+
+
+def _write_gates(args: argparse.Namespace, report: dict[str, Any], spec: DrafterSpec) -> None:
+    from headway.eval.gates import check_gates, gates_from_report, write_gates
+
+    command = gates_command(args, spec, report["target"]["name"])
+    gates = gates_from_report(
+        report, spec, options=_given_options(args), command=command, gemm=args.gemm
+    )
+    path = write_gates(gates, Path(args.write_gates))
+    print(f"gates written to {path} (each position must keep >= {gates.gate_ratio} x):")
+    print(check_gates(gates, gates.per_position_acceptance).table())
 
 
 def format_headline(report: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ not a speed measurement).
 def run_quickstart(args: argparse.Namespace) -> int:
     import torch
 
-    from headway.quickstart.run import run_quickstart as run
+    from headway.quickstart.pipeline import run_quickstart as run
 
     if args.threads:
         torch.set_num_threads(args.threads)

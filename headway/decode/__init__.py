@@ -1,28 +1,22 @@
 """Lossless speculative decoding on stock Hugging Face models through tree verification.
 
 The decode core works on token ids only (no tokenizer) and never imports ``headway.heads`` or
-``headway.train``; drafters plug in through the :class:`~headway.decode.generate.Drafter` protocol.
+``headway.train``; drafters (every one lives in :mod:`headway.drafters`) plug in through the
+:class:`~headway.decode.generate.Drafter` protocol.
 """
 
 from __future__ import annotations
 
-from headway.decode.drafters import AdversarialDrafter, OracleDrafter, PromptLookupDrafter
 from headway.decode.generate import Drafter, GenerationResult, generate
-from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
 from headway.decode.sampling import SamplingParams, probs_from_logits
 from headway.decode.tree import DraftTree, StaticTree, chain, static_tree
 from headway.decode.verify import Acceptance, TypicalParams
 
 __all__ = [
     "Acceptance",
-    "AdversarialDrafter",
     "DraftTree",
     "Drafter",
     "GenerationResult",
-    "NgramDatastore",
-    "OracleDrafter",
-    "PromptLookupDrafter",
-    "RetrievalDrafter",
     "SamplingParams",
     "StaticTree",
     "TypicalParams",

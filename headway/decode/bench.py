@@ -18,7 +18,6 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from headway.decode.forwards import EagerForward, TargetForward
-from headway.decode.gemm import Route
 
 T = TypeVar("T")
 
@@ -70,16 +69,15 @@ def forward_seconds(
     *,
     repeats: int = 5,
     tree: bool = False,
-    gemm: Route = "stock",
 ) -> float:
     """Median time of one forward over `new_tokens` tokens on a cache of `prefix`: a chain, or
     with ``tree`` a one-level tree (every drafted node a child of the root, so the 4-D tree mask
     is used as in real tree verification).
 
     This is the cost of verifying a tree of ``new_tokens`` nodes after a prompt like `prefix`,
-    with the linear layers multiplied by the route ``gemm`` (:mod:`headway.decode.gemm`).
+    with the linear layers multiplied by the model's route (:mod:`headway.decode.gemm`).
     """
-    eager = EagerForward(model, gemm)
+    eager = EagerForward(model)
     return target_seconds(eager, prefix, new_tokens, repeats=repeats, tree=tree)
 
 

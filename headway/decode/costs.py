@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,7 +23,6 @@ from transformers import PreTrainedModel
 
 from headway.decode.bench import target_seconds
 from headway.decode.forwards import EagerForward, TargetForward
-from headway.decode.gemm import Route
 from headway.decode.tree import DraftTree, subtree
 
 __all__ = [
@@ -44,18 +42,17 @@ def verify_timer(
     target_model: PreTrainedModel,
     prefix_tokens: int,
     *,
-    gemm: Route = "stock",
     forward: TargetForward | None = None,
 ) -> Callable[[int], float]:
     """``N -> seconds`` of one verify forward of ``target_model`` over N block tokens (a
     one-level tree, :func:`~headway.decode.bench.forward_seconds`, median of 3) after a random
     committed prefix of ``prefix_tokens`` tokens, multiplied as real verify forwards will be
-    (the route ``gemm``, :mod:`headway.decode.gemm`), or run by ``forward`` (e.g. the decoding
-    loop's own :class:`~headway.decode.forwards.TargetForward`, whose cache it resets).
+    (the route applied to the model, :mod:`headway.decode.gemm`), or run by ``forward`` (e.g.
+    the decoding loop's own :class:`~headway.decode.forwards.TargetForward`, whose cache it resets).
 
     The first call prefills the prefix and later calls reuse it (a prefill of 128 tokens costs
     several verify forwards), so ``forward`` must serve nothing else between calls."""
-    runner = forward if forward is not None else EagerForward(target_model, gemm)
+    runner = forward if forward is not None else EagerForward(target_model)
     weight = target_model.get_output_embeddings().weight
     generator = torch.Generator().manual_seed(0)
     vocab = int(weight.shape[0])
@@ -71,20 +68,19 @@ def verify_timer(
 
 
 def verify_cost_table(
-    target_model: Any,
+    target_model: PreTrainedModel,
     max_tokens: int,
     *,
     prefix_tokens: int = 128,
     seconds: Callable[[int], float] | None = None,
-    gemm: Route = "stock",
 ) -> list[float]:
     """Seconds of one verify forward over m block tokens (the root and m - 1 tree nodes), for
     m = 1 .. ``max_tokens`` (entry m - 1): timed at m = 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to
     ``max_tokens`` (with :func:`~headway.decode.bench.forward_seconds` on a one-level tree,
-    the route ``gemm`` as the loop will run, or ``seconds`` if given) and linearly interpolated in
+    the model's route as the loop will run it, or ``seconds`` if given) and linearly interpolated in
     between."""
     if seconds is None:
-        seconds = verify_timer(target_model, prefix_tokens, gemm=gemm)
+        seconds = verify_timer(target_model, prefix_tokens)
 
     grid = [m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if m < max_tokens]
     grid.append(max_tokens)

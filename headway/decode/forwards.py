@@ -17,7 +17,6 @@ from typing import Protocol
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from headway.decode.gemm import Route
 from headway.decode.kv import compact_cache, crop_cache, new_cache, prefill, tree_forward
 
 __all__ = ["EagerForward", "TargetForward"]
@@ -55,11 +54,10 @@ class TargetForward(Protocol):
 
 class EagerForward:
     """The model's own forward over a ``DynamicCache`` (:mod:`headway.decode.kv`), verify
-    forwards multiplied by the route ``gemm`` (:mod:`headway.decode.gemm`)."""
+    forwards multiplied by the route applied to the model (:mod:`headway.decode.gemm`)."""
 
-    def __init__(self, model: PreTrainedModel, gemm: Route = "stock") -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
-        self.gemm = gemm
         self.cache: DynamicCache = new_cache(model)
 
     def begin(self, columns: int) -> None:
@@ -80,7 +78,6 @@ class EagerForward:
             parents,
             prefix_len,
             hidden_layers,
-            gemm=self.gemm,
         )
 
     def compact(self, prefix_len: int, keep: Tensor) -> None:

@@ -26,10 +26,17 @@ packed route if it takes at most :data:`FASTER_BY` of the stock time, else the t
 considered only where the copy takes at most half of the free memory and where
 :func:`packing_available` says this CPU runs oneDNN's kernels for the weights' dtype (bf16 does
 not on an AVX2-only CPU: the probe says so and never raises).
-``scripts/bench_decode.py`` prints the whole-model tables. The choice is resolved once per model
-(:func:`resolve_gemm`, by whoever runs the forwards: a :class:`~headway.decode.generate.Decoder`
-for the target, a drafter for its own layers) and handed on as a :data:`Route`; the reordered
-weights are the only state this module keeps.
+``scripts/bench_decode.py`` prints the whole-model tables.
+
+The route is applied once per model, not passed down: :func:`apply_gemm` decides it (timing
+``"auto"`` once) and records it beside the model; every decoding forward of that model
+(:func:`routed_linears`: the target's verify forwards, a drafter's own layers, the regeneration
+engine) takes the recorded route, and a model nobody applied a choice to gets ``"auto"`` on its
+first use (:func:`gemm_route`). ``headway`` commands apply ``--gemm`` to the target when they load
+it, and build a drafter's layers on the target's choice. A model whose dtype or device changed
+since is decided again. The records and the reordered weights are the only state this module
+keeps; nothing else in the model changes, and forwards outside decoding (training, HF's own
+``generate``) stay stock.
 
 Nothing in the modeling code changes. While a forward runs under :func:`routed_linears`, every
 plain ``nn.Linear`` of the model (exact type; quantized or adapter layers keep their own
@@ -48,8 +55,10 @@ import os
 import statistics
 import time
 import typing
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, cast
 
@@ -72,12 +81,14 @@ __all__ = [
     "MAX_ROWS",
     "GemmChoice",
     "Route",
+    "apply_gemm",
     "fastest_route",
     "forget_packed",
+    "gemm_choice",
+    "gemm_route",
     "packed_linear",
     "packed_weight",
     "packing_available",
-    "resolve_gemm",
     "routed_linears",
     "small_block_linear",
 ]
@@ -90,7 +101,7 @@ needs a CPU whose oneDNN runs the weights' dtype, else a one-line error; for tes
 measurements)."""
 
 Route = Literal["stock", "transposed", "packed"]
-"""How a model's linear layers multiply, as :func:`resolve_gemm` resolved it (see the module
+"""How a model's linear layers multiply, as :func:`apply_gemm` decided it (see the module
 docstring)."""
 
 FASTER_BY = 0.8
@@ -108,12 +119,74 @@ def _checked(choice: GemmChoice) -> GemmChoice:
     return choice
 
 
-def resolve_gemm(model: nn.Module, choice: GemmChoice) -> Route:
-    """The route ``model``'s decoding forwards take under ``choice``; ``"auto"`` times the
-    model's linear layers now (:func:`fastest_route`: about a second for SmolLM2-135M on a
-    2-core CPU), so resolve once per model and keep the answer. For ``"packed"``, every plain
-    linear weight is reordered on return (unless already held), so the first forward does not
-    pay for it."""
+Signature = tuple[torch.dtype, torch.device] | None
+"""A model's first parameter's dtype and device: a route is decided for one of them."""
+
+
+@dataclass
+class _Record:
+    """The choice applied to one model, and the route each choice resolved to (so switching
+    back to a choice already decided, as a benchmark interleaving routes does, times nothing)."""
+
+    choice: GemmChoice
+    routes: dict[GemmChoice, tuple[Route, Signature]]
+
+
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, _Record] = weakref.WeakKeyDictionary()
+
+
+def _signature(model: nn.Module) -> Signature:
+    first = next(model.parameters(), None)
+    return None if first is None else (first.dtype, first.device)
+
+
+def apply_gemm(model: nn.Module, choice: GemmChoice = "auto") -> Route:
+    """Decide once how ``model``'s decoding forwards multiply its plain linear layers, record it
+    beside the model, and return the route. ``"auto"`` times the layers now
+    (:func:`fastest_route`: about a second for SmolLM2-135M on a 2-core CPU); a choice this
+    model already resolved (for its current dtype and device) is not timed again. For
+    ``"packed"``, every plain linear weight is reordered on return (unless already held), so
+    the first forward does not pay for it.
+
+    Raises:
+        HardwareError: ``"packed"`` for weights this CPU's oneDNN cannot multiply.
+        ValueError: an unknown choice, or ``"packed"`` off a CPU.
+    """
+    signature = _signature(model)
+    record = _APPLIED.get(model)
+    known = record.routes.get(_checked(choice)) if record is not None else None
+    route: Route
+    if known is not None and known[1] == signature and known[0] != "packed":
+        route = known[0]
+    else:  # packed: resolved again, which reorders any weight changed or dropped since
+        route = _resolve(model, choice)
+    if record is None:
+        record = _APPLIED.setdefault(model, _Record(choice, {}))
+    record.choice = choice
+    record.routes[choice] = (route, signature)
+    return route
+
+
+def gemm_route(model: nn.Module) -> Route:
+    """The route recorded for ``model`` (:func:`apply_gemm`); where none was, or the model's
+    dtype or device changed since, its choice (``"auto"`` if none) is applied now."""
+    record = _APPLIED.get(model)
+    if record is not None:
+        route, signature = record.routes[record.choice]
+        if signature == _signature(model):
+            return route
+    return apply_gemm(model, record.choice if record is not None else "auto")
+
+
+def gemm_choice(model: nn.Module) -> GemmChoice:
+    """The choice applied to ``model`` (``"auto"`` where none was): a drafter built for a target
+    applies the target's choice to its own layers."""
+    record = _APPLIED.get(model)
+    return record.choice if record is not None else "auto"
+
+
+def _resolve(model: nn.Module, choice: GemmChoice) -> Route:
+    """The route ``model``'s decoding forwards take under ``choice`` (``"auto"``: timed now)."""
     route = _auto_route(model) if _checked(choice) == "auto" else cast(Route, choice)
     if route == "packed":
         linears = _plain_linears(model)
@@ -267,12 +340,17 @@ def _plain_linears(model: nn.Module) -> list[nn.Linear]:
 
 
 @contextmanager
-def routed_linears(model: nn.Module, route: Route, *, pad_single: bool = False) -> Iterator[None]:
-    """Within the block, ``model``'s plain ``nn.Linear`` layers take ``route`` (from
-    :func:`resolve_gemm`; ``pad_single``: the transposed route also takes single rows,
-    :func:`small_block_linear`). Layers that already carry an instance-level ``forward``
-    (another wrapper, or an enclosing ``routed_linears``) are left alone; every forward installed
-    here is removed on exit, also on error. Not thread-safe: one forward of a model at a time."""
+def routed_linears(
+    model: nn.Module, route: Route | None = None, *, pad_single: bool = False
+) -> Iterator[None]:
+    """Within the block, ``model``'s plain ``nn.Linear`` layers take ``route`` (``None``: the
+    route applied to the model, :func:`gemm_route`; ``pad_single``: the transposed route also
+    takes single rows, :func:`small_block_linear`). Layers that already carry an instance-level
+    ``forward`` (another wrapper, or an enclosing ``routed_linears``) are left alone; every
+    forward installed here is removed on exit, also on error. Not thread-safe: one forward of a
+    model at a time."""
+    if route is None:
+        route = gemm_route(model)
     if route == "stock":
         yield
         return

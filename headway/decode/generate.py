@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from headway.decode.captured import StaticForward, block_bucket
 from headway.decode.costs import TreeSizer, verify_cost_table, verify_timer
 from headway.decode.forwards import EagerForward, TargetForward
-from headway.decode.gemm import resolve_gemm
+from headway.decode.gemm import gemm_route
 from headway.decode.kv import context_limit
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams, probs_from_logits, sample
@@ -261,10 +261,10 @@ class Decoder:
         self.model = model
         self.drafter: Drafter = drafter if drafter is not None else _NoDrafter()
         self.options = options
+        if options.verify == "eager":
+            gemm_route(model)  # decided now ("auto" times it), not in the first forward
         self.target: TargetForward = (
-            StaticForward(model)
-            if options.verify == "captured"
-            else EagerForward(model, resolve_gemm(model, options.gemm))
+            StaticForward(model) if options.verify == "captured" else EagerForward(model)
         )
         self.sizer: TreeSizer | None = None
         self._costs = None if verify_costs is None else list(verify_costs)

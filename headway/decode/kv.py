@@ -29,7 +29,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from headway.decode.gemm import Route, routed_linears
+from headway.decode.gemm import gemm_route, routed_linears
 from headway.decode.tree import ancestor_mask, depths
 from headway.errors import SlidingWindowError
 
@@ -215,7 +215,6 @@ def tree_forward(
     parents: Tensor,
     prefix_len: int,
     hidden_layers: tuple[int, ...] = (),
-    gemm: Route = "stock",
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """Verify a whole draft tree in ONE forward.
 
@@ -224,8 +223,9 @@ def tree_forward(
         parents: LongTensor ``[n]``, the tree's parent array (see :mod:`headway.decode.tree`).
         prefix_len: tokens already in ``cache``; must equal ``cache.get_seq_length()``.
         hidden_layers: indices into ``output_hidden_states``; () skips collecting them.
-        gemm: the route the linear layers take (:func:`headway.decode.gemm.resolve_gemm`); a
-            1-token block takes stock unless the route is ``"packed"``.
+        The linear layers take the route applied to ``model``
+        (:func:`headway.decode.gemm.gemm_route`); a 1-token block takes stock unless the route
+        is ``"packed"``.
 
     Returns:
         logits ``[n + 1, V]`` (row b predicts the token after block entry b) and one
@@ -259,8 +259,9 @@ def tree_forward(
             prefix_len,
         )
         position_ids = positions.to(device)[None]
-    routed = size > 1 or gemm == "packed"  # transposed: a single row stays stock
-    with routed_linears(model, gemm if routed else "stock"):
+    route = gemm_route(model)
+    routed = size > 1 or route == "packed"  # transposed: a single row stays stock
+    with routed_linears(model, route if routed else "stock"):
         outputs = model(
             input_ids=root_and_tree_tokens.to(device),
             attention_mask=mask,  # a tensor, or one per layer type (windowed_masks)
@@ -279,7 +280,8 @@ def is_chain(parents: Tensor) -> bool:
 
 
 def _set_length(layer: Any, length: int) -> None:
-    """Keep the first ``length`` sequence entries of one layer (a view, no copy)."""
+    """Keep the first ``length`` sequence entries of one layer (a view, no copy). ``Any``: HF's
+    cache layer classes type their keys and values as optional."""
     layer.keys = layer.keys[..., :length, :]
     layer.values = layer.values[..., :length, :]
     if hasattr(layer, "cumulative_length"):  # sliding-window layers track their length apart

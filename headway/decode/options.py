@@ -2,8 +2,10 @@
 
 One frozen value, given to :class:`~headway.decode.generate.Decoder` (or
 :func:`~headway.decode.generate.generate`), that the command line builds from ``--sizing``,
-``--gemm``, ``--acceptance`` and ``--verify``. None of it changes what greedy decoding outputs;
-``acceptance`` alone can change what sampling outputs (``"typical"`` is lossy).
+``--acceptance`` and ``--verify``. How the forwards multiply on a CPU (``--gemm``) is not an
+option of the loop: it is applied once to each model (:func:`headway.decode.gemm.apply_gemm`).
+None of it changes what greedy decoding outputs; ``acceptance`` alone can change what sampling
+outputs (``"typical"`` is lossy).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from headway.decode.gemm import GemmChoice
 from headway.decode.verify import AcceptanceRule
 
 __all__ = ["DecodeOptions", "Sizing", "VerifyPath"]
@@ -29,9 +30,6 @@ class DecodeOptions:
         ``"cost"``: the loop times the target's verify forward once and, every step, sends
         only the drafted nodes that pay for their share of it, ranked by the drafter's
         acceptance estimates (:class:`~headway.decode.costs.TreeSizer`).
-    gemm: how decoding forwards multiply the target's (and the drafter's) linear layers on a
-        CPU (:mod:`headway.decode.gemm`), resolved once per
-        :class:`~headway.decode.generate.Decoder` and per drafter; eager verify forwards only.
     acceptance: ``"lossless"`` (the target's own output) or Medusa's ``"typical"`` (LOSSY when
         sampling; :func:`headway.decode.verify.verify_typical`).
     verify: ``"eager"``: the model's own forward over a ``DynamicCache``. ``"captured"``: a
@@ -40,14 +38,12 @@ class DecodeOptions:
     """
 
     sizing: Sizing = field(default="drafter")
-    gemm: GemmChoice = field(default="auto")
     acceptance: AcceptanceRule = field(default="lossless")
     verify: VerifyPath = field(default="eager")
 
     def __post_init__(self) -> None:
         for name, kind in (
             ("sizing", Sizing),
-            ("gemm", GemmChoice),
             ("acceptance", AcceptanceRule),
             ("verify", VerifyPath),
         ):

@@ -15,12 +15,16 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
-from headway.decode.drafters import PromptLookupDrafter
-from headway.decode.gemm import GemmChoice, resolve_gemm
+from headway.decode.gemm import apply_gemm, gemm_choice
 from headway.decode.generate import Drafter
-from headway.decode.merged import FirstDrafter
+from headway.drafters.eagle3_drafter import Eagle3Drafter, eagle3_model
+from headway.drafters.eagle_drafter import EagleDrafter, auto_total_tokens, eagle_model
+from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.lookup_medusa import lookup_medusa_drafter
+from headway.drafters.medusa_drafter import MedusaDrafter, medusa_tree
+from headway.drafters.merged import FirstDrafter
 from headway.drafters.retrieval import retrieval_drafter
 from headway.drafters.specs import (
     DRAFTER_NAMES,
@@ -33,16 +37,9 @@ from headway.drafters.specs import (
     parse_spec,
 )
 from headway.errors import ConfigError
-from headway.heads.drafter_eagle import EagleDrafter, auto_total_tokens, eagle_model
-from headway.heads.drafter_eagle3 import Eagle3Drafter, eagle3_model
-from headway.heads.drafter_medusa import (
-    MedusaDrafter,
-    check_final_hidden,
-    final_hidden_layer,
-    medusa_tree,
-)
 from headway.heads.eagle import EagleConfig, TargetHead
 from headway.heads.eagle3 import Eagle3Config
+from headway.heads.hidden_states import check_final_hidden, final_hidden_layer
 from headway.heads.io import HeadsError
 from headway.heads.loading import FoundHeads, find_heads, heads_family
 from headway.heads.medusa import MedusaConfig, MedusaHeads
@@ -85,9 +82,10 @@ def spec_for(
     return parse_spec(spec_type, values)
 
 
-def build_drafter(spec: DrafterSpec, target: Target, *, gemm: GemmChoice = "auto") -> Drafter:
-    """The drafter ``spec`` describes, on ``target``'s device and dtype. ``gemm`` is how trained
-    drafters multiply their few-row inputs (:mod:`headway.decode.gemm`).
+def build_drafter(spec: DrafterSpec, target: Target) -> Drafter:
+    """The drafter ``spec`` describes, on ``target``'s device and dtype. A trained drafter's own
+    layers multiply their few-row inputs on the GEMM choice applied to the target
+    (:func:`~headway.decode.gemm.apply_gemm`; ``"auto"`` where none was).
 
     A Medusa-2 run merges its LoRA adapter into ``target.model`` in place (logged) once the
     drafter is built: decode and compare with this same, now merged, target.
@@ -109,22 +107,22 @@ def build_drafter(spec: DrafterSpec, target: Target, *, gemm: GemmChoice = "auto
         if not spec.heads:
             return retrieval
         options = {"force": True} if spec.force else {}
-        behind = build_drafter(spec_for(heads=spec.heads, options=options), target, gemm=gemm)
+        behind = build_drafter(spec_for(heads=spec.heads, options=options), target)
         return FirstDrafter([*retrieval.drafters, behind], self_sized=retrieval.self_sized)
     found = find_heads(spec.heads, target.model, force=spec.force)
     if isinstance(spec, LookupMedusaSpec):
         return lookup_medusa_drafter(target, spec, found)
     drafter: Drafter
     if isinstance(spec, MedusaSpec):
-        drafter = _medusa(found, target, spec, gemm)
+        drafter = _medusa(found, target, spec)
     else:
-        drafter = _eagle(found, target, spec, gemm)
+        drafter = _eagle(found, target, spec)
     if found.merges_adapter:
         merge_adapter(found.directory, target.model)
     return drafter
 
 
-def _medusa(found: FoundHeads, target: Target, spec: MedusaSpec, gemm: GemmChoice) -> Drafter:
+def _medusa(found: FoundHeads, target: Target, spec: MedusaSpec) -> Drafter:
     config = found.config
     if not isinstance(config, MedusaConfig):
         raise HeadsError(f"{spec.heads} holds {found.method} weights, not Medusa heads")
@@ -144,36 +142,35 @@ def _medusa(found: FoundHeads, target: Target, spec: MedusaSpec, gemm: GemmChoic
         tree = medusa_tree(spec.tree, config)
     except ValueError as error:  # a tree these heads or this vocabulary cannot fill
         raise HeadsError(f"Medusa drafter: {error}; change the tree (--tree)") from error
-    return MedusaDrafter(heads, hidden_layer=layer, choices=tree.choices, gemm=gemm)
+    apply_gemm(heads, gemm_choice(model))  # the target's choice
+    return MedusaDrafter(heads, hidden_layer=layer, choices=tree.choices)
 
 
-def _eagle(found: FoundHeads, target: Target, spec: EagleSpec, gemm: GemmChoice) -> Drafter:
+def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
     model = target.model
     total_tokens = spec.total_tokens
-    if spec.tree == "auto":
-        total_tokens = auto_total_tokens(model, gemm=resolve_gemm(model, gemm))
+    if total_tokens == "auto":
+        total_tokens = auto_total_tokens(model)
     config = found.config
     try:
         if isinstance(config, Eagle3Config):
             return Eagle3Drafter(
-                _in_dtype(eagle3_model(config, found.state_dict, model), spec.dtype),
-                TargetHead.of(model),
+                _draft(eagle3_model(config, found.state_dict, model), spec, model),
+                _head(model),
                 top_k=spec.top_k,
                 depth=spec.depth,
                 total_tokens=total_tokens,
-                gemm=gemm,
             )
         if isinstance(config, EagleConfig):
             layer = final_hidden_layer(model)
             check_final_hidden(model, layer)
             return EagleDrafter(
-                _in_dtype(eagle_model(config, found.state_dict, model), spec.dtype),
-                TargetHead.of(model),
+                _draft(eagle_model(config, found.state_dict, model), spec, model),
+                _head(model),
                 hidden_layer=layer,
                 top_k=spec.top_k,
                 depth=spec.depth,
                 total_tokens=total_tokens,
-                gemm=gemm,
             )
     except ValueError as error:
         raise HeadsError(f"{spec.heads}: {error}") from error
@@ -181,6 +178,20 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec, gemm: GemmChoice)
 
 
 DraftModel = TypeVar("DraftModel", bound=nn.Module)
+
+
+def _draft(draft: DraftModel, spec: EagleSpec, target_model: nn.Module) -> DraftModel:
+    """``draft`` in the spec's dtype, the target's GEMM choice applied to its own layers."""
+    draft = _in_dtype(draft, spec.dtype)
+    apply_gemm(draft, gemm_choice(target_model))
+    return draft
+
+
+def _head(target_model: PreTrainedModel) -> TargetHead:
+    """The target's embedding and LM head, the head on the target's GEMM choice."""
+    head = TargetHead.of(target_model)
+    apply_gemm(head.lm_head, gemm_choice(target_model))
+    return head
 
 
 def _in_dtype(draft: DraftModel, dtype: str) -> DraftModel:

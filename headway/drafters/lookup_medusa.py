@@ -1,11 +1,11 @@
 """The ``lookup-medusa`` drafter (the quickstart's): prompt lookup merged with confidence-gated
 Medusa heads.
 
-- :class:`~headway.heads.drafter_confident.ConfidentMedusaDrafter` drafts the heads' top-1
+- :class:`~headway.drafters.confident_drafter.ConfidentMedusaDrafter` drafts the heads' top-1
   chain only while its cumulative probability stays at or above ``confidence`` (the quickstart
   calibrates it on held-out data, :mod:`headway.quickstart.calibrate`), optionally over a draft
   vocabulary of the training data's most frequent tokens (a cheaper ``[V', H]`` projection).
-- :class:`~headway.decode.merged.MergedDrafter` proposes the union of prompt lookup's tree and
+- :class:`~headway.drafters.merged.MergedDrafter` proposes the union of prompt lookup's tree and
   the heads' chain, merged as a prefix tree within a node budget, prompt lookup's paths first,
   and counts which drafter proposed each accepted token.
 
@@ -25,13 +25,13 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from headway.atomic import write_text_atomic
 from headway.corpus.jsonl import read_jsonl
-from headway.decode.drafters import PromptLookupDrafter
 from headway.decode.generate import Drafter
-from headway.decode.merged import MergedDrafter
+from headway.drafters.confident_drafter import ConfidentMedusaDrafter
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.merged import MergedDrafter
 from headway.drafters.specs import LookupMedusaSpec
 from headway.errors import HeadwayError
-from headway.heads.drafter_confident import ConfidentMedusaDrafter
-from headway.heads.drafter_medusa import check_final_hidden, final_hidden_layer
+from headway.heads.hidden_states import check_final_hidden, final_hidden_layer
 from headway.heads.loading import FoundHeads
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.target import Target, resolve_dtype

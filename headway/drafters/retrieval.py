@@ -1,5 +1,5 @@
 """The ``retrieval`` drafter as users build it: prompt lookup first, then a corpus of the
-target's own answers (:mod:`headway.decode.retrieval`).
+target's own answers (:mod:`headway.drafters.datastore`).
 
 The corpus is any chat data headway reads (``headway data regenerate`` output is the natural
 one: the target's own phrasings); only assistant turns are indexed, each tokenized as the target
@@ -19,9 +19,9 @@ from pathlib import Path
 
 from headway.atomic import atomic_dir
 from headway.corpus.sources import load_conversations
-from headway.decode.drafters import PromptLookupDrafter
-from headway.decode.merged import FirstDrafter
-from headway.decode.retrieval import NgramDatastore, RetrievalDrafter
+from headway.drafters.datastore import NgramDatastore, RetrievalDrafter
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.merged import FirstDrafter
 from headway.drafters.specs import RetrievalSpec
 from headway.errors import HeadwayError
 from headway.target import Target, cache_dir, eos_token_ids

@@ -136,12 +136,12 @@ class EagleSpec:
     heads: str = field(default="", metadata=_help("the drafter folder"))
     top_k: int = field(default=8, metadata=_help("children per expanded node (1 = a chain)"))
     depth: int = field(default=4, metadata=_help("deepest tree level"))
-    total_tokens: int = field(
-        default=16, metadata=_help("tree budget counting the root: at most N - 1 nodes")
-    )
-    tree: Literal["default", "auto"] = field(
-        default="default",
-        metadata=_help("auto: choose total_tokens by timing the target's verify forward"),
+    total_tokens: int | Literal["auto"] = field(
+        default=16,
+        metadata=_help(
+            "tree budget counting the root: at most N - 1 nodes; auto: chosen among 4-32 by "
+            "timing the target's verify forward on this machine"
+        ),
     )
     dtype: Literal["target", "bfloat16"] = field(
         default="target",
@@ -156,7 +156,8 @@ class EagleSpec:
         if not self.heads:
             raise ConfigError("EagleSpec needs heads=FOLDER")
         _at_least(self, 1, "top_k", "depth")
-        _at_least(self, 2, "total_tokens")
+        if self.total_tokens != "auto":
+            _at_least(self, 2, "total_tokens")
 
 
 @dataclass(frozen=True)
@@ -212,14 +213,14 @@ _DECODE_OPTIONS = {
 }
 
 
-def _union_args(annotation: Any) -> tuple[Any, ...]:
+def _union_args(annotation: object) -> tuple[Any, ...]:
     origin = typing.get_origin(annotation)
     if origin is typing.Union or origin is types.UnionType:
         return typing.get_args(annotation)
     return (annotation,)
 
 
-def _convert(value: Any, annotation: Any) -> Any:
+def _convert(value: object, annotation: object) -> Any:
     """``value`` as ``annotation`` (int, float, bool, str, Literal, tuples, unions of them);
     ``ValueError`` if it is not one."""
     for kind in _union_args(annotation):
@@ -230,7 +231,7 @@ def _convert(value: Any, annotation: Any) -> Any:
     raise ValueError(f"{value!r} is not {_type_name(annotation)}")
 
 
-def _convert_one(value: Any, kind: Any) -> Any:
+def _convert_one(value: object, kind: object) -> Any:
     origin = typing.get_origin(kind)
     if origin is Literal:
         if value in typing.get_args(kind):
@@ -253,7 +254,7 @@ def _convert_one(value: Any, kind: Any) -> Any:
         raise ValueError(value)
     digits = isinstance(value, str) and value.strip().lstrip("-").isdigit()
     if kind is int and not isinstance(value, bool) and (isinstance(value, int) or digits):
-        return int(value)
+        return int(str(value))
     if kind is float and not isinstance(value, bool) and isinstance(value, int | float | str):
         return float(value)
     if kind is str and isinstance(value, str | int | float) and not isinstance(value, bool):
@@ -261,7 +262,7 @@ def _convert_one(value: Any, kind: Any) -> Any:
     raise TypeError(value)
 
 
-def _type_name(annotation: Any) -> str:
+def _type_name(annotation: object) -> str:
     names = []
     for kind in _union_args(annotation):
         if typing.get_origin(kind) is Literal:
@@ -291,6 +292,11 @@ def parse_spec(
             raise ConfigError(
                 f"{where}: {key} is a decoding option, not a drafter one; use "
                 f"{_DECODE_OPTIONS[key]} {value}"
+            )
+        if key == "tree" and "total_tokens" in fields:
+            raise ConfigError(
+                f"{where} ({spec_type.name}): tree names Medusa trees; an EAGLE tree is sized by "
+                "top_k, depth and total_tokens (total_tokens=auto chooses it by timing the target)"
             )
         if key not in fields:
             raise unknown_name("option", key, list(fields), f"{where} ({spec_type.name})")

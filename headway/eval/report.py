@@ -16,6 +16,7 @@ generation wall time, speedups are ratios measured in the same run::
       "acceptance_by_depth": [P(a >= 1), P(a >= 2), ...],
       "conditional_acceptance_by_depth": [P(a >= d | a >= d - 1), ...],
       "drafted_by_depth": [fraction of steps whose proposed tree reached depth d, ...],
+      "per_position_acceptance": [vLLM's per-position acceptance rate, positions 1..k],
       "tokens_per_s": {"drafter": float, "plain": float},
       "speedup": float,                          # drafter / plain
       "identical_fraction": float | null,        # temperature 0 only
@@ -26,7 +27,8 @@ generation wall time, speedups are ratios measured in the same run::
                       "plain_seconds", "tau", "stop_reason", "identical"}],
       "timing": {"run_seconds", "decode_seconds", "warmup_seconds", "overhead_seconds"},
       "overhead_fraction": float,                # (run - decode) / run
-      "decode": {"sizing", "gemm", "acceptance", "verify"},   # the DecodeOptions
+      "decode": {"sizing", "acceptance", "verify",   # the DecodeOptions, and the GEMM
+                 "gemm", "gemm_route"},              # choice applied to the target, its route
       "verify_ms_by_block_size": [ms, ...] | null,  # sizing "cost": one verify forward over
                                                  # 1, 2, ... block tokens, as the sizer timed it
       "definitions": {name: text}, "files": {"summary": ..., "plots": [...]}
@@ -55,7 +57,14 @@ from headway.eval.acceptance import acceptance_stats
 from headway.eval.speed import PromptRecord, SpeedRun
 from headway.target import Target, fingerprint
 
-__all__ = ["DEFINITIONS", "REPORT_NAME", "SUMMARY_NAME", "build_report", "write_report"]
+__all__ = [
+    "DEFINITIONS",
+    "REPORT_NAME",
+    "SUMMARY_NAME",
+    "build_report",
+    "format_positions",
+    "write_report",
+]
 
 REPORT_NAME = "report.json"
 SUMMARY_NAME = "summary.md"
@@ -69,6 +78,9 @@ DEFINITIONS = {
     "conditional_acceptance_by_depth": "entry d-1 = P(accepted depth >= d | accepted depth >= "
     "d - 1): the acceptance rate of head / draft level d along the accepted path",
     "drafted_by_depth": "entry d-1 = fraction of draft steps whose proposed tree reached depth d",
+    "per_position_acceptance": "vLLM's per-position acceptance rate: entry i-1 = of the draft "
+    "steps that proposed at least one token, the fraction that accepted at least i drafted "
+    "tokens, for positions 1..k of the longest draft (num_accepted_tokens_per_pos / num_drafts)",
     "tokens_per_s": "generated tokens / generation wall time (prefill included, batch 1)",
     "speedup": "drafter tokens/s / plain tokens/s, measured in the same run, interleaved",
     "identical_fraction": "fraction of prompts whose drafter output equals plain decoding token "
@@ -186,6 +198,11 @@ def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{suffix}"
 
 
+def format_positions(rates: Sequence[float]) -> str:
+    """``[0.5, 0.25]`` -> ``"1: 0.500, 2: 0.250"``."""
+    return ", ".join(f"{index}: {rate:.3f}" for index, rate in enumerate(rates, start=1))
+
+
 def summary_markdown(report: dict[str, Any]) -> str:
     """The report as a short Markdown page."""
     settings, machine = report["settings"], report["machine"]
@@ -229,6 +246,10 @@ def summary_markdown(report: dict[str, Any]) -> str:
             f"{row['drafter_tokens_per_s']:.1f} | {row['plain_tokens_per_s']:.1f} | "
             f"{_fmt(row['speedup'], '.2f', 'x')} |"
         )
+    per_position = report.get("per_position_acceptance")
+    if per_position:
+        rates = format_positions(per_position)
+        lines += ["", f"Per-position acceptance rate (vLLM's definition), position: rate: {rates}"]
     verify_ms = report.get("verify_ms_by_block_size")
     if verify_ms:
         costs = ", ".join(f"{size}: {ms:.1f}" for size, ms in enumerate(verify_ms, start=1))

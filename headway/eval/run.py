@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from headway.decode.gemm import gemm_choice, gemm_route
 from headway.decode.generate import Drafter
 from headway.decode.options import DecodeOptions
 from headway.drafters.build import describe_spec
@@ -90,7 +91,9 @@ def evaluate(
     options = options or DecodeOptions()
     run = run_speed_eval(target, drafter, prompts, settings, options=options, progress=progress)
     report = build_report(run, target, drafter=drafter_info, prompt_set=prompt_set)
-    report["decode"] = dataclasses.asdict(options)
+    model = target.model
+    gemm = {"gemm": gemm_choice(model), "gemm_route": gemm_route(model)}  # applied to the model
+    report["decode"] = {**dataclasses.asdict(options), **gemm}
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = write_plots(report, out_dir)
     report["files"] = {

@@ -39,26 +39,24 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from headway.decode.drafters import NgramIndex
 from headway.decode.gemm import (
-    GemmChoice,
     Route,
     contiguous_head,
     forget_packed,
-    resolve_gemm,
+    gemm_route,
     routed_linears,
 )
 from headway.decode.kv import cache_argument
+from headway.decode.sampling import SamplingParams, pick_tokens
+from headway.drafters.lookup import NgramIndex
 from headway.generation.grouped_attention import grouped_attention
 from headway.generation.lookahead import accept_chains
-from headway.generation.loops import ends_in_loop
 from headway.generation.ragged_cache import RaggedCache, step_mask
-from headway.generation.sampling_rule import SamplingRule
+from headway.generation.repetition import ends_in_loop
 
 __all__ = [
     "Completion",
     "ContinuousBatcher",
-    "SamplingRule",
     "grouped_attention",
 ]
 
@@ -105,7 +103,7 @@ class ContinuousBatcher:
     ``lookahead`` is the most tokens a row drafts per step (0: plain decoding), ``ngram`` the
     longest suffix prompt lookup matches. ``stop_loops`` > 0 ends a row (``"loop"``) at the
     first token past that many periods of a repetition loop, that token left out
-    (:func:`~headway.generation.loops.ends_in_loop`).
+    (:func:`~headway.generation.repetition.ends_in_loop`).
     """
 
     def __init__(
@@ -116,14 +114,13 @@ class ContinuousBatcher:
         max_new_tokens: int,
         eos_token_ids: Sequence[int],
         pad_token_id: int,
-        rule: SamplingRule | None = None,
+        rule: SamplingParams | None = None,
         generator: torch.Generator | None = None,
         refill_fraction: float = 0.5,
         prefill_tokens: int = 8192,
         lookahead: int = 0,
         ngram: int = 4,
         stop_loops: int = 0,
-        gemm: GemmChoice = "auto",
     ) -> None:
         if slots < 1 or max_new_tokens < 1 or not eos_token_ids:
             raise ValueError("slots and max_new_tokens must be >= 1, eos_token_ids non-empty")
@@ -132,13 +129,13 @@ class ContinuousBatcher:
         self.model, self.slots, self.max_new_tokens = model, slots, max_new_tokens
         self.eos = frozenset(eos_token_ids)
         self.pad_token_id, self.generator = pad_token_id, generator
-        self.rule = rule or SamplingRule()  # greedy
+        self.rule = rule or SamplingParams()  # greedy
         self.refill_at = max(0, int(slots * refill_fraction))
         self.prefill_tokens = prefill_tokens
         self.lookahead, self.ngram, self.stop_loops = lookahead, ngram, stop_loops
         self.waiting: deque[tuple[Hashable, list[int]]] = deque()
         self.device = next(model.parameters()).device
-        self.gemm = resolve_gemm(model, gemm)  # how the linear layers multiply on a CPU
+        self.gemm = gemm_route(model)  # the route applied to the model (auto where none was)
         self.num_layers = int(model.config.get_text_config().num_hidden_layers)
         self.steps = 0  # forwards after the prefills
         self.row_steps = 0  # rows those forwards advanced, summed
@@ -161,7 +158,7 @@ class ContinuousBatcher:
 
         Until the generator ends or is closed (between yields too), the model runs with
         :func:`grouped_attention`, :func:`contiguous_head` and its linear layers on the route
-        ``gemm`` resolved to (:func:`~headway.decode.gemm.routed_linears`); do not use it
+        applied to the model (:func:`~headway.decode.gemm.routed_linears`); do not use it
         elsewhere meanwhile. Reordered weights of the packed route are dropped at the end, so a
         regeneration does not leave a second copy of the weights to the training after it.
         """
@@ -268,5 +265,5 @@ class ContinuousBatcher:
         cache.reserve(max(lengths) + self.max_new_tokens + self.lookahead + 1)  # never grows
         cache.place(prefilled, lengths)
         rows = [_Row(key, prompt, self.ngram if self.lookahead else 0) for key, prompt in batch]
-        first: Tensor = self.rule.pick(logits, self.generator)
+        first: Tensor = pick_tokens(logits, self.rule, self.generator)
         return rows, first.tolist()

@@ -1,7 +1,7 @@
 """Lookahead for batched generation: each row drafts a few tokens by prompt lookup in its own
 text and one forward verifies every row's chain, keeping exactly what the target would say.
 
-Drafting (prompt lookup's :class:`~headway.decode.drafters.NgramIndex`, one per row): the
+Drafting (prompt lookup's :class:`~headway.drafters.lookup.NgramIndex`, one per row): the
 longest suffix of the row's tokens (prompt and answer so far, up to ``ngram`` tokens) that
 occurred before proposes the tokens that followed its most recent occurrence.
 Self-distillation answers repeat themselves a lot (SmolLM2-135M's greedy ShareGPT answers keep
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from headway.generation.sampling_rule import SamplingRule
+from headway.decode.sampling import SamplingParams, probs_from_logits, sample
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Accepted:
 def accept_chains(
     logits: Tensor,
     drafts: Sequence[Sequence[int]],
-    rule: SamplingRule,
+    rule: SamplingParams,
     generator: torch.Generator | None = None,
 ) -> Accepted:
     """Verify each row's draft chain against the target.
@@ -59,7 +59,7 @@ def accept_chains(
         padded[row, : len(draft)] = torch.tensor(draft, dtype=torch.long)
     padded = padded.to(device)
     drafted = torch.arange(step - 1, device=device)[None, :] < counts[:, None]  # [rows, S - 1]
-    if rule.temperature == 0:
+    if rule.greedy:
         best = logits.max(dim=-1).indices  # [rows, S]; the first maximum, as argmax
         # (and 3.5x faster than argmax over a bf16 vocabulary on a CPU)
         ok = (padded == best[:, :-1]) & drafted
@@ -78,12 +78,12 @@ def _sample(
     logits: Tensor,
     padded: Tensor,
     drafted: Tensor,
-    rule: SamplingRule,
+    rule: SamplingParams,
     generator: torch.Generator | None,
 ) -> tuple[Tensor, Tensor]:
     """Speculative sampling with deterministic drafts: ``(kept [rows], next token [rows])``."""
     rows, step, vocab = logits.shape
-    probs = rule.probabilities(logits.reshape(rows * step, vocab)).reshape(rows, step, vocab)
+    probs = probs_from_logits(logits.reshape(rows * step, vocab), rule).reshape(rows, step, vocab)
     draft_probs = probs[:, :-1].gather(2, padded[:, :, None])[:, :, 0]  # [rows, S - 1]
     chance = torch.rand(
         draft_probs.shape, generator=generator, device=probs.device, dtype=probs.dtype
@@ -99,5 +99,5 @@ def _sample(
         residual[where, padded[where, kept[where]]] = 0.0
         empty = residual.sum(dim=1) <= 0  # p was all on the rejected draft (rounding)
         residual[empty] = at_kept[empty]
-    after = torch.multinomial(residual, 1, generator=generator)[:, 0]
+    after = sample(residual, generator)
     return kept, after

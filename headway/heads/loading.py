@@ -1,7 +1,8 @@
 """Find the heads in a folder, whatever wrote it: a headway run directory, or heads in one of the
-engine formats (:data:`ENGINE_FORMATS`: ``medusa``, ``medusa-vllm``, ``eagle1``, ``eagle3-hf``)
-written by ``headway export`` or published by others. Detection reads only ``config.json`` and
-file names; the drafter itself is built by :func:`headway.drafters.build.build_drafter`.
+engine formats (:data:`ENGINE_FORMATS`: ``medusa``, ``medusa-vllm``, ``eagle1``, ``eagle3-hf``,
+``speculators``) written by ``headway export`` or published by others. Detection reads only
+``config.json`` and file names; the drafter itself is built by
+:func:`headway.drafters.build.build_drafter`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from headway.heads.eagle3 import Eagle3Config
 from headway.heads.format_eagle1 import EAGLE1
 from headway.heads.format_eagle3 import EAGLE3_HF
 from headway.heads.format_medusa import MEDUSA, MEDUSA_VLLM
+from headway.heads.format_speculators import SPECULATORS
 from headway.heads.formats import EngineFormat
 from headway.heads.io import (
     CONFIG_NAME,
@@ -35,7 +37,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ENGINE_FORMATS", "FoundHeads", "detect_format", "find_heads", "heads_family"]
 
 ENGINE_FORMATS: dict[str, EngineFormat] = {
-    engine.name: engine for engine in (MEDUSA, MEDUSA_VLLM, EAGLE1, EAGLE3_HF)
+    engine.name: engine for engine in (MEDUSA, MEDUSA_VLLM, EAGLE1, EAGLE3_HF, SPECULATORS)
 }
 """Every engine format headway writes and reads, by its ``--format`` name."""
 

@@ -2,8 +2,8 @@
 them, and evaluate the ``lookup-medusa`` drafter (prompt lookup merged with confidence-gated
 heads) that reads them back, in minutes on a CPU.
 
-- :mod:`headway.quickstart.run` — the stages, resumable
-  (:func:`~headway.quickstart.run.run_quickstart`);
+- :mod:`headway.quickstart.pipeline` — the stages, resumable
+  (:func:`~headway.quickstart.pipeline.run_quickstart`);
 - :mod:`headway.quickstart.plan` — every knob, for the embedded model and the tiny test target;
 - :mod:`headway.quickstart.calibrate` — the heads' confidence gate, calibrated on held-out data;
 - :mod:`headway.quickstart.tiny` — the tiny random target and data of ``--tiny``.

@@ -24,7 +24,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from headway.decode.bench import forward_seconds
-from headway.decode.gemm import resolve_gemm
+from headway.decode.gemm import gemm_route
 from headway.drafters.build import describe_spec
 from headway.drafters.lookup_medusa import (
     draft_vocabulary,
@@ -44,9 +44,9 @@ __all__ = ["GateCalibration", "choose_threshold", "head1_scores", "verify_break_
 def verify_break_even(model: PreTrainedModel, prefix: Tensor, *, repeats: int = 5) -> float:
     """``(t2 - t1) / t1`` on ``prefix`` ``[P]``: the acceptance rate a one-token draft needs to
     pay for itself (clamped to [0, 1])."""
-    plan = resolve_gemm(model, "auto")  # as the decoding loop will multiply them
-    one = forward_seconds(model, prefix, 1, repeats=repeats, gemm=plan)
-    two = forward_seconds(model, prefix, 2, repeats=repeats, gemm=plan)
+    gemm_route(model)  # decided before timing, as the decoding loop will multiply them
+    one = forward_seconds(model, prefix, 1, repeats=repeats)
+    two = forward_seconds(model, prefix, 2, repeats=repeats)
     return min(max((two - one) / one, 0.0), 1.0)
 
 

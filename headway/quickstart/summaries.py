@@ -11,13 +11,14 @@ from headway.run_config import RunConfig
 __all__ = ["data_summary", "eval_summary", "figures", "run_fingerprint", "sources", "train_summary"]
 
 
-def sources(drafter: Any) -> dict[str, int]:
+def sources(drafter: object) -> dict[str, int]:
     """Accepted drafted tokens per source of a merged drafter (warm-up included)."""
-    from headway.heads.drafter_confident import ConfidentMedusaDrafter
+    from headway.drafters.confident_drafter import ConfidentMedusaDrafter
+    from headway.drafters.merged import MergedDrafter
 
-    counts = getattr(drafter, "accepted_by_source", None)
-    if counts is None:
+    if not isinstance(drafter, MergedDrafter):
         return {}
+    counts = drafter.accepted_by_source
     names = [
         "medusa heads" if isinstance(d, ConfidentMedusaDrafter) else "prompt lookup"
         for d in drafter.drafters

@@ -17,10 +17,11 @@ from typing import Any, cast
 
 import torch
 
-from headway.decode.gemm import GemmChoice, contiguous_head
+from headway.decode.gemm import contiguous_head
+from headway.decode.sampling import SamplingParams
 from headway.errors import DataError
-from headway.generation.batched_generation import ContinuousBatcher, SamplingRule
-from headway.generation.loops import loop_cut
+from headway.generation.batched_generation import ContinuousBatcher
+from headway.generation.repetition import loop_cut
 from headway.target import Target
 from headway.train.prompts import PromptItem
 
@@ -53,8 +54,8 @@ class RegenerateOptions:
     # 1.40 tokens per forward at temperature 0.7, where lookahead 3 ran 0.94x of none).
     lookahead: int | None = None
     # > 0: an answer stops at its first token past this many periods of a repetition loop
-    # (headway.generation.loops), finish_reason "loop". Greedy answers of small targets often loop
-    # until max_new_tokens: half of smollm2-sharegpt-2's answer tokens were such tails.
+    # (headway.generation.repetition), finish_reason "loop". Greedy answers of small targets
+    # often loop until max_new_tokens: half of smollm2-sharegpt-2's answer tokens were such tails.
     stop_loops: int = 0
 
     def __post_init__(self) -> None:
@@ -138,14 +139,12 @@ def answer_items(
     target: Target,
     items: Sequence[PromptItem],
     options: RegenerateOptions,
-    *,
-    gemm: GemmChoice = "auto",
 ) -> Iterator[tuple[PromptItem, list[Answer]]]:
     """Answer every user turn of every item, turn by turn (each turn after the target's own
     earlier answers), with the engine the options name (the continuous engine's linear layers
-    on the route ``gemm`` resolves to, :mod:`headway.decode.gemm`)."""
+    on the route applied to the target, :mod:`headway.decode.gemm`)."""
     if options.engine == "continuous":
-        return _answer_continuously(target, items, options, gemm)
+        return _answer_continuously(target, items, options)
     return _answer_in_padded_batches(target, items, options)
 
 
@@ -157,7 +156,7 @@ def _prompt_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
 
 
 def _answer_continuously(
-    target: Target, items: Sequence[PromptItem], options: RegenerateOptions, gemm: GemmChoice
+    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
 ) -> Iterator[tuple[PromptItem, list[Answer]]]:
     """All items through one :class:`ContinuousBatcher`, shortest prompts first; an item's next
     turn is submitted as soon as its previous answer is in."""
@@ -169,10 +168,9 @@ def _answer_continuously(
         max_new_tokens=options.max_new_tokens,
         eos_token_ids=eos_ids,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0],
-        rule=SamplingRule(options.temperature, options.top_p),
+        rule=SamplingParams(temperature=options.temperature, top_p=options.top_p),
         lookahead=options.resolved_lookahead,
         stop_loops=options.stop_loops,
-        gemm=gemm,
     )
     by_id = {item.id: item for item in items}
     answers: dict[str, list[Answer]] = {item.id: [] for item in items}

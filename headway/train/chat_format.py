@@ -30,7 +30,7 @@ from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from headway.corpus.samples import BadRowError, Message, Sample
 from headway.errors import DataError
-from headway.generation.loops import remove_loops
+from headway.generation.repetition import remove_loops
 
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -39,7 +39,7 @@ _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 class TokenizedSample:
     """Token ids of one sample and its loss mask, both ``[seq]`` with ``seq <= max_length``;
     ``truncated`` says the tail was dropped to fit, ``loop_removed`` how many assistant tokens
-    of repetition loops were taken out (:mod:`headway.generation.loops`)."""
+    of repetition loops were taken out (:mod:`headway.generation.repetition`)."""
 
     input_ids: list[int]
     loss_mask: list[int]
@@ -56,7 +56,8 @@ def tokenize_sample(
 ) -> TokenizedSample:
     """Tokenize ``sample`` and build its assistant-only loss mask, keeping the first
     ``max_length`` tokens. With ``loop_repeats > 0``, the assistant tokens of a repetition loop
-    past that many periods are taken out first (:func:`~headway.generation.loops.remove_loops`).
+    past that many periods are taken out first
+    (:func:`~headway.generation.repetition.remove_loops`).
 
     Plain-text samples are tokenized with the tokenizer's own special tokens (e.g. a BOS) and
     every token is trained. Conversations need a chat template and a fast tokenizer; messages after

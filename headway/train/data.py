@@ -80,7 +80,7 @@ def build_dataset(
     ``skip_bad_rows``. Raises DataError if nothing is left. ``num_proc`` tokenizes in that many
     processes: rendering chat templates is pure Python (~30 ms for a 30-turn conversation).
     ``loop_repeats > 0`` takes the assistant tokens of repetition loops past that many periods
-    out of the samples (:mod:`headway.generation.loops`).
+    out of the samples (:mod:`headway.generation.repetition`).
     """
     samples, report = load_conversations(source, skip_bad_rows=skip_bad_rows, limit=limit)
     if any(sample.messages is not None for sample in samples):

@@ -34,8 +34,8 @@ from transformers import PreTrainedModel
 
 from headway.atomic import atomic_file, write_text_atomic
 from headway.errors import DataError
-from headway.heads.drafter_medusa import final_hidden_layer
 from headway.heads.eagle import TargetHead
+from headway.heads.hidden_states import final_hidden_layer
 from headway.locks import exclusive_folder, rank_lock_name
 from headway.target import fingerprint
 from headway.train.batching import pad_collate, target_inputs
@@ -60,7 +60,7 @@ _DTYPES = ("bfloat16", "float16", "float32")
 _REWRITE = "delete the folder and rerun `headway data cache-features`"
 
 
-def _is_count(value: Any, least: int) -> bool:
+def _is_count(value: object, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and least <= value < 2**40
 
 

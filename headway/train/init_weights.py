@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 from dataclasses import fields, is_dataclass
-from typing import Any
 
 from torch import nn
 
@@ -46,7 +45,7 @@ def initial_heads(config: RunConfig, target: Target) -> FoundHeads | None:
     return found
 
 
-def _same(built: Any, loaded: Any) -> bool:
+def _same(built: object, loaded: object) -> bool:
     if isinstance(built, float) and isinstance(loaded, float):
         return math.isclose(built, loaded, rel_tol=1e-6)  # configs round-trip through float32
     if isinstance(built, tuple | list) and isinstance(loaded, tuple | list):
@@ -55,7 +54,7 @@ def _same(built: Any, loaded: Any) -> bool:
 
 
 def check_head_config(
-    built: Any, found: FoundHeads, section: str, settable: Collection[str]
+    built: object, found: FoundHeads, section: str, settable: Collection[str]
 ) -> None:
     """Refuse ``found`` when its head config differs from ``built`` (the run's), in one line
     naming the first differing field; ``settable`` names the fields ``section`` sets (the rest

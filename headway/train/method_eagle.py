@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headway.heads.drafter_medusa import final_hidden_layer
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
+from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.loading import FoundHeads
 from headway.run_config import RunConfig
 from headway.target import Target

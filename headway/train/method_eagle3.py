@@ -51,9 +51,9 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from headway.errors import ConfigError
 from headway.generation.grouped_attention import PACKED
-from headway.heads.drafter_medusa import final_hidden_layer
 from headway.heads.eagle import TargetHead, additive_mask
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
+from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.loading import FoundHeads
 from headway.heads.vocab import DraftVocab, TokenCounts, choose_vocab, token_counts
 from headway.run_config import RunConfig

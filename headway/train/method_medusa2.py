@@ -49,7 +49,7 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from headway.errors import ConfigError
-from headway.heads.drafter_medusa import final_hidden_layer
+from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.loading import FoundHeads
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.heads.medusa2 import (

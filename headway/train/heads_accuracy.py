@@ -1,5 +1,7 @@
 """``headway eval --heads-only``: how often each head / draft step guesses right, without decoding.
 
+It lives in training, not ``eval/``, because it replays a training method.
+
 It replays the run's own training method on held-out data: the run directory's
 ``train_config.json`` rebuilds the method (:func:`headway.train.methods.build_method`), the saved
 heads are loaded into it, and the target's features are computed online. The figures are the

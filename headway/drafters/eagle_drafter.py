@@ -1,5 +1,5 @@
 """The EAGLE drafter: an EAGLE-1 draft model proposing EAGLE-2 dynamic draft trees (EAGLE-3
-drafters reuse it through three hooks, :mod:`headway.heads.drafter_eagle3`).
+drafters reuse it through three hooks, :mod:`headway.drafters.eagle3_drafter`).
 
 Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"
 (arXiv:2401.15077) for the draft model; Li et al. 2024, "EAGLE-2: Faster Inference of Language
@@ -45,9 +45,10 @@ from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel
 
 from headway.decode.costs import verify_timer
-from headway.decode.gemm import GemmChoice, Route, resolve_gemm, routed_linears
+from headway.decode.gemm import gemm_route, routed_linears
 from headway.decode.kv import crop_cache
 from headway.decode.tree import DraftTree, empty_tree, subtree
+from headway.drafters.specs import EagleSpec
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
 
 __all__ = [
@@ -65,17 +66,18 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TOP_K = 8
-DEFAULT_DEPTH = 4
-DEFAULT_TOTAL_TOKENS = 16
-"""Defaults sized for a CPU (verify cost grows ~1.3x from 1-10 to 16 nodes, and each level costs
+DEFAULT_TOP_K: int = EagleSpec.top_k
+DEFAULT_DEPTH: int = EagleSpec.depth
+DEFAULT_TOTAL_TOKENS: int = cast(int, EagleSpec.total_tokens)
+"""The defaults :class:`~headway.drafters.specs.EagleSpec` states (the one place they live),
+sized for a CPU (verify cost grows ~1.3x from 1-10 to 16 nodes, and each level costs
 one ``[V, H]`` LM-head pass) and the weak drafters tiny data gives (DESIGN.md). The EAGLE-2
 reference uses top_k 10, total_tokens 60 and 6-8 levels on GPUs; re-tune for strong drafters."""
 
 
 AUTO_CANDIDATES = (4, 8, 12, 16, 24, 32)
 AUTO_GAIN = (1.0, 1.12, 1.18, 1.22, 1.27, 1.30)
-"""``--tree auto``: tree budgets tried, and the tau each is *assumed* to reach relative to the
+"""``total_tokens=auto``: tree budgets tried, and the tau each is *assumed* to reach relative to the
 smallest (a concave curve: the best extra nodes of an EAGLE-2 tree are the likeliest ones). The
 reference does the same with its own table (``[40, 48, 50, 56, 60]`` -> ``[1, 1.05, 1.07, 1.1,
 1.13]``, sized for GPUs where a 60-token forward costs about what one token does)."""
@@ -86,9 +88,8 @@ def auto_total_tokens(
     *,
     prefix_tokens: int = 128,
     seconds: Callable[[int], float] | None = None,
-    gemm: Route = "stock",
 ) -> int:
-    """``--tree auto``: choose the tree budget N by timing the target's verify forward on this
+    """``total_tokens=auto``: choose the tree budget N by timing the target's verify forward on this
     hardware (EAGLE-2 reference, ``total_token=-1``): the N of :data:`AUTO_CANDIDATES` with the
     lowest measured ``t_verify(N) / gain(N)``, ``gain`` from :data:`AUTO_GAIN`.
 
@@ -97,10 +98,10 @@ def auto_total_tokens(
         prefix_tokens: length of the random committed prefix the forwards are timed after.
         seconds: ``N -> seconds`` of one verify forward over N tree tokens; default: measured
             with :func:`headway.decode.bench.forward_seconds` on a one-level tree, multiplied as
-            the loop will (the route ``gemm``, :mod:`headway.decode.gemm`).
+            the loop will (the route applied to the target, :mod:`headway.decode.gemm`).
     """
     if seconds is None:
-        seconds = verify_timer(target_model, prefix_tokens, gemm=gemm)
+        seconds = verify_timer(target_model, prefix_tokens)
 
     costs = [seconds(size) / gain for size, gain in zip(AUTO_CANDIDATES, AUTO_GAIN, strict=True)]
     best = AUTO_CANDIDATES[min(range(len(costs)), key=costs.__getitem__)]
@@ -144,7 +145,7 @@ class FeatureDraftModel(Protocol):
 class EagleDrafter:
     """An EAGLE draft model as a :class:`~headway.decode.generate.Drafter` with EAGLE-2 trees.
 
-    EAGLE-1 as it stands; EAGLE-3 (:class:`~headway.heads.drafter_eagle3.Eagle3Drafter`) reuses
+    EAGLE-1 as it stands; EAGLE-3 (:class:`~headway.drafters.eagle3_drafter.Eagle3Drafter`) reuses
     all of it and overrides three small hooks: :meth:`_pair_features` (what the committed pairs
     read from the target's hidden states), :meth:`_top_children` (the draft head) and
     :meth:`_vocabulary_size`.
@@ -158,8 +159,6 @@ class EagleDrafter:
         top_k: children per expanded node and frontier width (1 = chain drafting).
         depth: deepest tree level (tokens on the longest drafted path).
         total_tokens: N, the tree budget counting the root: at most N - 1 drafted nodes.
-        gemm: how the draft model and LM head multiply their few-row inputs
-            (:mod:`headway.decode.gemm`), resolved once here.
 
     When the decoding loop sizes trees by cost (``propose`` gets a ``floor``), every node is
     scored by its cumulative draft probability and the loop sends the best that pay for their
@@ -177,7 +176,6 @@ class EagleDrafter:
         top_k: int = DEFAULT_TOP_K,
         depth: int = DEFAULT_DEPTH,
         total_tokens: int = DEFAULT_TOTAL_TOKENS,
-        gemm: GemmChoice = "auto",
     ) -> None:
         if top_k < 1 or depth < 1 or total_tokens < 2:
             raise ValueError(
@@ -191,9 +189,11 @@ class EagleDrafter:
         self.top_k = min(top_k, self._vocabulary_size())
         self.depth, self.total_tokens = depth, total_tokens
         self.max_nodes = total_tokens - 1
-        # each resolved on its own largest layer: a small fc may not gain where the LM head does
-        self._gemm = resolve_gemm(cast(nn.Module, model), gemm)
-        self._gemm_head = resolve_gemm(head.lm_head, gemm)
+        # The draft model and the LM head multiply their few-row inputs on the routes applied
+        # to them (apply_gemm), each decided now on its own layers: a small fc may not gain
+        # where the LM head does.
+        gemm_route(cast(nn.Module, model))
+        gemm_route(head.lm_head)
         weight = model.fc.weight
         self._device, self._dtype = weight.device, weight.dtype
         self.level_seconds = 0.0
@@ -227,8 +227,8 @@ class EagleDrafter:
         (:func:`~headway.decode.gemm.routed_linears`; draft forwards have a few rows)."""
         stack = ExitStack()
         model = cast(nn.Module, self.model)
-        stack.enter_context(routed_linears(model, self._gemm, pad_single=True))
-        stack.enter_context(routed_linears(self.head.lm_head, self._gemm_head, pad_single=True))
+        stack.enter_context(routed_linears(model, pad_single=True))
+        stack.enter_context(routed_linears(self.head.lm_head, pad_single=True))
         return stack
 
     @torch.inference_mode()

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from headway.atomic import write_text_atomic
 from headway.config import load_config
@@ -53,6 +53,8 @@ __all__ = ["QuickstartResult", "StageReport", "run_quickstart"]
 
 Echo = Callable[[str], None]
 STAGES = 6
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -216,7 +218,7 @@ class _Pipeline:
 
     # -- stage 6 ---------------------------------------------------------------------------
     def evaluate_shipped(self) -> str:
-        from headway.quickstart.shipped import evaluate_shipped
+        from headway.quickstart.shipped_stage import evaluate_shipped
 
         return evaluate_shipped(
             self.target(),
@@ -310,7 +312,7 @@ def _check_own_folder(out: Path) -> None:
 
 
 def _run_quickstart(out: Path, *, tiny: bool, echo: Echo, shipped_dir: Path) -> QuickstartResult:
-    from headway.quickstart.shipped import read_shipped_summary
+    from headway.quickstart.shipped_stage import read_shipped_summary
 
     plan = TINY_PLAN if tiny else SMOLLM2_PLAN
     pipeline = _Pipeline(plan, out, shipped_dir)
@@ -373,5 +375,5 @@ def _run_quickstart(out: Path, *, tiny: bool, echo: Echo, shipped_dir: Path) -> 
     return result
 
 
-def _maybe(value: Any, render: Callable[[Any], str]) -> str | None:
+def _maybe(value: T | None, render: Callable[[T], str]) -> str | None:
     return None if value is None else render(value)

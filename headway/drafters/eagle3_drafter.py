@@ -4,7 +4,7 @@ Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Mo
 Training-Time Test" (arXiv:2503.01840); the tree is EAGLE-2's (Li et al. 2024, arXiv:2406.16858).
 
 Everything but the draft head and the committed pairs' features is
-:class:`~headway.heads.drafter_eagle.EagleDrafter`: its draft KV cache with rollback to the
+:class:`~headway.drafters.eagle_drafter.EagleDrafter`: its draft KV cache with rollback to the
 committed pairs, its batched frontier forwards under a tree mask, its node scoring and
 ancestor-closed selection. EAGLE-3 changes three hooks, as the reference does
 (SafeAILab/EAGLE ``eagle/model/cnets.py`` ``Model.forward`` / ``topK_genrate``):
@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headway.decode.gemm import GemmChoice
-from headway.heads.drafter_eagle import (
+from headway.drafters.eagle_drafter import (
     DEFAULT_DEPTH,
     DEFAULT_TOP_K,
     DEFAULT_TOTAL_TOKENS,
@@ -48,7 +47,6 @@ class Eagle3Drafter(EagleDrafter):
         top_k: children per expanded node and frontier width (1 = chain drafting).
         depth: deepest tree level (tokens on the longest drafted path).
         total_tokens: the tree budget counting the root: at most ``total_tokens - 1`` nodes.
-        gemm: how the draft model multiplies its few-row inputs, as for :class:`EagleDrafter`.
     """
 
     def __init__(
@@ -59,7 +57,6 @@ class Eagle3Drafter(EagleDrafter):
         top_k: int = DEFAULT_TOP_K,
         depth: int = DEFAULT_DEPTH,
         total_tokens: int = DEFAULT_TOTAL_TOKENS,
-        gemm: GemmChoice = "auto",
     ) -> None:
         self.draft3 = model
         super().__init__(
@@ -69,7 +66,6 @@ class Eagle3Drafter(EagleDrafter):
             top_k=top_k,
             depth=depth,
             total_tokens=total_tokens,
-            gemm=gemm,
         )
 
     def _vocabulary_size(self) -> int:

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from headway.decode.drafters import trie_tree
 from headway.decode.generate import Drafter
 from headway.decode.tree import DraftTree, empty_tree, root_to_leaf_paths
+from headway.drafters.lookup import trie_tree
 
 __all__ = ["FirstDrafter", "MergedDrafter", "tree_paths"]
 

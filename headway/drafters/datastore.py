@@ -2,7 +2,7 @@
 target's own answers (REST, He et al. 2023, "REST: Retrieval-Based Speculative Decoding",
 arXiv:2311.08252), sized per step by how often the corpus agrees and what verifying costs.
 
-Prompt lookup (:class:`~headway.decode.drafters.PromptLookupDrafter`) only finds n-grams that
+Prompt lookup (:class:`~headway.drafters.lookup.PromptLookupDrafter`) only finds n-grams that
 already occurred in this prompt and its answer; on chat prompts most steps find none. A corpus of
 the target's own earlier answers (``headway data regenerate`` writes one) holds its habitual
 phrasings, so its n-grams match far more often. Matches are weaker evidence than the context's,
@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor
 
-from headway.decode.drafters import DEFAULT_MAX_NODES, ranked_trie
 from headway.decode.tree import DraftTree, empty_tree
+from headway.drafters.lookup import DEFAULT_MAX_NODES, ranked_trie
 
 __all__ = ["NgramDatastore", "RetrievalDrafter"]
 

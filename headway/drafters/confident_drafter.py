@@ -62,7 +62,7 @@ class ConfidentMedusaDrafter:
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         """Keep the state that predicted the next root, as
-        :class:`~headway.heads.drafter_medusa.MedusaDrafter` does."""
+        :class:`~headway.drafters.medusa_drafter.MedusaDrafter` does."""
         self._last_hidden = hidden[0][-1]
 
     @torch.inference_mode()

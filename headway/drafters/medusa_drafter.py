@@ -35,11 +35,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
 
-from headway.decode.gemm import GemmChoice, resolve_gemm, routed_linears
+from headway.decode.gemm import gemm_route, routed_linears
 from headway.decode.tree import DraftTree, StaticTree, empty_tree, static_tree
-from headway.errors import TargetError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 
 __all__ = [
@@ -47,8 +45,6 @@ __all__ = [
     "MC_SIM_7B_63",
     "MEDUSA_CHOICES",
     "MedusaDrafter",
-    "check_final_hidden",
-    "final_hidden_layer",
     "medusa_tree",
     "resolve_choices",
 ]
@@ -113,57 +109,6 @@ def medusa_tree(choices: str | Sequence[Sequence[int]], config: MedusaConfig) ->
     return tree
 
 
-def final_hidden_layer(model: PreTrainedModel) -> int:
-    """Index into ``output_hidden_states`` of the LM head's input: ``num_hidden_layers``, the last
-    entry. In transformers 5.23 that entry is taken after the final norm for Llama, Qwen2 and
-    GPT-2 (and every model built on the standard decoder template);
-    :func:`check_final_hidden` verifies it for any other model."""
-    return int(model.config.get_text_config().num_hidden_layers)
-
-
-def _probe_ids(model: PreTrainedModel) -> Tensor:
-    """A few ordinary token ids ``[1, 4]`` (not the pad token, whose embedding is often zero and
-    would make every hidden state zero, hence equal)."""
-    pad = model.config.get_text_config().pad_token_id
-    vocab = model.get_output_embeddings().weight.shape[0]
-    ids = [token for token in range(1, min(vocab, 6)) if token != pad][:4]
-    return torch.tensor([ids], dtype=torch.long, device=model.device)
-
-
-def check_final_hidden(model: PreTrainedModel, layer: int) -> None:
-    """Run a few tokens through ``model`` and check that ``output_hidden_states[layer]`` is exactly
-    what its output embedding (LM head) consumes, by capturing that input with a forward hook.
-
-    Raises:
-        TargetError: for a model family whose hidden states are taken elsewhere (e.g. before a
-            final norm): Medusa heads trained on those would read the wrong vector.
-    """
-    captured: list[Tensor] = []
-
-    def capture(module: torch.nn.Module, args: tuple[Tensor, ...]) -> None:
-        captured.append(args[0])
-
-    handle = model.get_output_embeddings().register_forward_pre_hook(capture)
-    try:
-        with torch.inference_mode():
-            ids = _probe_ids(model)
-            outputs = model(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                output_hidden_states=True,
-                use_cache=False,
-            )
-    finally:
-        handle.remove()
-    hidden = outputs.hidden_states[layer]
-    if not captured or captured[-1].shape != hidden.shape or not torch.equal(captured[-1], hidden):
-        raise TargetError(
-            f"{type(model).__name__}: output_hidden_states[{layer}] is not the input of its LM "
-            "head, so Medusa heads cannot read the right hidden state from this model family; "
-            "it needs explicit support in headway.heads.drafter_medusa"
-        )
-
-
 class MedusaDrafter:
     """Medusa heads as a :class:`~headway.decode.generate.Drafter` (Cai et al. 2024).
 
@@ -171,11 +116,12 @@ class MedusaDrafter:
         heads: trained :class:`~headway.heads.medusa.MedusaHeads`, on the target's device and
             dtype.
         hidden_layer: index into the target's ``output_hidden_states`` of the LM head's input,
-            see :func:`final_hidden_layer`.
+            see :func:`~headway.heads.hidden_states.final_hidden_layer`.
         choices: a Medusa choices list (e.g. the reference's ``mc_sim_7b_63``) or the name of one
             in :data:`MEDUSA_CHOICES`; paths deeper than the number of heads are dropped.
-        gemm: how the heads multiply their one-row inputs (:mod:`headway.decode.gemm`),
-            resolved once here.
+
+    The heads multiply their one-row inputs on the route applied to them
+    (:func:`~headway.decode.gemm.apply_gemm`; ``"auto"`` where none was), decided here.
     """
 
     def __init__(
@@ -184,13 +130,12 @@ class MedusaDrafter:
         *,
         hidden_layer: int,
         choices: str | Sequence[Sequence[int]] = "default",
-        gemm: GemmChoice = "auto",
     ) -> None:
         self.heads = heads.eval()
         self.hidden_layers: tuple[int, ...] = (hidden_layer,)
         self.tree = medusa_tree(choices, heads.config)
         self.max_nodes = len(self.tree.choices)
-        self._gemm = resolve_gemm(self.heads, gemm)
+        gemm_route(self.heads)  # decided now, not in the first step
         self._last_hidden: Tensor | None = None  # [H], the state that predicted the root
 
     def begin(self, prompt_ids: Tensor) -> None:
@@ -207,9 +152,7 @@ class MedusaDrafter:
         """Logits ``[depth, V]`` of the heads the tree uses, on the state ``hidden`` ``[H]``."""
         weight = next(self.heads.parameters())
         hidden = hidden.to(device=weight.device, dtype=weight.dtype)
-        with routed_linears(
-            self.heads, self._gemm, pad_single=True
-        ):  # one row per head: pad it (gemm.py)
+        with routed_linears(self.heads, pad_single=True):  # one row per head: pad it (gemm.py)
             return self.heads(hidden, num_heads=self.tree.depth)
 
     @torch.inference_mode()
