@@ -138,7 +138,12 @@ def test_gates_file_round_trip_and_bad_files(tmp_path: Path) -> None:
 def _report(**changes: Any) -> dict[str, Any]:
     report: dict[str, Any] = {
         "settings": {"temperature": 0.0, "max_new_tokens": 16},
-        "decode": {"sizing": "drafter", "acceptance": "lossless", "verify": "eager"},
+        "decode": {
+            "sizing": "drafter",
+            "acceptance": "lossless",
+            "verify": "eager",
+            "gemm": "stock",
+        },
         "target": {"name": "smollm2-135m", "dtype": "float32"},
         "identical_fraction": 1.0,
         "per_position_acceptance": [0.5, 0.25],
@@ -157,7 +162,7 @@ def test_only_reproducible_lossless_runs_make_gates() -> None:
     from headway.drafters.specs import EagleSpec, PromptLookupSpec
 
     spec, options = PromptLookupSpec(min_ngram=1), {"min_ngram": 1}
-    gates = gates_from_report(_report(), spec, options=options, command="c", gemm="stock")
+    gates = gates_from_report(_report(), spec, options=options, command="c")
     assert gates.drafter == {"name": "prompt-lookup", "min_ngram": 1}
     assert gates.prompt_ids == ("mt-bench/81",)
     bad: dict[str, dict[str, Any]] = {
@@ -169,10 +174,10 @@ def test_only_reproducible_lossless_runs_make_gates() -> None:
     }
     for message, change in bad.items():
         with pytest.raises(HeadwayError, match=message):
-            gates_from_report(_report(**change), spec, options={}, command="c", gemm="stock")
+            gates_from_report(_report(**change), spec, options={}, command="c")
     timed = EagleSpec(heads="somewhere", top_k=1, total_tokens="auto")
     with pytest.raises(HeadwayError, match="total_tokens"):  # chosen by timing the machine
-        gates_from_report(_report(), timed, options={}, command="c", gemm="stock")
+        gates_from_report(_report(), timed, options={}, command="c")
 
 
 def test_eval_writes_gates_that_decoding_again_reproduces(

@@ -280,9 +280,7 @@ def _write_gates(args: argparse.Namespace, report: dict[str, Any], spec: Drafter
     from headway.eval.gates import check_gates, gates_from_report, write_gates
 
     command = gates_command(args, spec, report["target"]["name"])
-    gates = gates_from_report(
-        report, spec, options=_given_options(args), command=command, gemm=args.gemm
-    )
+    gates = gates_from_report(report, spec, options=_given_options(args), command=command)
     path = write_gates(gates, Path(args.write_gates))
     print(f"gates written to {path} (each position must keep >= {gates.gate_ratio} x):")
     print(check_gates(gates, gates.per_position_acceptance).table())

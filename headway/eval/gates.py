@@ -160,13 +160,12 @@ def gates_from_report(
     *,
     options: Mapping[str, Any],
     command: str,
-    gemm: GemmChoice,
     ratio: float = GATE_RATIO,
 ) -> AcceptanceGates:
     """The gates of an eval ``report`` (:mod:`headway.eval.report`) of the drafter ``spec``, built
     from the drafter ``options`` given (``--draft-option``: recorded as given, so that options
-    left at their defaults, which a later version may rename, are not pinned), run with the
-    target's GEMM route choice ``gemm``.
+    left at their defaults, which a later version may rename, are not pinned); the GEMM choice
+    applied to the target is the report's.
 
     Raises:
         HeadwayError: settings :func:`refuse_ungateable` refuses, outputs that differed from
@@ -192,7 +191,7 @@ def gates_from_report(
         max_new_tokens=settings["max_new_tokens"],
         drafter={"name": spec.name, **options},
         decode=_decode_options(decode),
-        gemm=gemm,
+        gemm=decode["gemm"],
         per_position_acceptance=tuple(report["per_position_acceptance"]),
         gate_ratio=ratio,
         tau=report["tau"],
