@@ -166,8 +166,8 @@ def fast_bf16(device: torch.device | str) -> bool:
 
 
 def regeneration_dtype(device: torch.device | str) -> Literal["bfloat16", "float32"]:
-    """What ``--dtype auto`` regenerates in: bfloat16 where :func:`fast_bf16` (1.6-2.7x fp32's
-    speed on an AVX-512 BF16 CPU), float32 otherwise (emulated bf16 is slower than fp32)."""
+    """What ``--dtype auto`` regenerates in: bfloat16 where :func:`fast_bf16` (faster than fp32
+    on an AVX-512 BF16 CPU), float32 otherwise (emulated bf16 is slower than fp32)."""
     return "bfloat16" if fast_bf16(device) else "float32"
 
 

@@ -137,7 +137,7 @@ class TrainConfig:
         metadata=_help(
             "accelerate mixed precision, also for the frozen target's forward (default no); auto "
             "is bf16 on CUDA and on CPUs with native bf16 (AVX-512 BF16 or AMX), no elsewhere "
-            "(on an AVX2-only CPU bf16 is emulated: a Medusa-1 step over 20x slower than fp32); "
+            "(on an AVX2-only CPU bf16 is emulated, many times slower than fp32); "
             "`headway env` says what auto picks here"
         ),
     )

@@ -164,8 +164,8 @@ def convert_gguf(gguf_path: Path) -> Path:
     """Dequantise `gguf_path` once into a safetensors folder in the cache and return the folder.
 
     The folder is written under a temporary name and renamed into place, so an interrupted
-    conversion never leaves a half-written folder behind; later calls reuse it (well under a
-    second to load, against ~20 s for the GGUF).
+    conversion never leaves a half-written folder behind; later calls reuse it (it loads far
+    faster than the GGUF).
     """
     final = converted_folder(gguf_path)
     if (final / "config.json").is_file():

@@ -8,7 +8,7 @@ from pathlib import Path
 from headway.cli.values import NON_NEGATIVE, text
 
 DESCRIPTION = """\
-The whole pipeline on the embedded SmolLM2-135M-Instruct, on a CPU, in about ten minutes:
+The whole pipeline on the embedded SmolLM2-135M-Instruct, on a CPU, in minutes:
 the target answers a small prompt mix itself (bf16, batched), two Medusa heads are trained on
 those answers, exported in the vLLM layout, read back and evaluated against plain decoding
 (model.generate, float32, greedy) on a few MT-bench questions; last, the drafter shipped for

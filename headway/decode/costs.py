@@ -1,11 +1,10 @@
 """What a verify forward costs on this hardware, and how many drafted nodes pay for it.
 
 A verify forward over m block tokens (the root and m - 1 drafted nodes) costs t(m). On a GPU t is
-nearly flat for small m; on a CPU it is not, and not even monotone (SmolLM2-135M in fp32 on 2
-cores: 42-45 ms for 1 token; 29-31 ms for 2-4 and 40-55 ms for 5-8 with the small-block
-products of :mod:`headway.decode.gemm`, 63-88 ms without; 65-100 ms for 9-32; see
-``scripts/bench_decode.py``). A drafter that knows t and an acceptance estimate per node can
-send, at every step, only the nodes that pay for their share of the forward
+nearly flat for small m; on a CPU it is not, and not even monotone: it depends on the CPU and
+on the GEMM route of :mod:`headway.decode.gemm` (``scripts/bench_decode.py`` prints it;
+measured tables: docs/benchmarks.md). A drafter that knows t and an acceptance estimate per
+node can send, at every step, only the nodes that pay for their share of the forward
 (:func:`best_prefix`), and none when it is unsure; :class:`TreeSizer` is that decision with its
 online calibration. The decoding loop owns the one sizer of a generation
 (``DecodeOptions(sizing="cost")``): drafters only score their nodes (``DraftTree.scores``).

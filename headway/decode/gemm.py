@@ -1,23 +1,22 @@
 """How decoding forwards multiply a model's linear layers on a CPU: a :data:`Route`.
 
-A verify forward multiplies a block of a few token rows by every weight matrix. On the x86 CPUs
-this project is developed on (2 cores, fp32), ``F.linear``'s stock ``x · Wᵀ`` call (MKL sgemm)
-runs such short blocks at a fraction of memory bandwidth, and worse for 2-16 rows than for one:
-SmolLM2-135M on the AMD EPYC takes ~55 ms for 1 token and 80-120 ms for 2-16. Two other routes
+A verify forward multiplies a block of a few token rows by every weight matrix. On some x86
+CPUs (fp32), ``F.linear``'s stock ``x · Wᵀ`` call (MKL sgemm) runs such short blocks at a
+fraction of memory bandwidth, and worse for 2-16 rows than for one, so a short verify forward
+can cost well over a one-token forward (measured figures: docs/benchmarks.md). Two other routes
 for the same product exist here:
 
 - ``"packed"``: oneDNN's linear on weights reordered once into its blocked layout
-  (:mod:`headway.decode.packed`, the kernels ``torch.compile`` freezing uses on CPU). The same
-  model takes 37-50 ms for any block of 1-16 tokens: a verify of 16 tokens costs ~1.3 one-token
-  forwards, against ~2 stock. The reordered copies (one more copy of every plain linear weight:
-  +0.5 GB for SmolLM2-135M in fp32) are held there, one per layer for every decoder and drafter
-  that uses it. Blocks of 1..:data:`MAX_PACKED_ROWS` rows take it, one-token forwards included,
-  so with this route headway's own one-token forwards differ from stock by summation order
-  (~1e-6 relative), as multi-token forwards always did.
+  (:mod:`headway.decode.packed`, the kernels ``torch.compile`` freezing uses on CPU). Where it
+  pays, a forward costs about the same for any block of 1-16 tokens, so a verify of 16 tokens
+  costs little more than a one-token forward. The reordered copies (one more copy of every
+  plain linear weight: +0.5 GB for SmolLM2-135M in fp32) are held there, one per layer for
+  every decoder and drafter that uses it. Blocks of 1..:data:`MAX_PACKED_ROWS` rows take it,
+  one-token forwards included, so with this route headway's own one-token forwards differ from
+  stock by summation order (~1e-6 relative), as multi-token forwards always did.
 - ``"transposed"``: the product asked for the other way round, ``(W · xᵀ)ᵀ``, which MKL streams
-  faster for 2..:data:`MAX_ROWS` rows on the EPYC (29-43 ms for 2-4 tokens) but not beyond, and
-  not on the Intel Xeon measured (2 tokens: 74.5 against 36.7 ms stock). One-token forwards stay
-  stock.
+  faster for 2..:data:`MAX_ROWS` rows on some CPUs but not beyond, and is slower than stock on
+  others. One-token forwards stay stock.
 
 ``"auto"`` considers fp32 and bf16 models on a CPU only (CUDA is not this problem) and picks, by
 a one-time timing of the model's linear layers on 1 and 8 rows (:func:`fastest_route`), the
@@ -105,12 +104,13 @@ Route = Literal["stock", "transposed", "packed"]
 docstring)."""
 
 FASTER_BY = 0.8
-"""``"auto"`` takes a route only if it takes at most this share of the stock time (SmolLM2's LM
-head on the EPYC: packed ~0.25 of it, transposed ~0.3, so noise cannot flip the choice)."""
+"""``"auto"`` takes a route only if it takes at most this share of the stock time: where a route
+pays it wins by a far wider margin (docs/benchmarks.md), so timing noise cannot flip the
+choice."""
 
 MAX_ROWS = 8
-"""Largest block the transposed route takes: it was faster at every size from 2 to 8 rows in
-every measurement on the EPYC; from 9 on the margin shrank to nothing."""
+"""Largest block the transposed route takes: where it pays, it is faster at every size from 2 to
+8 rows, and from 9 on its margin shrinks to nothing (docs/benchmarks.md)."""
 
 
 def _checked(choice: GemmChoice) -> GemmChoice:
@@ -143,10 +143,10 @@ def _signature(model: nn.Module) -> Signature:
 def apply_gemm(model: nn.Module, choice: GemmChoice = "auto") -> Route:
     """Decide once how ``model``'s decoding forwards multiply its plain linear layers, record it
     beside the model, and return the route. ``"auto"`` times the layers now
-    (:func:`fastest_route`: about a second for SmolLM2-135M on a 2-core CPU); a choice this
-    model already resolved (for its current dtype and device) is not timed again. For
-    ``"packed"``, every plain linear weight is reordered on return (unless already held), so
-    the first forward does not pay for it.
+    (:func:`fastest_route`, a one-off cost per model); a choice this model already resolved
+    (for its current dtype and device) is not timed again. For ``"packed"``, every plain linear
+    weight is reordered on return (unless already held), so the first forward does not pay for
+    it.
 
     Raises:
         HardwareError: ``"packed"`` for weights this CPU's oneDNN cannot multiply.
@@ -310,11 +310,11 @@ def small_block_linear(
 ) -> Callable[[Tensor], Tensor]:
     """A forward for ``module``: ``x [..., in]`` → ``[..., out]``, computed as ``(W · xᵀ)ᵀ`` when
     x holds 2..``MAX_ROWS`` rows and with ``F.linear`` otherwise. With ``pad_single`` a single
-    row is computed as the first of two (a copy of it added): on the EPYC measured, the
-    2-column product is over twice as fast as the one-row matrix-vector call (3.3 against 7.4 ms
-    for a 49,152 × 576 LM head). Drafters use it for their own layers; the target's one-token
-    forwards never pad, so they stay exactly stock. Reads the weight at call time, so weights
-    replaced later (e.g. a merged adapter) are used."""
+    row is computed as the first of two (a copy of it added): on some CPUs the 2-column product
+    is much faster than the one-row matrix-vector call (docs/benchmarks.md). Drafters use it for
+    their own layers; the target's one-token forwards never pad, so they stay exactly stock.
+    Reads the weight at call time, so weights replaced later (e.g. a merged adapter) are
+    used."""
     smallest = 1 if pad_single else 2
 
     def forward(x: Tensor) -> Tensor:
@@ -376,7 +376,7 @@ def contiguous_head(model: nn.Module) -> Iterator[None]:
 
     A forward with ``logits_to_keep=1`` hands the head the last position of every row, a strided
     ``[rows, 1, hidden]`` view; torch 2.13's CPU ``linear`` in bf16 multiplies such an input by
-    expanding the weight once per row (SmolLM2, 55 rows: 10 s instead of 14 ms contiguous).
+    expanding the weight once per row, orders of magnitude slower than on a contiguous input.
     """
 
     def contiguous(module: torch.nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -40,9 +40,8 @@ ROWS_HINT = 8
 
 MAX_PACKED_ROWS = 512
 """Largest block the packed route takes (verify trees, batched steps, prefills of up to 512
-tokens): on the EPYC it was faster than the stock call at every size from 1 to 512 rows, in fp32
-and bf16 (by 5-15% for SmolLM2's MLP layers from 32 rows on, 2-3x for 1-16 rows); longer
-prefills keep the stock call."""
+tokens): where it pays it was faster than the stock call at every size up to 512 rows, in fp32
+and bf16, by most for short blocks (docs/benchmarks.md); longer prefills keep the stock call."""
 
 
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple[Any, ...], Tensor]] = (

@@ -7,8 +7,8 @@ the output. So before any decoding, one tiny tree (two branches of two tokens af
 prefix) is verified in one forward and compared with each branch decoded on its own; a
 disagreement, or a cache headway cannot compact, is refused in one line.
 
-Cost: a prefill of 4 tokens, one 5-token tree forward and two 6-token plain forwards (on
-SmolLM2-135M in fp32 on a 2-core CPU about 0.3 s, once per process and model).
+Cost: a prefill of 4 tokens, one 5-token tree forward and two 6-token plain forwards, once per
+process and model.
 """
 
 from __future__ import annotations

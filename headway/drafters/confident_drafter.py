@@ -18,8 +18,8 @@ class ConfidentMedusaDrafter:
     """Medusa heads drafting only what they are sure of: a chain of each head's top-1 token, cut
     where the product of the heads' probabilities falls below ``threshold`` (often empty).
 
-    Why: on a CPU, verifying even one drafted token costs ~1.6x a plain forward (small-M matrix
-    products), so a draft pays only when it is likely accepted; an empty draft costs nothing
+    Why: on a CPU, verifying even one drafted token can cost well over a plain forward (small-M
+    matrix products), so a draft pays only when it is likely accepted; an empty draft costs nothing
     beyond the heads. The same reasoning as EAGLE-2's confidence-scored trees (Li et al. 2024),
     applied to a chain. ``vocab`` optionally restricts the heads' output to the given token ids
     (e.g. the most frequent tokens of the training data, as EAGLE-3 / FR-Spec do), which makes

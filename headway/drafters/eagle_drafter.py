@@ -70,8 +70,8 @@ DEFAULT_TOP_K: int = EagleSpec.top_k
 DEFAULT_DEPTH: int = EagleSpec.depth
 DEFAULT_TOTAL_TOKENS: int = cast(int, EagleSpec.total_tokens)
 """The defaults :class:`~headway.drafters.specs.EagleSpec` states (the one place they live),
-sized for a CPU (verify cost grows ~1.3x from 1-10 to 16 nodes, and each level costs
-one ``[V, H]`` LM-head pass) and the weak drafters tiny data gives (DESIGN.md). The EAGLE-2
+sized for a CPU (verify cost grows beyond about ten nodes, and each level costs one ``[V, H]``
+LM-head pass) and the weak drafters tiny data gives (DESIGN.md). The EAGLE-2
 reference uses top_k 10, total_tokens 60 and 6-8 levels on GPUs; re-tune for strong drafters."""
 
 

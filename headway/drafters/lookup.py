@@ -151,7 +151,7 @@ class PromptLookupDrafter:
 
     Defaults (n-grams of 2..4) are measured: on MT-bench with SmolLM2-135M in fp32 on a 2-core
     CPU, single-token matches (``min_ngram=1``) drafted often and were mostly wrong; they raised
-    tau (1.30 → 1.43) but not tokens/s (``scripts/bench_decode.py`` prints both variants).
+    tau but not tokens/s (``scripts/bench_decode.py`` prints both variants; docs/benchmarks.md).
 
     With ``adaptive`` (default), the continuation length follows transformers' heuristic for
     assistant models: +2 after a fully accepted draft, −1 otherwise (between 1 and

@@ -8,12 +8,12 @@ each head's top-k, and fills a fixed tree shape given by a Medusa *choices* list
 ``[r_1, ..., r_d]`` holds the rank-``r_d`` token of head d. The tree is verified by the target in
 one forward, so output stays exactly the target's (greedy: token for token).
 
-Sizing the default tree for this CPU (SmolLM2-135M, fp32, one thread, 256-token cache, medians
-with other jobs running, so ±30%): a verify forward costs ~60-110 ms with no draft, ~100-190 ms for
-1-10 drafted nodes, ~1.3x that for 16 nodes, ~1.6x for 24 and ~1.8x for 32. Each head used costs
-one ``[V, H]`` matvec, ~12 ms (V = 49,152: the head's own copy of the LM head, 113 MB in fp32, is
-read once per step). With the heads calibrated in DESIGN.md (head-1 top-1 0.33, head-3 0.16)
-depth-3 nodes are worth ~0.03 expected tokens per step, less than the third head costs, so
+Sizing the default tree for a CPU (SmolLM2-135M, fp32): a verify forward with drafted nodes
+costs well over one without, and more again for 16-32 nodes, and each head used costs one
+``[V, H]`` matvec (V = 49,152: the head's own copy of the LM head, 113 MB in fp32, is read once
+per step); the figures measured on one CPU are in docs/benchmarks.md. With the heads calibrated
+in DESIGN.md (head-1 top-1 0.33, head-3 0.16) depth-3 nodes are worth ~0.03 expected tokens per
+step, less than the third head costs, so
 :data:`DEFAULT_CHOICES` is the first 16 paths of the reference's ``mc_sim_7b_63`` that are at most
 2 deep (its order is by estimated acceptance gain); pass ``choices="mc_sim_7b_63"`` or any list
 for stronger heads. Re-tune once heads trained on the full recipe exist.
@@ -22,10 +22,11 @@ When the decoding loop sizes trees by cost (``DecodeOptions(sizing="cost")``), t
 the most a step may send: each node's acceptance is estimated as the product along its path of the
 heads' probabilities of the chosen ranks, and each step sends only the best nodes that pay for
 their share of the verify forward (the loop's :class:`~headway.decode.costs.TreeSizer`), none when
-the heads are unsure. Since verify forwards of 2-8 tokens got cheaper than one-token forwards on
-CPU (:mod:`headway.decode.gemm`), that is the mode that pays there: with the recipes' heads on
-MT-bench, Medusa-1 0.69x → 1.32x and Medusa-2 0.81x → 1.51x HF greedy (docs/benchmarks.md). The
-fixed 16-node tree above (17 verified tokens, beyond the routed sizes) predates that change.
+the heads are unsure. Where the GEMM routes of :mod:`headway.decode.gemm` make verify forwards
+of 2-8 tokens cheap on a CPU, that is the mode that pays there: with the recipes' heads on
+MT-bench it turned both Medusa-1 and Medusa-2 from slower than HF greedy to faster
+(docs/benchmarks.md). The fixed 16-node tree above (17 verified tokens, beyond the routed sizes)
+predates that change.
 """
 
 from __future__ import annotations

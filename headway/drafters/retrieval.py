@@ -4,8 +4,8 @@ target's own answers (:mod:`headway.drafters.datastore`).
 The corpus is any chat data headway reads (``headway data regenerate`` output is the natural
 one: the target's own phrasings); only assistant turns are indexed, each tokenized as the target
 would generate it and closed by its end-of-turn token. The index is cached by content
-(:func:`corpus_index`): the committed 4.3M-token corpus takes ~6 s to tokenize and index the
-first time, well under a second after.
+(:func:`corpus_index`): the committed 4.3M-token corpus takes seconds to tokenize and index the
+first time, a fraction of that after.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ drafter is named.
 Shipped drafters live in the checkout's ``drafters/`` folder (beside ``headway/``), each an
 export that records its target's fingerprint (``config.json``'s ``"headway"`` block). A drafter
 listed in :data:`DEFAULTS` becomes the default for the target whose fingerprint it records,
-because it was measured faster than prompt lookup and retrieval on that target (on the 2-core AMD
-EPYC of 2026-11-25; on a 2-core Xeon of 2026-11-26, where multi-token forwards cost more, it
-tied prompt lookup: docs/benchmarks.md); any other target, or an install without the
+because it was measured faster than prompt lookup and retrieval on that target (on one CPU;
+on another, where multi-token forwards cost more, it tied prompt lookup: docs/benchmarks.md);
+any other target, or an install without the
 ``drafters/`` folder, keeps prompt lookup as the default.
 """
 
@@ -44,13 +44,13 @@ SHIPPED_DIR = Path(__file__).resolve().parents[2] / "drafters"
 DEFAULTS: tuple[str, ...] = ("smollm2-135m-eagle3",)
 """Shipped drafters (folder names under :data:`SHIPPED_DIR`) that are the default for their
 target; a drafter joins only once it beats prompt lookup and retrieval there.
-``smollm2-135m-eagle3`` (trained on an H100, 2026-11-25) ran, cost-sized, 2.20x HF greedy against
-retrieval's 2.09x in one ``compare.py`` run on a 2-core CPU, and 2.16x against 1.91x in
-``headway eval`` runs (``drafters/smollm2-135m-eagle3/README.md``)."""
+``smollm2-135m-eagle3`` (trained on an H100, 2026-11-25) ran, cost-sized, ahead of retrieval in
+``compare.py`` and ``headway eval`` runs on a 2-core CPU (docs/benchmarks.md,
+``drafters/smollm2-135m-eagle3/README.md``)."""
 
 DEFAULT_SIZING: Sizing = "cost"
 """The ``--sizing`` a default drafter runs with when none is given: the setting its figures were
-measured with (the same drafter with its own tree sizing ran 1.93x against retrieval's 2.09x)."""
+measured with (with its own tree sizing the same drafter ran behind retrieval there)."""
 
 
 CORPUS_DIR = Path(__file__).resolve().parents[2] / "data" / "regenerated"
@@ -59,9 +59,9 @@ CORPUS_DIR = Path(__file__).resolve().parents[2] / "data" / "regenerated"
 DEFAULT_CORPORA: tuple[str, ...] = ("smollm2-sharegpt",)
 """Regenerated corpora (folder names under :data:`CORPUS_DIR`) that ``headway generate`` drafts
 from, with the retrieval drafter, for the target that wrote them (their manifest records its
-fingerprint) when no drafter is named and no shipped drafter is a default: on a 2-core AMD EPYC
-it ran 1.87-1.96x HF greedy against prompt lookup's 1.53-1.64x (docs/benchmarks.md), and its
-index loads from the cache in a fraction of a second after the first use."""
+fingerprint) when no drafter is named and no shipped drafter is a default: where it was measured
+it ran ahead of prompt lookup (docs/benchmarks.md), and its index loads from the cache in a
+fraction of a second after the first use."""
 
 
 def default_corpus(

@@ -3,16 +3,15 @@
 transformers' SDPA path repeats every key/value head for each of its query heads (a copy of
 the whole cache per layer and step) whenever a mask is given, or, under
 ``TRANSFORMERS_SDPA_FORCE_GQA``, hands the grouped heads to SDPA's ``enable_gqa``, which on a
-CPU ran a one-token step of 32 rows over 700 keys 7.7x slower than the packed form below (17.5
-against 2.3 ms, bf16, 2-core EPYC). Inside :func:`grouped_attention` every step, one token or
+CPU ran a batched one-token step several times slower than the packed form below
+(docs/benchmarks.md). Inside :func:`grouped_attention` every step, one token or
 a lookahead chain of ``S`` per row, runs as attention of the ``G · S`` queries of a group
 against their one key/value head (:func:`packed_sdpa`, registered with transformers'
 ``AttentionInterface``), so each head's keys are read once for all its queries.
 
 A model whose attention is not SDPA, or that does not group heads, runs as it is. The EAGLE-3
 trainer builds its draft with :data:`PACKED` as attention implementation: a training-time-test
-chunk of 64 rows over 711 keys (bf16, forward and backward, 9 query heads over 3) took 54 ms
-packed against 87 ms with sdpa's repeated heads on the 2-core EPYC.
+chunk (forward and backward) runs faster packed than with sdpa's repeated heads on a CPU.
 """
 
 from __future__ import annotations

@@ -1,30 +1,27 @@
 """What ``headway quickstart`` does at each stage: one plan for the embedded SmolLM2 on a CPU, one
 for ``--tiny``.
 
-Sizing of :data:`SMOLLM2_PLAN`, measured on 2 shared CPU cores with one torch thread while other
-jobs ran (so ±30%); one full run took 390 s (6 min 40 s wall with model loading):
+Sizing of :data:`SMOLLM2_PLAN`, chosen so that the whole run takes minutes on 2 CPU cores (the
+stage times and figures measured with it are in docs/benchmarks.md):
 
-- *data* (120 s): the target answers 112 prompts (80 templated instructions, 16 code, 16
-  chitchat) in bfloat16, 32 at a time: 14,028 answer tokens (~120 tokens/s). Drafts never change
-  what is committed, so training data need not be float32.
-- *train* (172 s): two Medusa-1 heads, features from the bfloat16 target, bf16 autocast, 20 steps
-  of 8 samples x 320 tokens (~8.5 s each). Held-out head-1 top-1 0.13, top-5 0.32 (DESIGN.md:
-  tiny data gives weak heads).
-- *eval* (97 s): 4 MT-bench questions x 256 new tokens against ``model.generate``. On this CPU a
-  float32 verify forward over 2-13 tokens costs 1.6-2.4x a one-token forward (MKL's small-M
-  sgemm), so a drafted token pays only if accepted ~70% of the time (measured break-even 0.71).
-  Weak heads drafting every step measured 0.5-0.8x. So the drafter drafts only what is likely:
-  prompt lookup on 2-4-gram matches (2-gram minimum measured 1.26x vs 1.07x for 1-grams), merged
-  with the heads' top-1 chain, gated by a confidence threshold calibrated on held-out data
-  (:mod:`headway.quickstart.calibrate`) on the data's own draft vocabulary. With 20 steps of
-  training no threshold reaches break-even, so the gate turns the heads off and says so; the
-  measured 1.33x (tau 1.65, 4/4 outputs identical) is prompt lookup's. Longer training is what lets
-  the heads in.
+- *data*: the target answers 112 prompts (80 templated instructions, 16 code, 16 chitchat) in
+  bfloat16, 32 at a time. Drafts never change what is committed, so training data need not be
+  float32.
+- *train*: two Medusa-1 heads, features from the bfloat16 target, bf16 autocast, 20 steps of 8
+  samples x 320 tokens. The heads come out weak (DESIGN.md: tiny data gives weak heads).
+- *eval*: 4 MT-bench questions x 256 new tokens against ``model.generate``. Where a float32
+  verify forward over a few tokens costs well over a one-token forward (MKL's small-M sgemm on
+  some CPUs), a drafted token pays only if it is accepted most of the time, and weak heads
+  drafting every step are slower than plain decoding. So the drafter drafts only what is likely:
+  prompt lookup on 2-4-gram matches (a 2-gram minimum: 1-gram matches paid less), merged with
+  the heads' top-1 chain, gated by a confidence threshold calibrated on held-out data
+  (:mod:`headway.quickstart.calibrate`) on the data's own draft vocabulary. Where no threshold
+  reaches break-even after 20 steps of training, the gate turns the heads off and says so, and
+  the speedup is prompt lookup's. Longer training is what lets the heads in.
 
-Since verify forwards of 2-8 tokens take the small-block product (:mod:`headway.decode.gemm`)
-they cost less than a one-token forward here, the measured break-even is 0 and the gate lets the
-heads' confident guesses in: a fresh run (2 cores, alone) took 274 s and measured 1.68x (tau 1.80,
-393 drafted tokens accepted from prompt lookup and 61 from the heads, 4/4 outputs identical).
+Where verify forwards of 2-8 tokens take a faster GEMM route (:mod:`headway.decode.gemm`) they
+can cost less than a one-token forward; the measured break-even is then 0 and the gate lets the
+heads' confident guesses in.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 ENGINES = ("continuous", "generate")
 # Options that decide speed only: a resumed run may change them (the answers are the target's).
 SPEED_OPTIONS = ("batch_size", "engine", "lookahead")
-GREEDY_LOOKAHEAD = 3  # scripts/bench_regenerate.py: 1.52x no lookahead, bf16, 2 threads
+GREEDY_LOOKAHEAD = 3  # beat no lookahead in greedy runs of scripts/bench_regenerate.py
 
 
 @dataclass
@@ -50,8 +50,8 @@ class RegenerateOptions:
     engine: str = "continuous"
     # continuous only: tokens each row drafts per step by prompt lookup in its own text, all
     # verified in the same forward (0: one token per step); see headway.generation.lookahead.
-    # None: GREEDY_LOOKAHEAD for greedy answers, 0 when sampling (fewer drafts are kept there:
-    # 1.40 tokens per forward at temperature 0.7, where lookahead 3 ran 0.94x of none).
+    # None: GREEDY_LOOKAHEAD for greedy answers, 0 when sampling (fewer drafts are kept there,
+    # and at temperature 0.7 lookahead ran slower than none: docs/benchmarks.md).
     lookahead: int | None = None
     # > 0: an answer stops at its first token past this many periods of a repetition loop
     # (headway.generation.repetition), finish_reason "loop". Greedy answers of small targets

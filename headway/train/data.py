@@ -78,7 +78,7 @@ def build_dataset(
     Samples with no trained token left after truncation to ``max_length`` are always skipped and
     counted (the row is fine, the length budget is not); bad rows raise DataError unless
     ``skip_bad_rows``. Raises DataError if nothing is left. ``num_proc`` tokenizes in that many
-    processes: rendering chat templates is pure Python (~30 ms for a 30-turn conversation).
+    processes: rendering chat templates is pure Python, slow for long conversations.
     ``loop_repeats > 0`` takes the assistant tokens of repetition loops past that many periods
     out of the samples (:mod:`headway.generation.repetition`).
     """
@@ -130,7 +130,7 @@ def build_datasets(
 
     The last result is kept for the process, keyed by the arguments and the sources' file sizes
     and times: the training loop and EAGLE-3's draft-vocabulary count ask for the same data one
-    after the other, and tokenizing 16k ShareGPT conversations takes about a minute."""
+    after the other, and tokenizing a corpus of thousands of conversations is slow."""
     key = (
         id(tokenizer),
         getattr(tokenizer, "name_or_path", ""),

@@ -112,7 +112,7 @@ class OnlineFeatures:
     """Run the frozen target on each batch and return the requested hidden states.
 
     ``autocast`` (e.g. ``torch.bfloat16``, what ``train.mixed_precision=bf16`` gives) runs the
-    forward under autocast: on a CPU the bf16 forward is 1.6-2.7x faster, and the features are
+    forward under autocast: on a CPU with native bf16 it is faster, and the features are
     returned in fp32. The LM head is computed for one position only (the features are what the
     methods read; those that need the target's logits take them from the last hidden state).
     """

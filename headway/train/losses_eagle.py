@@ -258,7 +258,7 @@ def eagle3_loss(
         states_needed = target_states[needed].detach()
         if target_argmax is None:  # [n, V] in the head's dtype (bf16 under autocast)
             full = target_logits(states_needed)
-            wanted = full.max(-1).indices  # argmax's first maximum, 4x faster over bf16 on a CPU
+            wanted = full.max(-1).indices  # argmax's first maximum, faster over bf16 on a CPU
             chosen = full.index_select(-1, target_ids)
         else:
             wanted = target_argmax[needed].long()

@@ -18,7 +18,7 @@ the 4-D mask ``[causal within the sample | I | I | ... | I]`` (:func:`ttt_attent
 reference's concatenated per-step KV and custom mask, written with transformers' own attention
 layer; its attention function is :func:`~headway.generation.grouped_attention.packed_sdpa` (SDPA
 with each grouped key/value head read once for its query heads, where the stock function
-repeats it; fwd + bwd of a TTT chunk 1.6x faster on a CPU). :func:`ttt_unroll_reference`
+repeats it; fwd + bwd of a TTT chunk is faster on a CPU). :func:`ttt_unroll_reference`
 recomputes every (row, step) from scratch as plain causal decoding, and a test holds the two
 equal. Gradients flow through every step, cached keys included, as in the reference (no
 feature noise and no feature regression in EAGLE-3).

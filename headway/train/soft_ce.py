@@ -19,7 +19,7 @@ from torch import Tensor
 __all__ = ["SOFT_CE_ELEMENTS", "soft_cross_entropy"]
 
 # Logits per chunk by default: 2^18 fp32 is 1 MB, a core's L2 (32 rows of an 8k vocabulary, 5 of
-# 49k; on the 2-core EPYC 2.6x faster than the unfused loss at 49k, 3.3x at 8k, fwd + bwd).
+# 49k), so each chunk stays in cache: faster than the unfused loss on a CPU (docs/benchmarks.md).
 SOFT_CE_ELEMENTS = 2**18
 
 
