@@ -89,7 +89,7 @@ def decode_figures(args: argparse.Namespace, dtype: str) -> list[dict[str, Any]]
     compare = load_script("compare")
     options = compare.parse_args(
         [*args.runs, "--target", args.target, "--dtype", dtype, "--device", args.device]
-        + ["--verify", args.verify, "--hf-static"]
+        + ["--verify", args.verify, "--hf-static", "--drafting", "eager,static"]
         + (["--retrieval-data", args.retrieval_data] if args.retrieval_data else [])
     )
     target = load_target(args.target, dtype=dtype, device=args.device)

@@ -100,6 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="EAGLE dynamic tree: tree budget counting the root (the drafter's total_tokens)",
     )
     parser.add_argument(
+        "--drafting",
+        default="eager",
+        help="comma-separated EAGLE drafting modes for the dynamic-tree rows: eager (default), "
+        "static (fixed shapes over a static draft cache, one CUDA graph per step on CUDA)",
+    )
+    parser.add_argument(
         "--retrieval-data",
         help="also run the retrieval drafter (prompt lookup, then this corpus of the target's "
         "answers, e.g. data/regenerated/smollm2-v2/data)",
@@ -239,12 +245,18 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
         elif isinstance(spec, EagleSpec):
             depth = args.eagle_depth
             add(f"{method} chain {name}", EagleSpec(heads=run_dir, top_k=1, depth=depth))
-            spec = EagleSpec(
-                heads=run_dir, depth=depth, top_k=args.eagle_top_k, total_tokens=args.eagle_tokens
-            )
-            shape = f"top_k {args.eagle_top_k}, depth {depth}, {args.eagle_tokens} tokens"
-            add(f"{method} dynamic tree ({shape}) {name}", spec)
-            add(f"{method} dynamic tree, cost-sized {name}", spec, "cost")
+            for drafting in args.drafting.split(","):
+                spec = EagleSpec(
+                    heads=run_dir,
+                    depth=depth,
+                    top_k=args.eagle_top_k,
+                    total_tokens=args.eagle_tokens,
+                    drafting=drafting,
+                )
+                shape = f"top_k {args.eagle_top_k}, depth {depth}, {args.eagle_tokens} tokens"
+                how = ", static drafting" if drafting == "static" else ""
+                add(f"{method} dynamic tree ({shape}{how}) {name}", spec)
+                add(f"{method} dynamic tree, cost-sized{how} {name}", spec, "cost")
         if args.fallback:
             first = "prompt lookup, corpus" if args.retrieval_data else "prompt lookup"
             add(f"{first}, then {method} cost-sized {name}", spec, "cost", fallback=True)

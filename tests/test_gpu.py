@@ -7,7 +7,7 @@ greedy output equals transformers' ``generate`` token for token, for every draft
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -21,12 +21,15 @@ from headway.decode.tree import root_to_leaf_paths
 from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.oracle import OracleDrafter
+from headway.drafters.static_eagle import StaticEagle3Drafter
 from headway.generation.batched_generation import ContinuousBatcher
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.vocab import DraftVocab
+from tests.test_eagle3 import CHAIN as EAGLE3_CHAIN
 from tests.test_eagle3 import TREE as EAGLE3_TREE
 from tests.test_eagle3 import tiny4
+from tests.test_eagle_drafter import Recorder
 from tests.test_generate import hf_greedy as cpu_hf_greedy
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model
 
@@ -208,3 +211,57 @@ def test_one_decoder_grows_its_captured_cache_across_prompts_of_mixed_lengths() 
             torch.tensor(prompt, device=CUDA), max_new_tokens=12, eos_token_ids=()
         )
         assert result.tokens == hf_greedy(model, prompt, 12), (index, length)
+
+
+def cuda_eagle3(model: Any) -> Eagle3Model:
+    """A random EAGLE-3 draft model for ``model`` (a 4-layer tiny target) on CUDA."""
+    torch.manual_seed(1)
+    vocab = DraftVocab.identity(64, TINY_VOCAB)
+    draft = Eagle3Model(Eagle3Config.from_target(model, draft_vocab_size=vocab.size))
+    draft.set_vocab(vocab)
+    return draft.to(CUDA).eval()
+
+
+@pytest.mark.parametrize("sizing", ["drafter", "cost"])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_captured_static_drafting_proposes_the_eager_trees_on_cuda(
+    shape: str, sizing: Literal["drafter", "cost"]
+) -> None:
+    """EAGLE-3 drafting replayed from one CUDA graph per step (issue #32): the eager drafter's
+    trees step for step, and with the captured verify forward transformers' greedy output."""
+    model = tiny4("llama").to(CUDA)
+    truth = hf_greedy(model, PROMPT, 30)
+    draft, settings = cuda_eagle3(model), EAGLE3_CHAIN if shape == "chain" else EAGLE3_TREE
+    head = TargetHead.of(model)
+    captured = StaticEagle3Drafter(draft, head, **settings)
+    assert captured.capture
+    eager, static = Recorder(Eagle3Drafter(draft, head, **settings)), Recorder(captured)
+    prompt = torch.tensor(PROMPT, device=CUDA)
+    for recorder in (eager, static):
+        decoder = Decoder(model, recorder, DecodeOptions(verify="captured", sizing=sizing))
+        for _ in range(2):  # the second generation replays the graph captured in the first
+            result = decoder.generate(prompt, max_new_tokens=30, eos_token_ids=())
+            assert result.tokens == truth
+    assert len(eager.proposals) == len(static.proposals)
+    for (_, mine), (_, theirs) in zip(static.proposals, eager.proposals, strict=True):
+        assert torch.equal(mine.tokens, theirs.tokens) and torch.equal(mine.parents, theirs.parents)
+
+
+def test_captured_static_drafting_survives_a_growing_draft_cache() -> None:
+    """A long prompt after a short one grows the static draft cache, dropping the graph and its
+    pool; the next capture works and the output stays transformers' greedy."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny import tiny_config
+
+    config = tiny_config("llama")
+    config.num_hidden_layers, config.max_position_embeddings = 4, 2048
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval().to(CUDA)
+    drafter = StaticEagle3Drafter(cuda_eagle3(model), TargetHead.of(model), **EAGLE3_TREE)
+    decoder = Decoder(model, drafter, DecodeOptions(verify="captured"))
+    for prompt in (PROMPT, [(7 * i) % 90 + 3 for i in range(600)], PROMPT):
+        result = decoder.generate(
+            torch.tensor(prompt, device=CUDA), max_new_tokens=24, eos_token_ids=()
+        )
+        assert result.tokens == hf_greedy(model, prompt, 24)

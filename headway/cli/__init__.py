@@ -20,6 +20,7 @@ from headway.cli.data import add_data
 from headway.cli.env import add_env
 from headway.cli.eval import add_eval
 from headway.cli.export import add_export
+from headway.cli.footprint import add_plan
 from headway.cli.quickstart import add_quickstart
 from headway.cli.values import OneLineParser
 from headway.config import describe
@@ -87,7 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"headway {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (_add_train, add_export, add_eval, _add_generate, add_quickstart, add_data, add_env):
+    for add in (
+        _add_train,
+        add_export,
+        add_eval,
+        _add_generate,
+        add_quickstart,
+        add_data,
+        add_env,
+        add_plan,
+    ):
         add(commands)
     return parser
 

@@ -36,6 +36,7 @@ from headway.drafters.specs import (
     RetrievalSpec,
     parse_spec,
 )
+from headway.drafters.static_eagle import StaticEagle3Drafter, StaticEagleDrafter
 from headway.errors import ConfigError
 from headway.heads.eagle import EagleConfig, TargetHead
 from headway.heads.eagle3 import Eagle3Config
@@ -152,9 +153,10 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
     if total_tokens == "auto":
         total_tokens = auto_total_tokens(model)
     config = found.config
+    static = spec.drafting == "static"
     try:
         if isinstance(config, Eagle3Config):
-            return Eagle3Drafter(
+            return (StaticEagle3Drafter if static else Eagle3Drafter)(
                 _draft(eagle3_model(config, found.state_dict, model), spec, model),
                 _head(model),
                 top_k=spec.top_k,
@@ -164,7 +166,7 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
         if isinstance(config, EagleConfig):
             layer = final_hidden_layer(model)
             check_final_hidden(model, layer)
-            return EagleDrafter(
+            return (StaticEagleDrafter if static else EagleDrafter)(
                 _draft(eagle_model(config, found.state_dict, model), spec, model),
                 _head(model),
                 hidden_layer=layer,

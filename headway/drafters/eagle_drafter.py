@@ -292,7 +292,7 @@ class EagleDrafter:
         every expanded node ``[n]``, parents listed before their children. Starts by dropping the
         previous tree's entries from the draft cache; with a ``floor`` (cost-sized) on a CPU,
         times each level and stops early once no frontier node's score reaches the floor."""
-        crop_cache(self._cache, self._committed)
+        self._drop_tree()
         k = self.top_k
         root_scores, root_tokens = self._top_children(root_feature[None], k)
         tokens, scores = [root_tokens[0]], [root_scores[0]]
@@ -322,7 +322,7 @@ class EagleDrafter:
             child_scores = (frontier_scores[:, None] + child_logp).flatten()
             tokens.append(child_tokens.flatten())
             scores.append(child_scores)
-            parents.append(frontier.repeat_interleave(k))
+            parents.append(frontier[:, None].expand(-1, k).reshape(-1))  # no host read
             pick = select_nodes(child_scores, k)
             parent_row = pick // k
             frontier = expanded + pick
@@ -332,6 +332,10 @@ class EagleDrafter:
             just_forwarded = torch.eye(parent_row.numel(), dtype=torch.bool, device=self._device)
             ancestors = torch.cat([ancestors[parent_row], just_forwarded[parent_row]], dim=1)
         return torch.cat(tokens), torch.cat(parents), torch.cat(scores)
+
+    def _drop_tree(self) -> None:
+        """Forget the last tree's entries in the draft cache (keep the committed pairs)."""
+        crop_cache(self._cache, self._committed)
 
     def _time_level(self, seconds: float) -> None:
         """Fold one level's measured seconds into :attr:`level_seconds` (mean of the last ~10)."""

@@ -150,12 +150,22 @@ class EagleSpec:
             "traffic; the output is the target's either way, only drafts may differ)"
         ),
     )
+    drafting: Literal["eager", "static"] = field(
+        default="eager",
+        metadata=_help(
+            "static: every draft forward of a step in fixed shapes over a static draft cache, "
+            "replayed from one CUDA graph per step on CUDA (no GPU has measured it yet); eager: "
+            "the draft cache grows and is cropped each step (the reference)"
+        ),
+    )
     force: bool = field(default=False, metadata=_help("accept a drafter for another target"))
 
     def __post_init__(self) -> None:
         if not self.heads:
             raise ConfigError("EagleSpec needs heads=FOLDER")
         _at_least(self, 1, "top_k", "depth")
+        if self.drafting not in ("eager", "static"):
+            raise ConfigError(f"drafting={self.drafting!r}: choose 'eager' or 'static'")
         if self.total_tokens != "auto":
             _at_least(self, 2, "total_tokens")
 

@@ -1,0 +1,238 @@
+"""EAGLE drafting with static shapes, replayed from one CUDA graph per step (issue #32).
+
+:class:`~headway.drafters.eagle_drafter.EagleDrafter` keeps the draft layer's keys/values in a
+``DynamicCache`` that grows with every pair and is cropped back every step, so each step launches
+its kernels one by one with shapes that follow the sequence. Here (``EagleSpec.drafting ==
+"static"``) the draft layer writes into a :class:`~headway.decode.captured.StaticCache` of
+``capacity`` columns laid out exactly as the eager cache is (column ``c`` holds its ``c``-th
+entry: the committed pairs, then the tree's levels of ``top_k`` entries each), and every forward
+of a step has a shape fixed by the tree setting:
+
+- ``observe`` pads the step's new pairs (at most ``depth + 1``: the accepted nodes and the bonus
+  token) to ``depth + 1`` rows; a padding row writes a column past the committed ones, which no
+  later query sees until a tree level overwrites it;
+- each of the ``depth - 1`` levels forwards ``top_k`` frontier rows;
+- every mask is ``[1, 1, rows, capacity]``, built on the device from the committed count held in
+  a device scalar, so neither a shape nor a host value depends on the sequence.
+
+A step's drafting (the padded observe, every level, the best ``total_tokens - 1`` nodes) is thus
+one fixed sequence of kernels per tree setting. On CUDA it is captured as one CUDA graph on first
+use (warm-up runs on a side stream, then capture) and replayed every step after: ``observe`` only
+copies its inputs into the graph's buffers, ``propose`` replays it and reads the tree back in one
+transfer. The prompt's pairs beyond the last ``depth + 1`` are fed eagerly. A cache too small for
+the next step grows to the next power of two, dropping the graph with its memory pool.
+
+Exactness: masked columns add exactly zero attention weight, so the draft states equal the eager
+drafter's up to summation order, and the trees are the same (``tests/test_static_eagle.py``);
+the output is the target's either way. Left out: the eager drafter's early stop of cost-sized
+trees on a CPU (a host read per level); the loop's sizer still sends only the nodes that pay.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from headway.decode.captured import MIN_CAPACITY, WARMUP_RUNS, StaticCache, block_bucket
+from headway.decode.tree import DraftTree, empty_tree, subtree
+from headway.drafters.eagle3_drafter import Eagle3Drafter
+from headway.drafters.eagle_drafter import EagleDrafter, select_nodes
+from headway.heads.eagle import additive_mask
+
+__all__ = ["StaticDrafting", "StaticEagle3Drafter", "StaticEagleDrafter"]
+
+logger = logging.getLogger(__name__)
+
+
+class StaticDrafting(EagleDrafter):
+    """The static-shape drafting of the module docstring over :class:`EagleDrafter`'s hooks.
+
+    ``capture``: replay each step's drafting from a CUDA graph (default: on CUDA).
+    """
+
+    capture: bool | None = None
+
+    def begin(self, prompt_ids: Tensor) -> None:
+        """Forget the previous sequence; the buffers (and a captured graph) are kept."""
+        if not isinstance(getattr(self, "_cache", None), StaticCache):
+            self._setup()
+        self._committed = 0
+        self._pending = False  # inputs of a step wait in the buffers for propose
+        self._root_feature = None
+
+    def _setup(self) -> None:
+        on_cuda = self._device.type == "cuda"
+        if self.capture is None:
+            self.capture = on_cuda
+        elif self.capture and not on_cuda:
+            raise ValueError(f"CUDA graphs need a CUDA device; the drafter is on {self._device}")
+        self._rows = self.depth + 1  # the most pairs a step adds: accepted nodes + bonus token
+        self._tree_columns = self.top_k * (self.depth - 1)
+        self._cache = StaticCache(1, MIN_CAPACITY, self._device)
+        self._columns = torch.arange(MIN_CAPACITY, device=self._device)
+        device = self._device
+        self._in_tokens = torch.zeros(self._rows, dtype=torch.long, device=device)
+        self._in_hidden: tuple[Tensor, ...] = ()  # [rows, H_t] per hidden layer, on first use
+        self._n = torch.ones((), dtype=torch.long, device=device)  # pairs in the step's buffers
+        self._before = torch.zeros((), dtype=torch.long, device=device)  # committed before them
+        self._base = torch.zeros((), dtype=torch.long, device=device)  # committed after: the tree
+        self._out: Tensor | None = None  # float64 [3n + m]: tokens, parents, best, their scores
+        self._graph: Any = None
+        self._pool: Any = None
+
+    def _reserve(self, columns: int) -> None:
+        """Hold at least ``columns`` columns (see :meth:`StaticForward.reserve`)."""
+        if columns <= self._cache.capacity:
+            return
+        capacity = max(MIN_CAPACITY, block_bucket(columns))
+        old, new = self._cache, StaticCache(1, capacity, self._device)
+        source, target = old.layers[0], new.layers[0]
+        if source.is_initialized:
+            target.lazy_initialization(source.keys, source.values)
+            target.keys[:, :, : self._committed] = source.keys[:, :, : self._committed]
+            target.values[:, :, : self._committed] = source.values[:, :, : self._committed]
+        self._cache = new
+        self._columns = torch.arange(capacity, device=self._device)
+        self._graph = None  # it wrote into the old buffers; its pool goes with it
+        self._pool = None
+
+    @torch.inference_mode()
+    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
+        """Feed all but the last ``depth + 1`` pairs now (only the prompt has more); copy the
+        rest into the step's buffers, drafted from by the next :meth:`propose`."""
+        count = new_tokens.numel()
+        head = max(count - self._rows, 0)
+        self._reserve(self._committed + head + self._rows + self._tree_columns)
+        if head:
+            with self._routed():
+                self._observe_eagerly(
+                    new_tokens[:head], self._pair_features(tuple(h[:head] for h in hidden))
+                )
+        if not self._in_hidden or any(
+            b.shape[1:] != h.shape[1:] or b.dtype != h.dtype
+            for b, h in zip(self._in_hidden, hidden, strict=True)
+        ):
+            self._in_hidden = tuple(h.new_zeros(self._rows, *h.shape[1:]) for h in hidden)
+            self._graph = None
+        for buffer, layer in zip(self._in_hidden, hidden, strict=True):
+            buffer[: count - head].copy_(layer[head:])
+        self._in_tokens[: count - head].copy_(new_tokens[head:])
+        self._n.fill_(count - head)
+        self._before.fill_(self._committed)
+        self._committed += count - head
+        self._pending = True
+
+    def _observe_eagerly(self, tokens: Tensor, features: Tensor) -> None:
+        """Feed ``features [m, H]`` paired with ``tokens [m]`` causally after the committed
+        pairs (an uncaptured forward of its own shape)."""
+        count, start = tokens.numel(), self._committed
+        rows = torch.arange(count, device=self._device)
+        self._cache.columns[:count].copy_(rows + start)
+        behind = (rows + start)[:, None] - self._columns[None, :]
+        self.model(
+            features[None],
+            self.head.embed_tokens(tokens.to(self._device), self._dtype)[None],
+            position_ids=(rows + start)[None],
+            attention_mask=additive_mask(behind >= 0, self._dtype)[None, None],
+            cache=self._cache,
+        )
+        self._committed += count
+
+    def _step(self) -> None:
+        """The step the graph holds: the buffered pairs, then the tree from the last one's
+        state; leaves the tree and the kept nodes in :attr:`_out`."""
+        rows = torch.arange(self._rows, device=self._device)
+        positions = self._before + rows
+        self._cache.columns[: self._rows].copy_(positions)
+        behind = positions[:, None] - self._columns[None, :]  # padding rows: garbage, unread
+        predicted = self.model(
+            self._pair_features(self._in_hidden)[None],
+            self.head.embed_tokens(self._in_tokens, self._dtype)[None],
+            position_ids=positions[None],
+            attention_mask=additive_mask(behind >= 0, self._dtype)[None, None],
+            cache=self._cache,
+        )[0]
+        self._base.copy_(self._before + self._n)
+        root = predicted.index_select(0, self._n.reshape(1) - 1)[0]
+        tokens, parents, scores = self._expand(root, None)
+        best = select_nodes(scores, self.total_tokens - 1)
+        kept = scores[best.sort().values].exp()  # in node order, as subtree keeps them
+        self._out = torch.cat([tokens, parents, best]).double()
+        self._out = torch.cat([self._out, kept.double()])
+
+    def _drop_tree(self) -> None:
+        """Nothing to crop: the tree's columns are past the committed ones, masked, rewritten."""
+
+    def _forward_frontier(
+        self, features: Tensor, tokens: Tensor, ancestors: Tensor, position: int
+    ) -> Tensor:
+        """:meth:`EagleDrafter._forward_frontier` over the static cache: the frontier's rows see
+        the committed columns, their ancestors' and their own (``[1, 1, F, capacity]``)."""
+        count, tree = tokens.numel(), ancestors.shape[1]
+        placed = self._base + torch.arange(tree + count, device=self._device)
+        visible = (self._columns < self._base).expand(count, -1).clone()
+        block = torch.cat([ancestors, torch.eye(count, dtype=torch.bool, device=self._device)], 1)
+        visible.scatter_(1, placed.expand(count, -1), block)
+        self._cache.columns[:count].copy_(placed[tree:])
+        level = position - self._committed  # the level's offset, the same every step
+        predicted = self.model(
+            features[None],
+            self.head.embed_tokens(tokens, self._dtype)[None],
+            position_ids=(self._base + level).expand(1, count),
+            attention_mask=additive_mask(visible, self._dtype)[None, None],
+            cache=self._cache,
+        )
+        return predicted[0]
+
+    @torch.inference_mode()
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
+        """The step's tree (as :meth:`EagleDrafter.propose`), from one replay of the graph on
+        CUDA and one transfer of the tree to the host."""
+        if not self._pending:
+            return empty_tree()
+        with self._routed():
+            if not self.capture:
+                self._step()
+            elif self._graph is None:
+                self._capture()
+            else:
+                self._graph.replay()
+        assert self._out is not None
+        host = self._out.cpu()  # the one transfer of a step's drafting
+        nodes = self.top_k + (self.depth - 1) * self.top_k**2  # every level expanded
+        keep = min(self.total_tokens - 1, nodes)
+        ids = host[: 2 * nodes + keep].long()
+        tree = subtree(ids[:nodes], ids[nodes : 2 * nodes], ids[2 * nodes :])
+        if floor is None:
+            return tree
+        return DraftTree(tree.tokens, tree.parents, scores=host[2 * nodes + keep :].float())
+
+    def _capture(self) -> None:
+        """Warm up, capture :meth:`_step` as a CUDA graph, then replay it once (see
+        :meth:`~headway.decode.captured.StaticForward._capture`). Warm-up runs are harmless:
+        a step writes the same columns with the same values each time it runs."""
+        stream = torch.cuda.Stream(self._device)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                self._step()
+        torch.cuda.current_stream(self._device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step()
+        self._graph = graph
+        graph.replay()
+        logger.info("captured EAGLE drafting: top_k %d, depth %d", self.top_k, self.depth)
+
+
+class StaticEagleDrafter(StaticDrafting):
+    """EAGLE-1 drafting with static shapes (module docstring)."""
+
+
+class StaticEagle3Drafter(StaticDrafting, Eagle3Drafter):
+    """EAGLE-3 drafting with static shapes (module docstring)."""

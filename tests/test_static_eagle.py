@@ -1,0 +1,107 @@
+"""Static-shape EAGLE drafting (headway/drafters/static_eagle.py): the same trees as the eager
+drafter step for step, the target's output, a cache that grows mid-generation, and a step with
+no host read (what a CUDA graph needs); on CUDA, captured: tests/test_gpu.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from headway.decode.generate import Decoder, generate
+from headway.decode.options import DecodeOptions
+from headway.drafters import static_eagle
+from headway.drafters.eagle3_drafter import Eagle3Drafter
+from headway.drafters.eagle_drafter import EagleDrafter
+from headway.drafters.static_eagle import StaticEagle3Drafter, StaticEagleDrafter
+from headway.eval.dispatch import DispatchCounter
+from headway.heads.eagle import EagleConfig, EagleModel, TargetHead
+from tests.drafting import heads_drafter
+from tests.test_eagle3 import CHAIN, PROMPT, TREE, random_draft, target_and_truth, trained
+from tests.test_eagle_drafter import Recorder, save_run
+from tests.test_generate import hf_greedy
+
+SHAPES = {"chain": CHAIN, "tree": TREE, "wide": {"top_k": 3, "depth": 3, "total_tokens": 30}}
+
+
+def _pair(kind: str, model: Any, shape: dict[str, Any]) -> tuple[Any, Any]:
+    """(eager, static) drafters of one draft model."""
+    head = TargetHead.of(model)
+    if kind == "eagle1":
+        torch.manual_seed(3)
+        eagle1 = EagleModel(EagleConfig.from_target(model)).eval()
+        layer = model.config.num_hidden_layers
+        return (
+            EagleDrafter(eagle1, head, hidden_layer=layer, **shape),
+            StaticEagleDrafter(eagle1, head, hidden_layer=layer, **shape),
+        )
+    draft = trained("llama") if kind == "trained" else random_draft(model)
+    return Eagle3Drafter(draft, head, **shape), StaticEagle3Drafter(draft, head, **shape)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("kind", ["eagle1", "random", "trained"])
+def test_static_drafting_proposes_the_eager_trees(kind: str, shape: str) -> None:
+    model, truth = target_and_truth("llama")
+    eager, static = (Recorder(d) for d in _pair(kind, model, SHAPES[shape]))
+    for sizing in ("drafter", "cost"):
+        runs = [
+            Decoder(model, recorder, DecodeOptions(sizing=sizing), verify_costs=[1.0] * 64)
+            for recorder in (eager, static)
+        ]
+        results = [run.generate(PROMPT, max_new_tokens=32, eos_token_ids=()) for run in runs]
+        assert results[0].tokens == results[1].tokens == truth
+        assert results[0].accept_lengths == results[1].accept_lengths
+    assert len(eager.proposals) == len(static.proposals) > 0
+    for (_, mine), (_, theirs) in zip(static.proposals, eager.proposals, strict=True):
+        assert torch.equal(mine.tokens, theirs.tokens)
+        assert torch.equal(mine.parents, theirs.parents)
+        if theirs.scores is not None:
+            assert mine.scores is not None
+            torch.testing.assert_close(mine.scores, theirs.scores, rtol=1e-5, atol=1e-7)
+
+
+def test_a_long_sequence_grows_the_cache_and_keeps_the_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(static_eagle, "MIN_CAPACITY", 16)  # grows twice: 16 -> 64 -> 128
+    model, _ = target_and_truth("llama")
+    _, static = _pair("random", model, SHAPES["tree"])
+    prompt = torch.arange(1, 40) % 90 + 3
+    result = generate(model, prompt, drafter=static, max_new_tokens=48, eos_token_ids=())
+    assert result.tokens == hf_greedy(model, prompt, 48, None)
+    assert static._cache.capacity == 128
+
+
+def test_a_drafting_step_reads_nothing_on_the_host() -> None:
+    """The step a CUDA graph captures dispatches no op whose result the host must wait for."""
+    model, _ = target_and_truth("llama")
+    _, static = _pair("random", model, SHAPES["tree"])
+    generate(model, PROMPT, drafter=static, max_new_tokens=4, eos_token_ids=())
+    counter = DispatchCounter()
+    with counter, torch.inference_mode():
+        static._step()
+    assert counter.counts.syncs == 0 and counter.counts.ops > 0
+
+
+def test_capture_is_refused_off_cuda() -> None:
+    model, _ = target_and_truth("llama")
+    draft = random_draft(model)
+
+    class Captured(StaticEagle3Drafter):
+        capture = True
+
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        Captured(draft, TargetHead.of(model), **CHAIN)
+
+
+def test_the_spec_option_builds_the_static_drafter(tmp_path: Path) -> None:
+    model, truth = target_and_truth("llama")
+    run = save_run(tmp_path / "eagle", model, EagleModel(EagleConfig.from_target(model)))
+    static = heads_drafter(run, model, drafting="static", top_k=2, depth=3)
+    assert isinstance(static, StaticEagleDrafter) and (static.top_k, static.depth) == (2, 3)
+    assert isinstance(heads_drafter(run, model), EagleDrafter)
+    result = generate(model, PROMPT, drafter=static, max_new_tokens=32, eos_token_ids=())
+    assert result.tokens == truth
