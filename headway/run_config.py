@@ -41,6 +41,15 @@ class TargetConfig:
     trust_remote_code: bool = field(
         default=False, metadata=_help("run the model repository's own code (only if you trust it)")
     )
+    shard: Literal["auto", "fsdp", "no"] = field(
+        default="auto",
+        metadata=_help(
+            "split the frozen target's decoder layers across the processes (FSDP2 full shard; "
+            "embedding and LM head stay whole): auto under an accelerate FSDP launch (--use_fsdp "
+            "or distributed_type: FSDP), fsdp under any multi-process launch, no: every process "
+            "holds the whole target; the drafter trains under DDP either way"
+        ),
+    )
 
 
 @dataclass
@@ -314,3 +323,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.train.method == "medusa2" and self.data.features != "online":
             raise ConfigError(MEDUSA2_NEEDS_ONLINE)
+        if self.train.method == "medusa2" and self.target.shard == "fsdp":
+            raise ConfigError(
+                "target.shard=fsdp cannot train medusa2: it trains LoRA adapters inside the "
+                "target, which headway does not shard; set target.shard=no"
+            )

@@ -45,6 +45,7 @@ from headway.train.features import Batch, FeatureSource
 from headway.train.held_out import evaluate, first_samples
 from headway.train.loop_data import feature_source, training_data
 from headway.train.methods import build_method, feature_layers
+from headway.train.sharding import shard_target, should_shard, take_fsdp_launch
 
 logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
@@ -197,6 +198,7 @@ def _train(config: RunConfig, run_dir: Path, *, resume: bool) -> Path:
             f"{run_dir} already holds checkpoints; pass --resume to continue it, or choose "
             "another train.output_dir"
         )
+    fsdp_launch = take_fsdp_launch()  # before accelerate reads it: the drafter stays DDP
     accelerator = _accelerator(config, run_dir)
     set_seed(config.train.seed)
     target = load_target(
@@ -209,6 +211,9 @@ def _train(config: RunConfig, run_dir: Path, *, resume: bool) -> Path:
     train_set, eval_set, collate = training_data(config, target)
     eval_set = first_samples(eval_set, config.data.eval_max_samples)
     method = build_method(config, target, from_init=checkpoint is None)  # resumed: checkpoint
+    processes, name = accelerator.num_processes, config.train.method
+    if should_shard(config.target.shard, fsdp_launch=fsdp_launch, processes=processes, method=name):
+        shard_target(target.model)  # its decoder layers split across the processes
     batch = config.train.batch_size
     train_loader = DataLoader(train_set, batch_size=batch, shuffle=True, collate_fn=collate)
     eval_loader = DataLoader(eval_set, batch_size=batch, collate_fn=collate)
