@@ -129,7 +129,10 @@ def test_an_8b_config_against_hand_arithmetic() -> None:
     rotary = 2 * 64 * 4  # inv_freq and original_inv_freq, fp32
     assert rows["target weights"].today == 2 * parameters + rotary  # 16.06e9 in bf16
     assert rows["target weights"].today / 1e9 == pytest.approx(16.06, abs=0.005)
-    assert rows["target weights"].sharded == -(-(2 * parameters + rotary) // 8)
+    whole = 2 * vocab * hidden  # embedding and LM head: whole on every process when sharded
+    layers = -(-2 * (parameters - whole) // 8)
+    assert rows["target weights"].sharded == layers + 2 * whole + rotary  # 3.85e9 per GPU
+    assert rows["gradients"].sharded == rows["gradients"].today  # the drafter stays DDP
     # EAGLE-3: fc [H, 3H], q/k/v reading 2H, o, the MLP, 4 norms, the 32k-row draft LM head
     draft = 3 * hidden * hidden + 2 * hidden * (hidden + 2 * kv_width) + hidden * hidden
     draft += 3 * hidden * inter + 4 * hidden + 32000 * hidden
@@ -181,7 +184,7 @@ def _plan_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str,
 def test_the_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _plan_cli(capsys, "--config", EAGLE3_RECIPE, "--processes", "2")
     assert code == 0
-    for text in ("memory per process", "FSDP over 2", "DDP gradient buckets", "optimizer state"):
+    for text in ("memory per process", "sharded over 2", "DDP gradient buckets", "optimizer state"):
         assert text in out
     assert "per token 4,617 B" in out  # 4 layers x 576 x bf16 + id, mask, argmax
     assert "--tokens-per-s" in out  # no speed given: says how to give one

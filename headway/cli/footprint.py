@@ -12,8 +12,8 @@ DESCRIPTION = """\
 Plan a training run from its recipe and the target's config alone (no weights are loaded,
 nothing downloads; the target is built on PyTorch's meta device):
 
-- memory per process: the target's weights in target.dtype (replicated on every process today;
-  the FSDP column splits them, and the drafter's state, over the processes), the drafter's fp32
+- memory per process: the target's weights in target.dtype, replicated on every process or with
+  its decoder layers sharded over them (target.shard, an accelerate FSDP launch), the drafter's fp32
   parameters, gradients and AdamW state, DDP's gradient buckets (2+ processes) and the
   activation peak of one micro-batch (batch_size x max_length tokens, every token trained),
   with its largest terms;

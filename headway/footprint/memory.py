@@ -10,9 +10,10 @@ gradients (``gradient_as_bucket_view`` off). Gradients are counted as held throu
 as they are with ``train.grad_accum > 1``; with 1 they are freed between steps, so a step's
 peak can be lower by up to their size.
 
-The ``sharded`` column is what FSDP over ``N`` processes would hold (not what headway runs
-today): the target's weights and the drafter's parameters, gradients and optimizer state split
-``N`` ways, no DDP buckets; FSDP's transiently gathered layer is not counted.
+The ``sharded`` column is what a process holds with the target sharded (``target.shard``, an
+accelerate FSDP launch; ``headway/train/sharding.py``): the target's decoder layers split ``N``
+ways, its embedding and LM head whole on every process, the drafter under DDP as today; FSDP's
+transiently gathered layer is not counted.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def adamw_bytes(drafter: DrafterSizes) -> int:
 
 @dataclass(frozen=True)
 class MemoryRow:
-    """One holder of memory: bytes per process today (target replicated, DDP) and if sharded
-    with FSDP over the processes."""
+    """One holder of memory: bytes per process with the target replicated (the default of a
+    plain launch) and with its decoder layers sharded over the processes (``target.shard``)."""
 
     name: str
     today: int
@@ -78,6 +79,12 @@ def memory_plan(
     ``target.dtype`` element size; an offline run (``online=False``) still loads the target
     (its embedding and LM head are borrowed by EAGLE and Medusa)."""
     weights = target.parameters * weight_bytes + target_buffer_bytes
+    whole = target.embedding_parameters * (1 if target.tied_embeddings else 2)  # stay whole
+    sharded = (
+        _split((target.parameters - whole) * weight_bytes, processes)
+        + whole * weight_bytes
+        + target_buffer_bytes
+    )
     parameters = drafter.parameters * FP32 + drafter.buffer_bytes
     gradients = drafter.parameters * FP32
     optimizer = adamw_bytes(drafter)
@@ -88,26 +95,28 @@ def memory_plan(
         MemoryRow(
             "target weights",
             weights,
-            _split(weights, processes),
+            sharded,
             f"{target.parameters:,} params in {dtype}"
             + ("" if online else "; offline runs load it too"),
         ),
         MemoryRow(
             "drafter parameters",
             parameters,
-            _split(parameters, processes),
+            parameters,
             f"{drafter.parameters:,} params{lora}, {precision}; no master copy",
         ),
-        MemoryRow("gradients", gradients, _split(gradients, processes), "fp32"),
+        MemoryRow("gradients", gradients, gradients, "fp32"),
         MemoryRow(
             "optimizer state",
             optimizer,
-            _split(optimizer, processes),
+            optimizer,
             "AdamW: exp_avg + exp_avg_sq fp32, step per tensor",
         ),
     ]
     if processes > 1:
-        rows.append(MemoryRow("DDP gradient buckets", gradients, 0, "a copy of the gradients"))
+        rows.append(
+            MemoryRow("DDP gradient buckets", gradients, gradients, "a copy of the gradients")
+        )
     rows.append(
         MemoryRow(
             "activations (peak)",

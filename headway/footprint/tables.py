@@ -56,17 +56,17 @@ def _summary(plan: RunPlan) -> list[str]:
 
 
 def _memory(plan: RunPlan) -> list[str]:
-    sharded = f"FSDP over {plan.processes}"
-    lines = ["", f"{'memory per process':<24}{'today (DDP)':>13}{sharded:>15}   note"]
+    sharded = f"sharded over {plan.processes}"
+    lines = ["", f"{'memory per process':<24}{'replicated':>13}{sharded:>17}   note"]
     for row in plan.memory.rows:
         lines.append(
-            f"  {row.name:<22}{human_bytes(row.today):>13}{human_bytes(row.sharded):>15}   "
+            f"  {row.name:<22}{human_bytes(row.today):>13}{human_bytes(row.sharded):>17}   "
             f"{row.note}"
         )
     lines.append(
         f"  {'total':<22}{human_bytes(plan.memory.total):>13}"
-        f"{human_bytes(plan.memory.total_sharded):>15}   "
-        "(today: the target is replicated on every process)"
+        f"{human_bytes(plan.memory.total_sharded):>17}   "
+        "(sharded: target.shard, the target's decoder layers split; the drafter stays DDP)"
     )
     terms = sorted(plan.memory.activations.terms.items(), key=lambda item: -item[1])
     lines.append(f"  largest activations ({plan.memory.activations.phase}):")
