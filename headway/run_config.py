@@ -289,10 +289,46 @@ class Eagle3Section:
         default="target",
         metadata=_help("init the draft LM head from the target's rows, or randomly (reference)"),
     )
+    fc_norm: bool = field(
+        default=False,
+        metadata=_help(
+            "EAGLE-3.1: an RMSNorm on each feature layer's states before fc (fc_norm.{0,1,2} "
+            "weights, as vLLM and speculators load them); exports as speculators only"
+        ),
+    )
+    norm_output: bool = field(
+        default=False,
+        metadata=_help(
+            "EAGLE-3.1: hand norm(s), not s, to the next draft step (training-time test and "
+            "deeper tree levels; the LM head reads norm(s) either way); exports as speculators "
+            "only"
+        ),
+    )
+    loss: Literal["soft_ce", "lk_alpha", "lk_lambda"] = field(
+        default="soft_ce",
+        metadata=_help(
+            "per-step loss: soft_ce (the reference's); LK losses (arXiv:2602.23881) on the "
+            "acceptance rate a = sum_v min(p_v, q_v): lk_alpha = -log a, lk_lambda = "
+            "w*soft_ce + (1-w)*(1-a) with w = lk_scale*exp(-lk_decay*a)"
+        ),
+    )
+    lk_scale: float = field(
+        default=1.0,
+        metadata=_help("lk_lambda: the soft cross-entropy's weight at a = 0, in [0, 1]"),
+    )
+    lk_decay: float = field(
+        default=3.0,
+        metadata=_help("lk_lambda: how fast the soft cross-entropy's weight falls as a grows"),
+    )
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 1 or self.ttt_steps < 1:
             raise ConfigError("eagle3.draft_vocab_size and eagle3.ttt_steps must be >= 1")
+        if not 0 <= self.lk_scale <= 1 or self.lk_decay < 0:
+            raise ConfigError(
+                f"eagle3.lk_scale={self.lk_scale} must be in [0, 1] and eagle3.lk_decay="
+                f"{self.lk_decay} >= 0"
+            )
         if not 0 < self.loss_decay <= 1:
             raise ConfigError(f"eagle3.loss_decay={self.loss_decay} must be in (0, 1]")
         layers = self.feature_layers

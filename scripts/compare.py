@@ -189,6 +189,8 @@ def run_method(run_dir: str) -> str:
     config = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
     if "method" in config:
         return str(config["method"])
+    if "speculators_model_type" in config:  # --format speculators
+        return f"{config['speculators_model_type']}-export"
     eagle3 = "LlamaForCausalLMEagle3" in config.get("architectures", [])
     return "eagle3-export" if eagle3 else "eagle1-export"
 

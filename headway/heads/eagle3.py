@@ -33,6 +33,20 @@ its forward, rotary and sdpa/eager kernels are transformers' own), ``midlayer.ml
 ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
 ``midlayer.self_attn.{q,k,v,o}_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``,
 ``norm.weight``, ``lm_head.weight`` ``[N, H]``, and the vocabulary buffers ``d2t`` / ``t2d``.
+
+EAGLE-3.1 options, both off by default (the model above, its keys unchanged):
+
+- ``fc_norm``: one RMSNorm per feature layer on its own H-wide slice before fc,
+  ``g_t = fc([n_0(l_t); n_1(m_t); n_2(h_t)])``, weights ``fc_norm.{0,1,2}.weight`` ``[H]``
+  (speculators ``models/eagle3/core.py`` and vLLM ``llama_eagle3.py`` ``combine_hidden_states``;
+  not their ``norm_before_fc``, a single RMSNorm over the 3H concatenation).
+- ``norm_output``: the state a draft step hands to the next one (TTT step, deeper tree level) is
+  ``norm(s_t)`` instead of ``s_t``; the LM head reads ``norm(s_t)`` either way and no weight is
+  added (speculators: ``if self.config.norm_output: hidden_states = self.norm(hidden_states)``;
+  vLLM: ``aux_output = hidden_states if self.norm_output else hidden_prenorm``). ``forward``
+  returns that handed-on state and ``logits`` skips the norm it already holds, so training and
+  the drafter run unchanged. SpecForge's ``norm_output`` flag means something else (whether its
+  LM head reads ``norm(s)``; its default true is this model with the option off).
 """
 
 from __future__ import annotations
@@ -61,6 +75,9 @@ __all__ = [
     "default_feature_layers",
     "eagle3_tensor_shapes",
 ]
+
+
+_OPTIONAL_FLAGS = ("fc_norm", "norm_output")  # head_config keys written only when true
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -99,6 +116,8 @@ class Eagle3Config:
         rope_theta: rotary base.
         max_position_embeddings: the target's context length (recorded for engine configs).
         rope_scaling: the target's RoPE scaling, as in :class:`EagleConfig`.
+        fc_norm: EAGLE-3.1's RMSNorm per feature layer before fc (module docstring).
+        norm_output: EAGLE-3.1's normed state handed to the next draft step (module docstring).
     """
 
     hidden_size: int
@@ -114,6 +133,8 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     rope_scaling: dict[str, Any] | None = None
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         self.layer_sizes()  # validates the shared sizes
@@ -154,10 +175,11 @@ class Eagle3Config:
         return self.layer_sizes().llama_config(attn_implementation)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict (what ``config.json`` stores as ``head_config``)."""
+        """Plain JSON-ready dict (what ``config.json`` stores as ``head_config``); the EAGLE-3.1
+        flags only when on, so runs without them read and write as before."""
         data = asdict(self)
         data["feature_layers"] = list(self.feature_layers)
-        return data
+        return {key: value for key, value in data.items() if value or key not in _OPTIONAL_FLAGS}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Eagle3Config:
@@ -178,9 +200,11 @@ class Eagle3Config:
         *,
         draft_vocab_size: int,
         feature_layers: tuple[int, int, int] | None = None,
+        fc_norm: bool = False,
+        norm_output: bool = False,
     ) -> Eagle3Config:
         """Draft-layer sizes copied from a target (as for EAGLE-1, any family); feature layers
-        default to :func:`default_feature_layers`."""
+        default to :func:`default_feature_layers`; the EAGLE-3.1 flags are off by default."""
         sizes = EagleConfig.from_target(model, fc_bias=False)
         num_layers = int(model.config.get_text_config().num_hidden_layers)
         layers = feature_layers or default_feature_layers(num_layers)
@@ -194,6 +218,8 @@ class Eagle3Config:
             **shared,
             draft_vocab_size=min(draft_vocab_size, sizes.vocab_size),
             feature_layers=(int(layers[0]), int(layers[1]), int(layers[2])),
+            fc_norm=fc_norm,
+            norm_output=norm_output,
         )
 
 
@@ -238,7 +264,7 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Model(nn.Module):
-    """fc + the EAGLE-3 draft layer + norm + the draft LM head (see the module docstring).
+    """[fc_norm +] fc + the EAGLE-3 draft layer + norm + the draft LM head (module docstring).
 
     Args:
         config: sizes, see :class:`Eagle3Config`.
@@ -256,6 +282,10 @@ class Eagle3Model(nn.Module):
         self.llama_config = config.llama_config(attn_implementation)
         hidden = config.hidden_size
         self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+        self.fc_norm: nn.ModuleList | None = None
+        if config.fc_norm:
+            norms = [LlamaRMSNorm(hidden, eps=config.rms_norm_eps) for _ in range(3)]
+            self.fc_norm = nn.ModuleList(norms)
         self.midlayer = Eagle3Layer(self.llama_config)
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
@@ -291,12 +321,17 @@ class Eagle3Model(nn.Module):
                 f"fuse needs the three feature layers concatenated, [..., "
                 f"{3 * self.config.hidden_size}], got {list(features.shape)}"
             )
+        if self.fc_norm is not None:  # EAGLE-3.1: each feature layer's slice normed on its own
+            slices = zip(self.fc_norm, features.chunk(3, dim=-1), strict=True)
+            features = torch.cat([norm(part) for norm, part in slices], dim=-1)
         fused: Tensor = self.fc(features)
         return fused
 
     def logits(self, states: Tensor) -> Tensor:
-        """Pre-norm draft states ``[..., H]`` -> draft-vocabulary logits ``[..., N]``."""
-        logits: Tensor = self.lm_head(self.norm(states))
+        """Draft states ``[..., H]`` as :meth:`forward` returns them (pre-norm ``s``, or
+        ``norm(s)`` with ``norm_output``) -> draft-vocabulary logits ``[..., N]``."""
+        normed = states if self.config.norm_output else self.norm(states)
+        logits: Tensor = self.lm_head(normed)
         return logits
 
     def forward(
@@ -312,7 +347,7 @@ class Eagle3Model(nn.Module):
 
         Args:
             features: ``[B, T, H]``: ``g`` (fused target features, :meth:`fuse`) or the draft's
-                own pre-norm output of the previous step.
+                own output of the previous step.
             token_embeddings: ``[B, T, H]``, the target's embedding of x_{t+1} for each row.
             position_ids: LongTensor ``[B or 1, T]``; default ``past .. past + T - 1``.
             attention_mask: ``None`` (causal over the cache and the new rows), a 2-D padding mask
@@ -320,7 +355,8 @@ class Eagle3Model(nn.Module):
             cache: the draft layer's keys/values of earlier rows; grows by T entries.
 
         Returns:
-            ``[B, T, H]``, the pre-norm states ``s_t`` (:meth:`logits` turns them into drafts).
+            ``[B, T, H]``, the states handed to the next step: pre-norm ``s_t``, or ``norm(s_t)``
+            with ``norm_output`` (:meth:`logits` turns either into drafts).
         """
         if features.shape != token_embeddings.shape or features.dim() != 3:
             raise ValueError(
@@ -331,13 +367,14 @@ class Eagle3Model(nn.Module):
         length = features.shape[1]
         if position_ids is None:
             position_ids = torch.arange(past, past + length, device=features.device)[None]
-        return self.midlayer(
+        states: Tensor = self.midlayer(
             features,
             token_embeddings,
             position_embeddings=self.rotary_emb(features, position_ids),
             attention_mask=_four_d(attention_mask, past, length, features),
             cache=cache,
         )
+        return self.norm(states) if self.config.norm_output else states
 
 
 def _four_d(mask: Tensor | None, past: int, length: int, like: Tensor) -> Tensor:

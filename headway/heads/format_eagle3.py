@@ -34,6 +34,11 @@ layer ``idx``): transformers' ``output_hidden_states[idx]``, headway's conventio
 headway's ``feature_layers`` (for vLLM) and ``eagle_config`` with ``feature_layers - 1`` and
 ``use_aux_hidden_state: true`` (for SGLang and SpecForge). With the default layers both engines
 would also pick the right tensors from their own defaults. Import reads them back the same way.
+
+EAGLE-3.1's ``fc_norm`` / ``norm_output`` (:mod:`headway.heads.eagle3`) have no agreed form in
+this layout: SGLang's ``LlamaForCausalLMEagle3`` implements neither (it skips unknown tensors),
+and SpecForge's ``norm_output`` means something else than vLLM's. Runs that train them are
+refused in one line naming ``--format speculators``, and so are folders that set them.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 _SHARED_WITH_TARGET = ("embed_tokens.weight",)
+_EAGLE31 = ("fc_norm", "norm_output")  # EAGLE-3.1 options: speculators format only
 
 
 @dataclass
@@ -151,6 +157,12 @@ def export_eagle3(run: str | Path | LoadedHeads, out_dir: str | Path) -> Path:
     if loaded.method != "eagle3":
         raise HeadsError(f"cannot export {loaded.method!r} heads as eagle3-hf; train method eagle3")
     config = Eagle3Config.from_dict(loaded.head_config)
+    flags = [name for name in _EAGLE31 if getattr(config, name)]
+    if flags:
+        raise HeadsError(
+            f"cannot export EAGLE-3.1 heads ({', '.join(flags)}) as eagle3-hf: SGLang ignores "
+            "them and SpecForge reads them differently; use --format speculators (vLLM loads it)"
+        )
     out = Path(out_dir)
     check_tensors(loaded.state_dict, _checked_shapes(config, out), out)
     block = {
@@ -239,11 +251,17 @@ def import_eagle3(path: str | Path, *, target_layers: int | None = None) -> Impo
         target_layers: the target's layer count, for folders that name no feature layers.
 
     Raises:
-        HeadsError: no or bad config, a corrupt file, unsupported RoPE scaling, an inconsistent
-            vocabulary map, or missing / unexpected / mis-shaped tensors.
+        HeadsError: no or bad config, EAGLE-3.1 flags, a corrupt file, unsupported RoPE scaling,
+            an inconsistent vocabulary map, or missing / unexpected / mis-shaped tensors.
     """
     folder = Path(path)
     engine = _read_config(folder)
+    flags = [name for name in _EAGLE31 if engine.get(name)]
+    if flags:
+        raise HeadsError(
+            f"{folder / CONFIG_NAME} sets {', '.join(flags)} (EAGLE-3.1), which engines read "
+            "differently in this layout; headway reads EAGLE-3.1 drafters in the speculators format"
+        )
     tensors, weights = read_engine_tensors(folder, "pytorch_model.bin")
     shared = [name for name in _SHARED_WITH_TARGET if name in tensors]
     if shared:

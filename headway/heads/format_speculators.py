@@ -13,17 +13,17 @@ serves as it is (``vllm serve DIR`` reads the verifier from it). Written from sp
   layer's sizes, ``vocab_size`` = the target's), ``draft_vocab_size``, ``target_hidden_size``,
   ``eagle_aux_hidden_state_layer_ids`` (inputs of those target layers: headway's
   ``feature_layers``, vLLM's convention, speculators' default ``[2, L//2, L-3]``), the flags
-  ``norm_before_residual`` / ``norm_before_fc`` / ``fc_norm`` / ``norm_output`` /
-  ``embed_requires_grad`` all ``false``, and a ``headway`` block both ignore.
+  ``norm_before_residual`` / ``norm_before_fc`` / ``embed_requires_grad`` ``false`` and
+  EAGLE-3.1's ``fc_norm`` / ``norm_output`` as trained, and a ``headway`` block both ignore.
   ``norm_before_residual`` is always written: speculators defaults it to false (headway's layer,
   the reference's), vLLM's ``update_eagle3`` reads a missing key as true.
 - ``model.safetensors`` (speculators' ``Eagle3DraftModel`` names): ``fc.weight`` ``[H, 3H]``,
   ``layers.0.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`` ``[H]``,
   ``layers.0.self_attn.{q,k,v}_proj.weight`` ``[*, 2H]``, ``layers.0.self_attn.o_proj.weight``,
   ``layers.0.mlp.{gate,up,down}_proj.weight``, ``norm.weight`` ``[H]``, ``lm_head.weight``
-  ``[N, H]``, and ``d2t`` int64 ``[N]`` / ``t2d`` bool ``[V]`` only when ``N < V`` (speculators
-  registers them only then). No ``embed_tokens`` (speculators may leave it out; vLLM then shares
-  the target's).
+  ``[N, H]``, ``fc_norm.{0,1,2}.weight`` ``[H]`` with ``fc_norm``, and ``d2t`` int64 ``[N]`` /
+  ``t2d`` bool ``[V]`` only when ``N < V`` (speculators registers them only then). No
+  ``embed_tokens`` (speculators may leave it out; vLLM then shares the target's).
 
 speculators dropped its EAGLE-1 model (``eagle``) and vLLM reads only ``eagle3`` of the methods
 headway trains, so other runs are refused, naming the formats that apply.
@@ -166,6 +166,7 @@ def speculators_tensor_names(config: Eagle3Config) -> list[str]:
     names += ["layers.0.post_attention_layernorm.weight"]
     names += [f"layers.0.self_attn.{name}_proj.weight" for name in ("q", "k", "v", "o")]
     names += [f"layers.0.mlp.{name}_proj.weight" for name in ("gate", "up", "down")]
+    names += [f"fc_norm.{index}.weight" for index in range(3) if config.fc_norm]
     reduced = config.draft_vocab_size < config.vocab_size
     return sorted([*names, *(["d2t", "t2d"] if reduced else [])])
 
@@ -207,8 +208,8 @@ def speculators_config(
         "eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
         "norm_before_residual": False,
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": config.fc_norm,  # EAGLE-3.1 (vLLM reads both, speculators writes both)
+        "norm_output": config.norm_output,
         "embed_requires_grad": False,
     }
     if headway_block is not None:
@@ -275,18 +276,14 @@ def _check_supported(engine: dict[str, Any], where: Path) -> dict[str, Any]:
         raise HeadsError(
             f"{where} names no norm_before_residual (speculators reads false, vLLM true); add it"
         )
-    unsupported = [
-        name
-        for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-        if engine.get(name)
-    ]
+    unsupported = [name for name in ("norm_before_residual", "norm_before_fc") if engine.get(name)]
     unsupported += [name for name in ("attention_bias", "mlp_bias") if layer.get(name)]
     if int(layer.get("num_hidden_layers", 1)) != 1:
         unsupported.append(f"num_hidden_layers={layer['num_hidden_layers']}")
     if unsupported:
         raise HeadsError(
-            f"{where}: headway's EAGLE-3 layer (one layer, residual before hidden_norm, no extra "
-            f"norms or biases) does not implement {unsupported}"
+            f"{where}: headway's EAGLE-3 layer (one layer, residual before hidden_norm, no norm "
+            f"over the 3H features, no biases) does not implement {unsupported}"
         )
     return layer
 
@@ -329,6 +326,8 @@ def _eagle3_config(engine: dict[str, Any], layer: dict[str, Any], layers: Any) -
         rope_theta=float(layer.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
         rope_scaling=rope_scaling_of(rope),
+        fc_norm=engine.get("fc_norm") is True,  # checked to be bools if present
+        norm_output=engine.get("norm_output") is True,
     )
 
 
@@ -360,8 +359,8 @@ def import_speculators(path: str | Path, target_layers: int | None = None) -> Im
 
     Raises:
         HeadsError: not a speculators EAGLE-3 config, a variant headway's layer does not
-            implement (more layers, ``norm_before_residual``, extra norms, biases, Qwen3), an
-            inconsistent vocabulary map, or missing / unexpected / mis-shaped tensors.
+            implement (more layers, ``norm_before_residual``, ``norm_before_fc``, biases, Qwen3),
+            an inconsistent vocabulary map, or missing / unexpected / mis-shaped tensors.
     """
     folder = Path(path)
     engine = read_engine_json(folder, "a speculators folder")

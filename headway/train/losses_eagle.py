@@ -37,7 +37,8 @@ drafts the first token EAGLE ever proposes for that reply (the root after prefil
   is a draft token (the reference's ``position_mask = t2d[argmax] * loss_mask``: a token the
   drafter cannot propose teaches it nothing). ``CE_j`` is the mean over step j's counted rows;
   the reference divides every step by all B·T rows instead (``.mean()``), which weights steps by
-  how many rows they count.
+  how many rows they count. With ``lk`` (``eagle3.loss``), step j's ``CE_j`` is replaced by the
+  LK loss of :mod:`headway.train.losses_lk` over the same rows.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from headway.train.losses import TOP_K, LossOutput, label_mask
+from headway.train.losses_lk import (
+    LKLoss,
+    acceptance_rate,
+    acceptance_rate_reference,
+    draft_vocab_mass,
+)
 from headway.train.soft_ce import soft_cross_entropy
 
 __all__ = [
@@ -221,6 +228,7 @@ def eagle3_loss(
     decay: float = 0.8,
     document_ids: Tensor | None = None,
     target_argmax: Tensor | None = None,
+    lk: LKLoss | None = None,
 ) -> LossOutput:
     """EAGLE-3 training-time-test loss (see the module docstring for the formula and alignment).
 
@@ -239,12 +247,15 @@ def eagle3_loss(
         decay: step j's weight is ``decay^j``.
         document_ids: ``[B, T]`` sample numbers of packed batches, if any.
         target_argmax: ``[B, T]``, the target's argmax at each position if known (a feature
-            cache stores it): the target's LM head then runs over the N draft columns only.
+            cache stores it): the target's LM head then runs over the N draft columns only
+            (over all V with ``lk``, which needs its mass outside them).
+        lk: an LK loss replacing each step's soft CE (``None``: the soft CE).
 
     Returns:
         :class:`LossOutput` with ``depth{j+1}/ce``, ``depth{j+1}/top1`` (the draft's argmax is
-        the target's) and ``depth{j+1}/tokens`` per step, and ``in_vocab`` (the share of step 0's
-        rows whose target argmax is a draft token).
+        the target's) and ``depth{j+1}/tokens`` per step (with ``lk`` also ``depth{j+1}/alpha``,
+        the mean acceptance rate), and ``in_vocab`` (the share of step 0's rows whose target
+        argmax is a draft token).
     """
     _check_eagle3(step_states, target_states, loss_mask)
     rows = eagle3_rows(loss_mask, len(step_states), document_ids)  # [S, B, T]
@@ -256,15 +267,20 @@ def eagle3_loss(
     where[needed] = torch.arange(int(needed.sum()), device=needed.device)
     with torch.no_grad():
         states_needed = target_states[needed].detach()
-        if target_argmax is None:  # [n, V] in the head's dtype (bf16 under autocast)
+        wanted = None if target_argmax is None else target_argmax[needed].long()
+        mass = None  # LK's p is over all V: the target's probability mass on the draft tokens
+        if wanted is None or lk is not None:  # [n, V] in the head's dtype (bf16 under autocast)
             full = target_logits(states_needed)
-            wanted = full.max(-1).indices  # argmax's first maximum, faster over bf16 on a CPU
             chosen = full.index_select(-1, target_ids)
+            if wanted is None:
+                wanted = full.max(-1).indices  # argmax's first maximum, faster over bf16 on a CPU
+            if lk is not None:
+                mass = draft_vocab_mass(full, chosen)  # [n]
         else:
-            wanted = target_argmax[needed].long()
             chosen = target_logits(states_needed, target_ids)
         target_p = torch.softmax(chosen.float(), dim=-1)  # [n, N]
         in_vocab = torch.isin(wanted, target_ids)  # [n]: the target's argmax is a draft token
+        target_p_full = None if mass is None else target_p * mass[:, None]  # [n, N], LK's p
     total = step_states[0].new_zeros((), dtype=torch.float32)
     stats = []  # per step: ce, top1 hits, rows counted, rows before the vocabulary check
     for step, (states, rows_j) in enumerate(zip(step_states, rows, strict=True)):
@@ -277,21 +293,28 @@ def eagle3_loss(
         count = counted.sum()
         # -sum(p * log_softmax(logits)) over rows, fused and chunked (no [n_j, N] fp32 copies)
         ce = soft_cross_entropy(logits, target_p, targets) / count.clamp_min(1)
-        total = total + decay**step * ce
+        step_loss, alpha = ce, None
+        if lk is not None and target_p_full is not None:  # LK replaces the step's soft CE
+            alpha = acceptance_rate(logits, target_p_full, targets)  # [n_j]
+            step_loss = lk(ce, alpha)
+        total = total + decay**step * step_loss
         with torch.no_grad():
             hits = (target_ids[logits.max(-1).indices] == wanted[targets]).sum()
-            stats.append(torch.stack([ce.detach(), hits, count, rows_j.sum()]))
+            extra = [] if alpha is None else [alpha.sum() / count.clamp_min(1)]
+            stats.append(torch.stack([ce.detach(), hits, count, rows_j.sum(), *extra]))
     return LossOutput(total, _eagle3_metrics(torch.stack(stats).tolist()))
 
 
 def _eagle3_metrics(rows: list[list[float]]) -> dict[str, float]:
-    """``[[ce, top1 hits, rows counted, rows before the vocabulary check], ...]`` -> metrics."""
+    """``[[ce, top1 hits, rows counted, rows before the vocabulary check(, mean α)], ...]`` ->
+    metrics."""
     metrics: dict[str, float] = {}
-    for index, (ce, top1, count, _) in enumerate(rows):
+    for index, (ce, top1, count, _, *alpha) in enumerate(rows):
         depth = index + 1
         metrics[f"depth{depth}/ce"] = float(ce)
         metrics[f"depth{depth}/top1"] = top1 / count if count else 0.0
         metrics[f"depth{depth}/tokens"] = float(count)
+        metrics.update({f"depth{depth}/alpha": float(value) for value in alpha})
     first_count, first_candidates = rows[0][2], rows[0][3]
     metrics["in_vocab"] = first_count / first_candidates if first_candidates else 0.0
     return metrics
@@ -307,16 +330,18 @@ def eagle3_loss_reference(
     target_ids: Tensor,
     decay: float = 0.8,
     document_ids: Tensor | None = None,
+    lk: LKLoss | None = None,
 ) -> LossOutput:
     """The slow, obvious :func:`eagle3_loss`: loops over steps, batch rows and positions, the
-    textbook renormalised soft cross-entropy per row. Kept so a test holds the fast one equal."""
+    textbook renormalised soft cross-entropy (and ``Σ min(p, q)``) per row. Kept so a test holds
+    the fast one equal."""
     _check_eagle3(step_states, target_states, loss_mask)
     batch, length = loss_mask.shape
     draft_set = set(target_ids.tolist())
     total = step_states[0].new_zeros((), dtype=torch.float32)
     rows = []
     for step, states in enumerate(step_states):
-        terms, top1, candidates = [], 0, 0
+        terms, alphas, top1, candidates = [], [], 0, 0
         for b in range(batch):
             for t in range(length - step - 2):
                 label = t + step + 2
@@ -331,8 +356,13 @@ def eagle3_loss_reference(
                 p = torch.softmax(full[target_ids], dim=-1)
                 log_q = torch.log_softmax(draft_logits(states[b, t]).float(), dim=-1)
                 terms.append(-(p * log_q).sum())
+                p_full = torch.softmax(full, dim=-1)[target_ids]  # not renormalised
+                alphas.append(acceptance_rate_reference(draft_logits(states[b, t]), p_full))
                 top1 += int(target_ids[log_q.argmax()]) == int(full.argmax())
         ce = torch.stack(terms).mean() if terms else total.new_zeros(())
-        total = total + decay**step * ce
-        rows.append([float(ce.detach()), float(top1), float(len(terms)), float(candidates)])
+        alpha = torch.stack(alphas) if alphas else total.new_zeros(0)
+        total = total + decay**step * (ce if lk is None else lk(ce, alpha))
+        row = [float(ce.detach()), float(top1), float(len(terms)), float(candidates)]
+        extra = [] if lk is None else [float(alpha.detach().sum()) / max(len(alphas), 1)]
+        rows.append([*row, *extra])
     return LossOutput(total, _eagle3_metrics(rows))

@@ -64,6 +64,7 @@ from headway.train.features import CachedFeatureDataset
 from headway.train.init_weights import check_head_config, load_initial
 from headway.train.losses import LossOutput
 from headway.train.losses_eagle import eagle3_loss, eagle3_rows
+from headway.train.losses_lk import LKLoss
 
 __all__ = [
     "Eagle3",
@@ -304,12 +305,17 @@ class Eagle3(nn.Module):
             target.model,
             draft_vocab_size=settings.draft_vocab_size,
             feature_layers=(layers[0], layers[1], layers[2]) if layers else None,
+            fc_norm=settings.fc_norm,
+            norm_output=settings.norm_output,
         )
         self.final_layer = final_hidden_layer(target.model)
         self.feature_layers = (*self.head_config.feature_layers, self.final_layer)
         if init is not None:
             check_head_config(
-                self.head_config, init, "eagle3", ("draft_vocab_size", "feature_layers")
+                self.head_config,
+                init,
+                "eagle3",
+                ("draft_vocab_size", "feature_layers", "fc_norm", "norm_output"),
             )
             vocab = DraftVocab.from_tensors(init.state_dict["d2t"], init.state_dict["t2d"])
         if vocab is None:
@@ -326,6 +332,9 @@ class Eagle3(nn.Module):
             assert isinstance(weight, Tensor)
             self.draft.lm_head.weight.data.copy_(weight.detach()[vocab.target_ids])
         self.steps, self.decay = settings.ttt_steps, settings.loss_decay
+        self.lk: LKLoss | None = None  # eagle3.loss: the soft CE, or an LK loss in its place
+        if settings.loss != "soft_ce":
+            self.lk = LKLoss(settings.loss, settings.lk_scale, settings.lk_decay)
         if init is not None:
             load_initial(self.draft, init)
 
@@ -374,6 +383,7 @@ class Eagle3(nn.Module):
             decay=self.decay,
             document_ids=batch.get("document_ids"),
             target_argmax=batch.get("target_argmax"),  # offline features carry it
+            lk=self.lk,
         )
 
     def parameter_groups(self, lr: float, weight_decay: float) -> list[dict[str, Any]]:
