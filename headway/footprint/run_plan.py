@@ -7,7 +7,8 @@ device, :mod:`headway.footprint.sizes`) and the recipe: no weights are read, not
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from transformers import PreTrainedModel
 
 from headway.footprint.activations import StepShape, estimate_activations
 from headway.footprint.disk import FeatureCacheSize, feature_cache_size, regeneration_seconds
@@ -75,7 +76,7 @@ def build_plan(
     regen_tokens: int | None = None,
     speed: RegenSpeed | None = None,
     feature_dtype: str = "bfloat16",
-    model: Any = None,
+    model: PreTrainedModel | None = None,
 ) -> RunPlan:
     """The plan of ``config`` on ``processes`` data-parallel processes.
 
