@@ -39,3 +39,8 @@ class HardwareError(HeadwayError, ValueError):
 
 class SlidingWindowError(TargetError, ValueError):
     """Tree decoding would pass a sliding-window layer's window (a ValueError too, as before)."""
+
+
+class ServerError(HeadwayError):
+    """An OpenAI-compatible server refused a request, does not serve the target, or stayed
+    unreachable through every retry (:mod:`headway.generation.server_client`)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headway.cli.common import add_target_flags, target_from_flags
+from headway.cli.data_server import add_server_flags, local_target, server_from_flags
 from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, layer_list, text
 from headway.errors import HeadwayError
 
@@ -60,7 +61,11 @@ def run_regenerate(args: argparse.Namespace) -> int:
         lookahead=args.lookahead,
         stop_loops=args.stop_loops,
     )
-    target = target_from_flags(args)
+    server = server_from_flags(args)
+    if server is None:
+        target: Target | None = target_from_flags(args)
+    else:
+        target = local_target(args, target_from_flags) if args.server_check == "greedy" else None
     # A folder being resumed has its prompt list frozen (and its manifest checks that --mix and
     # the other settings are unchanged): the source packages are not needed to go on.
     resuming = prompts_path(Path(args.out)).is_file()
@@ -75,7 +80,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
             max_prompt_chars=args.max_prompt_chars,
             exclude=exclude,
         )
-    manifest = regenerate(target, items, Path(args.out), options, mix=mix)
+    manifest = regenerate(target, items, Path(args.out), options, mix=mix, server=server)
     print(
         f"{manifest['rows']} conversations, {manifest['answer_tokens']:,} answer tokens "
         f"({manifest['truncated_answers']} hit max-new-tokens) in {args.out}/data; "
@@ -114,10 +119,10 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         "--engine",
         choices=["continuous", "generate"],
         default="continuous",
-        help="continuous: finished rows leave and waiting prompts join (2.4x HF generate's "
-        "tokens/s on a CPU without lookahead, 3.6x with --lookahead 3; "
-        "scripts/bench_regenerate.py); generate: HF generate on padded batches. Either may be "
-        "used to resume a folder",
+        help="continuous: finished rows leave and waiting prompts join (several times HF "
+        "generate's tokens/s on a CPU, more with --lookahead; scripts/bench_regenerate.py "
+        "measures it, docs/benchmarks.md has the figures); generate: HF generate on padded "
+        "batches. Either may be used to resume a folder",
     )
     parser.add_argument(
         "--lookahead",
@@ -125,8 +130,8 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         default=None,
         help="continuous engine: tokens each row drafts per step by looking up its own prompt "
         "and answer, verified in the same forward so the answers are unchanged (0 = one token "
-        "per step). Default: 3 for greedy answers (1.52x faster than 0 on a 2-core CPU, bf16), "
-        "0 when sampling (where fewer drafts are kept: 0.94x at temperature 0.7); "
+        "per step). Default: 3 for greedy answers (faster than 0 where measured), 0 when "
+        "sampling (fewer drafts are kept, and it ran slower than 0 at temperature 0.7); "
         "scripts/bench_regenerate.py measures both",
     )
     parser.add_argument(
@@ -174,6 +179,7 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         "prompt lists), e.g. to answer the rest of ShareGPT in a second folder; read only when "
         "the folder is started, not on a resume",
     )
+    add_server_flags(parser)
     parser.set_defaults(handler=run_regenerate)
 
 

@@ -14,6 +14,10 @@ Layout of an output folder::
 Shard ``k`` always holds items ``[k·S, (k+1)·S)`` of its list and is written to a temporary name
 and renamed when complete, so a killed run resumes by skipping the shards that exist: no row is
 lost or written twice, and (with a fixed seed) the resumed output equals an uninterrupted one.
+
+The answers come from the in-process engines (:mod:`headway.train.answering`) or, with a
+:class:`~headway.generation.server_client.ServerOptions`, from an OpenAI-compatible server
+(:mod:`headway.train.server_answers`); shards, manifest and resuming are the same either way.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ import logging
 import random
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,7 @@ from headway.atomic import write_bytes_atomic, write_text_atomic
 from headway.corpus.jsonl import DAMAGED as _DAMAGED
 from headway.corpus.jsonl import read_jsonl
 from headway.errors import DataError
+from headway.generation.server_client import ChatServer, ServerOptions
 from headway.locks import exclusive_folder, rank_lock_name
 from headway.target import Target, fingerprint
 from headway.train.answering import (
@@ -47,9 +53,11 @@ from headway.train.answering import (
 )
 from headway.train.prompts import PromptItem, describe_mix
 from headway.train.ranks import Ranks
+from headway.train.server_answers import server_answerer
 
 __all__ = [
     "RegenerateOptions",
+    "ServerOptions",
     "prompts_from_self_instruct",
     "prompts_path",
     "read_jsonl",
@@ -58,6 +66,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# How a shard's items get their answers: answer_items or answer_items_through_server, bound.
+Answerer = Callable[
+    [Sequence[PromptItem], RegenerateOptions], Iterator[tuple[PromptItem, list[Answer]]]
+]
 
 
 def _jsonl(rows: Sequence[dict[str, Any]]) -> str:
@@ -108,7 +121,7 @@ def _checked_shard(path: Path, shard: Sequence[PromptItem]) -> list[dict[str, An
 
 
 def run_shards(
-    target: Target,
+    answer: Answerer,
     items: Sequence[PromptItem],
     shard_dir: Path,
     options: RegenerateOptions,
@@ -116,9 +129,10 @@ def run_shards(
     desc: str,
     ranks: Ranks | None = None,
 ) -> list[dict[str, Any]]:
-    """Answer `items` into ``shard_dir/part-*.jsonl.gz``, skipping complete shards; return all
-    rows. With several processes, rank r answers shards r, r + W, r + 2W, ... and every rank
-    returns all rows once all are done."""
+    """Answer `items` into ``shard_dir/part-*.jsonl.gz`` with `answer`, skipping complete shards
+    (a shard is written only once all its items are answered); return all rows. With several
+    processes, rank r answers shards r, r + W, r + 2W, ... and every rank returns all rows once
+    all are done."""
     ranks = ranks or Ranks()
     shard_dir.mkdir(parents=True, exist_ok=True)
     shards = [items[k : k + options.shard_size] for k in range(0, len(items), options.shard_size)]
@@ -136,7 +150,7 @@ def run_shards(
             # Seed per shard so a resumed run samples exactly what an uninterrupted one would.
             torch.manual_seed(options.seed + index)
             started, shard_rows = time.perf_counter(), []
-            for item, answers in answer_items(target, shard, options):
+            for item, answers in answer(shard, options):
                 shard_rows.append(_row(item, answers))
                 bar.update(1)
             by_position = {item.id: i for i, item in enumerate(shard)}
@@ -234,12 +248,13 @@ def _check_manifest(path: Path, settings: dict[str, Any]) -> None:
 
 
 def regenerate(
-    target: Target,
+    target: Target | None,
     items: Sequence[PromptItem],
     out_dir: Path,
     options: RegenerateOptions,
     *,
     mix: dict[str, int],
+    server: ServerOptions | None = None,
 ) -> dict[str, Any]:
     """Regenerate the assistant turns of `items` with `target` into `out_dir`; resumable.
 
@@ -247,35 +262,64 @@ def regenerate(
     ``accelerate launch`` with W processes, each answers every W-th shard (a disjoint slice of the
     prompts) and rank 0 writes the manifest once all shards are in; a resume may use another W.
 
+    With `server`, an OpenAI-compatible server answers instead of the in-process engine, after
+    :func:`~headway.train.server_answers.check_server` (which compares a greedy probe with
+    `target`, or only checks the served name when `target` is None); the manifest records the
+    server's URL and model name.
+
     Returns:
         The final manifest (settings, mix per source, rows, answer tokens, seconds).
 
     Raises:
         FolderBusyError: when another process is writing `out_dir`.
+        ServerError: the server does not serve the target, or a request failed for good.
     """
+    if target is None and server is None:
+        raise ValueError("regenerate needs a target to answer in-process, or a server")
     ranks = Ranks.from_accelerate()
     out_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_folder(out_dir, what="--out", name=rank_lock_name()):
-        return _regenerate(target, items, out_dir, options, mix=mix, ranks=ranks)
+        return _regenerate(target, items, out_dir, options, mix=mix, ranks=ranks, server=server)
+
+
+def _answerer(
+    target: Target | None, options: RegenerateOptions, server: ServerOptions | None
+) -> tuple[Answerer, dict[str, Any]]:
+    """How items get answered, and what the manifest says about it."""
+    if server is None:
+        assert target is not None  # regenerate checked
+        return partial(answer_items, target), {}
+    client = ChatServer(server)
+    return server_answerer(client, target, options), {
+        "server": {"url": client.url, "model": server.model}
+    }
 
 
 def _regenerate(
-    target: Target,
+    target: Target | None,
     items: Sequence[PromptItem],
     out_dir: Path,
     options: RegenerateOptions,
     *,
     mix: dict[str, int],
     ranks: Ranks,
+    server: ServerOptions | None,
 ) -> dict[str, Any]:
-    # What decides the answers; the speed options may change on a resume.
+    # What decides the answers; the speed options may change on a resume, and so may the
+    # engine: the server's answers are the target's (check_server).
     what = {k: v for k, v in asdict(options).items() if k not in SPEED_OPTIONS}
-    settings = {**what, "mix": mix, "target": fingerprint(target.model).to_dict()}
+    identity = (
+        fingerprint(target.model).to_dict()
+        if target is not None
+        else {"served_model": server.model if server else None}
+    )
+    settings = {**what, "mix": mix, "target": identity}
     manifest_path = out_dir / "manifest.json"
     _check_manifest(manifest_path, settings)
+    answer, answered_by = _answerer(target, options, server)
     ranks.wait()  # every rank has read the old manifest before rank 0 rewrites it
     if ranks.rank == 0:
-        started_manifest = {"settings": settings, "complete": False}
+        started_manifest = {"settings": settings, **answered_by, "complete": False}
         write_text_atomic(manifest_path, json.dumps(started_manifest, indent=2))
     started = time.perf_counter()
     meta = [item for item in items if item.meta]
@@ -283,7 +327,7 @@ def _regenerate(
     if meta:
         meta_options = replace(options, max_new_tokens=options.meta_max_new_tokens)
         meta_rows = run_shards(
-            target, meta, out_dir / "self-instruct", meta_options, desc="self-instruct", ranks=ranks
+            answer, meta, out_dir / "self-instruct", meta_options, desc="self-instruct", ranks=ranks
         )
         direct += prompts_from_self_instruct(meta_rows)
     random.Random(options.seed).shuffle(direct)
@@ -291,9 +335,10 @@ def _regenerate(
         _load_or_write_prompts(out_dir, direct)
     ranks.wait()
     prompts = _load_or_write_prompts(out_dir, direct)
-    rows = run_shards(target, prompts, out_dir / "data", options, desc="regenerate", ranks=ranks)
+    rows = run_shards(answer, prompts, out_dir / "data", options, desc="regenerate", ranks=ranks)
     manifest = {
         "settings": settings,
+        **answered_by,
         "complete": True,
         "sources": describe_mix(prompts),
         "rows": len(rows),
