@@ -19,6 +19,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from email.message import Message
 from typing import Any, TypeVar
 
 from headway.errors import ServerError
@@ -169,9 +170,9 @@ def _body_of(error: urllib.error.HTTPError) -> bytes:
         return b""
 
 
-def _retry_after(headers: Any) -> float | None:
+def _retry_after(headers: Message) -> float | None:
     try:
-        return max(0.0, float(headers.get("Retry-After")))
+        return max(0.0, float(headers.get("Retry-After", "")))
     except (TypeError, ValueError):
         return None  # absent, or an HTTP date (rare for these servers): our own backoff then
 
@@ -261,7 +262,7 @@ class ChatServer:
         return self._call("/v1/chat/completions", body, _reply)
 
 
-def _reply(data: Any) -> Reply:
+def _reply(data: Any) -> Reply:  # Any: a JSON object of the server's, checked here
     choice = data["choices"][0]
     text = choice["message"].get("content") or ""
     tokens = data["usage"]["completion_tokens"]
