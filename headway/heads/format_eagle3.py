@@ -182,7 +182,9 @@ def _read_config(folder: Path) -> dict[str, Any]:
     return data
 
 
-def _feature_layers(engine: dict[str, Any], target_layers: int | None, where: Path) -> Any:
+def _feature_layers(
+    engine: dict[str, Any], target_layers: int | None, where: Path
+) -> tuple[int, ...]:
     """Feature layers in headway's convention: the headway block, vLLM's top-level ids, SGLang's
     ``eagle_config`` ids + 1, else the engines' default for the target's depth."""
     block = engine.get("headway")
@@ -203,7 +205,9 @@ def _feature_layers(engine: dict[str, Any], target_layers: int | None, where: Pa
     return default_feature_layers(target_layers)
 
 
-def _config_from_engine(engine: dict[str, Any], layers: Any, where: Path) -> Eagle3Config:
+def _config_from_engine(
+    engine: dict[str, Any], layers: tuple[int, ...], where: Path
+) -> Eagle3Config:
     rope = engine.get("rope_scaling") or engine.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise HeadsError(f"{where}: rope_scaling {rope!r} is not an object")
@@ -218,7 +222,7 @@ def _config_from_engine(engine: dict[str, Any], layers: Any, where: Path) -> Eag
         head_dim=int(engine.get("head_dim") or hidden // heads),
         vocab_size=int(engine["vocab_size"]),
         draft_vocab_size=int(engine.get("draft_vocab_size") or engine["vocab_size"]),
-        feature_layers=tuple(int(layer) for layer in layers),  # type: ignore[arg-type]
+        feature_layers=layers,  # type: ignore[arg-type]
         hidden_act=str(engine.get("hidden_act", "silu")),
         rms_norm_eps=float(engine.get("rms_norm_eps", 1e-6)),
         rope_theta=float(engine.get("rope_theta") or rope.get("rope_theta") or 10000.0),

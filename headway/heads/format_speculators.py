@@ -304,7 +304,9 @@ def _feature_layers(engine: dict[str, Any], target_layers: int | None, where: Pa
     return default_feature_layers(target_layers)
 
 
-def _eagle3_config(engine: dict[str, Any], layer: dict[str, Any], layers: Any) -> Eagle3Config:
+def _eagle3_config(
+    engine: dict[str, Any], layer: dict[str, Any], layers: tuple[int, ...]
+) -> Eagle3Config:
     """Missing layer keys take ``LlamaConfig``'s defaults, as speculators would."""
     rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
     if not isinstance(rope, dict):
