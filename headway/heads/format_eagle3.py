@@ -77,8 +77,10 @@ from headway.target import TargetFingerprint
 __all__ = [
     "EAGLE3_HF",
     "ImportedEagle3",
+    "eagle3_config_from",
     "eagle3_hf_config",
     "export_eagle3",
+    "feature_layers_of",
     "import_eagle3",
     "is_eagle3_folder",
     "reference_tensor_names",
@@ -182,7 +184,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
     return data
 
 
-def _feature_layers(
+def feature_layers_of(
     engine: dict[str, Any], target_layers: int | None, where: Path
 ) -> tuple[int, ...]:
     """Feature layers in headway's convention: the headway block, vLLM's top-level ids, SGLang's
@@ -205,29 +207,45 @@ def _feature_layers(
     return default_feature_layers(target_layers)
 
 
-def _config_from_engine(
-    engine: dict[str, Any], layers: tuple[int, ...], where: Path
+def eagle3_config_from(
+    layer: dict[str, Any],
+    layers: tuple[int, ...],
+    *,
+    draft_vocab_size: int,
+    target_hidden_size: int | None = None,
+    fc_norm: bool = False,
+    norm_output: bool = False,
 ) -> Eagle3Config:
-    rope = engine.get("rope_scaling") or engine.get("rope_parameters") or {}
+    """An :class:`Eagle3Config` from an engine's Llama layer fields ``layer`` (the top level of an
+    ``eagle3-hf`` config, speculators' ``transformer_layer_config``); missing keys take
+    ``LlamaConfig``'s defaults, as the engines would.
+
+    Raises:
+        KeyError, TypeError, ValueError: fields missing or of the wrong kind (callers name the
+            file).
+    """
+    rope = layer.get("rope_scaling") or layer.get("rope_parameters") or {}
     if not isinstance(rope, dict):
-        raise HeadsError(f"{where}: rope_scaling {rope!r} is not an object")
-    hidden, heads = int(engine["hidden_size"]), int(engine["num_attention_heads"])
-    if int(engine.get("target_hidden_size") or hidden) != hidden:
-        raise HeadsError(f"{where}: target_hidden_size != hidden_size is not supported")
+        raise ValueError(f"rope parameters {rope!r} are not an object")
+    hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
+    if int(target_hidden_size or hidden) != hidden:
+        raise ValueError("target_hidden_size != hidden_size is not supported")
     return Eagle3Config(
         hidden_size=hidden,
-        intermediate_size=int(engine["intermediate_size"]),
+        intermediate_size=int(layer["intermediate_size"]),
         num_attention_heads=heads,
-        num_key_value_heads=int(engine.get("num_key_value_heads") or heads),
-        head_dim=int(engine.get("head_dim") or hidden // heads),
-        vocab_size=int(engine["vocab_size"]),
-        draft_vocab_size=int(engine.get("draft_vocab_size") or engine["vocab_size"]),
+        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
+        head_dim=int(layer.get("head_dim") or hidden // heads),
+        vocab_size=int(layer["vocab_size"]),
+        draft_vocab_size=draft_vocab_size,
         feature_layers=layers,  # type: ignore[arg-type]
-        hidden_act=str(engine.get("hidden_act", "silu")),
-        rms_norm_eps=float(engine.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(engine.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        max_position_embeddings=int(engine.get("max_position_embeddings", 2048)),
+        hidden_act=str(layer.get("hidden_act", "silu")),
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(layer.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
         rope_scaling=rope_scaling_of(rope),
+        fc_norm=fc_norm,
+        norm_output=norm_output,
     )
 
 
@@ -271,9 +289,13 @@ def import_eagle3(path: str | Path, *, target_layers: int | None = None) -> Impo
     if shared:
         logger.info("%s: ignoring %s (the target's own are used)", weights, shared)
     tensors = {name: value for name, value in tensors.items() if name not in shared}
-    layers = _feature_layers(engine, target_layers, folder / CONFIG_NAME)
+    layers = feature_layers_of(engine, target_layers, folder / CONFIG_NAME)
     try:
-        config = _config_from_engine(engine, layers, folder / CONFIG_NAME)
+        draft_vocab = int(engine.get("draft_vocab_size") or engine["vocab_size"])
+        hidden = engine.get("target_hidden_size")
+        config = eagle3_config_from(
+            engine, layers, draft_vocab_size=draft_vocab, target_hidden_size=hidden
+        )
     except (KeyError, TypeError, ValueError) as error:
         raise HeadsError(f"{folder / CONFIG_NAME}: not an EAGLE-3 config ({error})") from error
     _with_vocab(tensors, config, weights)

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headway.heads.eagle import rope_scaling_of
-from headway.heads.eagle3 import Eagle3Config, default_feature_layers, eagle3_tensor_shapes
+from headway.heads.eagle3 import Eagle3Config, eagle3_tensor_shapes
+from headway.heads.format_eagle3 import eagle3_config_from, feature_layers_of
 from headway.heads.formats import (
     EngineFormat,
     ImportedHeads,
@@ -288,51 +288,6 @@ def _check_supported(engine: dict[str, Any], where: Path) -> dict[str, Any]:
     return layer
 
 
-def _feature_layers(engine: dict[str, Any], target_layers: int | None, where: Path) -> Any:
-    """Feature layers (layer inputs): the headway block, ``eagle_aux_hidden_state_layer_ids``,
-    else speculators' default for the target's depth."""
-    block = engine.get("headway")
-    block = block if isinstance(block, dict) else {}
-    ids = block.get("feature_layers") or engine.get("eagle_aux_hidden_state_layer_ids")
-    if ids:
-        try:
-            return tuple(int(layer) for layer in ids)
-        except (TypeError, ValueError, OverflowError):
-            raise HeadsError(f"{where}: the feature layer ids are not a list of integers") from None
-    if target_layers is None:
-        raise HeadsError(f"{where} names no feature layers; pass the target's layer count")
-    return default_feature_layers(target_layers)
-
-
-def _eagle3_config(
-    engine: dict[str, Any], layer: dict[str, Any], layers: tuple[int, ...]
-) -> Eagle3Config:
-    """Missing layer keys take ``LlamaConfig``'s defaults, as speculators would."""
-    rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise ValueError(f"rope parameters {rope!r} are not an object")
-    hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
-    if int(engine.get("target_hidden_size") or hidden) != hidden:
-        raise ValueError("target_hidden_size != hidden_size is not supported")
-    return Eagle3Config(
-        hidden_size=hidden,
-        intermediate_size=int(layer["intermediate_size"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-        head_dim=int(layer.get("head_dim") or hidden // heads),
-        vocab_size=int(layer["vocab_size"]),
-        draft_vocab_size=int(engine["draft_vocab_size"]),
-        feature_layers=tuple(int(layer_id) for layer_id in layers),  # type: ignore[arg-type]
-        hidden_act=str(layer.get("hidden_act", "silu")),
-        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(layer.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
-        rope_scaling=rope_scaling_of(rope),
-        fc_norm=engine.get("fc_norm") is True,  # checked to be bools if present
-        norm_output=engine.get("norm_output") is True,
-    )
-
-
 def _native_tensors(tensors: dict[str, Tensor], config: Eagle3Config, where: Path) -> None:
     """Rename ``layers.0.`` to headway's ``midlayer.`` and fill the vocabulary maps speculators
     leaves out (all of them for a full vocabulary, ``t2d`` from ``d2t``), in place."""
@@ -368,9 +323,16 @@ def import_speculators(path: str | Path, target_layers: int | None = None) -> Im
     engine = read_engine_json(folder, "a speculators folder")
     where = folder / CONFIG_NAME
     layer = _check_supported(engine, where)
-    layers = _feature_layers(engine, target_layers, where)
+    layers = feature_layers_of(engine, target_layers, where)  # speculators' default: the same
     try:
-        config = _eagle3_config(engine, layer, layers)
+        config = eagle3_config_from(
+            layer,
+            layers,
+            draft_vocab_size=int(engine["draft_vocab_size"]),
+            target_hidden_size=engine.get("target_hidden_size"),
+            fc_norm=engine.get("fc_norm") is True,  # checked to be bools if present
+            norm_output=engine.get("norm_output") is True,
+        )
     except (KeyError, TypeError, ValueError) as error:
         raise HeadsError(f"{where}: not an EAGLE-3 config ({error})") from error
     tensors, weights = read_engine_tensors(folder, "pytorch_model.bin")
