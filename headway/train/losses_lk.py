@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from headway.train.soft_ce import SOFT_CE_ELEMENTS
+from headway.train.soft_ce import checked_chunk
 
 __all__ = [
     "LKLoss",
@@ -91,16 +91,7 @@ def acceptance_rate(
     Returns:
         ``[n]`` acceptance rates in ``[0, 1]`` (fp64 for fp64 logits).
     """
-    if logits.dim() != 2 or probs.dim() != 2 or logits.shape[1] != probs.shape[1]:
-        raise ValueError(
-            f"need logits [n, N] and probs [m, N] of one N, got {tuple(logits.shape)} and "
-            f"{tuple(probs.shape)}"
-        )
-    if rows.shape != logits.shape[:1]:
-        raise ValueError(f"rows {tuple(rows.shape)} must be [n] = [{logits.shape[0]}]")
-    chunk = max(1, SOFT_CE_ELEMENTS // logits.shape[1]) if chunk is None else chunk
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    chunk = checked_chunk(logits, probs, rows, chunk)
     result: Tensor = _AcceptanceRate.apply(logits, probs.detach(), rows, chunk)
     return result
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["SOFT_CE_ELEMENTS", "soft_cross_entropy"]
+__all__ = ["SOFT_CE_ELEMENTS", "checked_chunk", "soft_cross_entropy"]
 
 # Logits per chunk by default: 2^18 fp32 is 1 MB, a core's L2 (32 rows of an 8k vocabulary, 5 of
 # 49k), so each chunk stays in cache: faster than the unfused loss on a CPU (docs/benchmarks.md).
@@ -70,6 +70,18 @@ def soft_cross_entropy(
     Returns:
         A 0-d fp32 tensor (fp64 for fp64 logits), the sum over the n rows.
     """
+    chunk = checked_chunk(logits, probs, rows, chunk)
+    result: Tensor = _SoftCrossEntropy.apply(logits, probs.detach(), rows, chunk)
+    return result
+
+
+def checked_chunk(logits: Tensor, probs: Tensor, rows: Tensor, chunk: int | None) -> int:
+    """Rows per pass of a chunked loss over logits ``[n, V]`` against ``probs [m, V]`` read at
+    ``rows [n]`` (default ``SOFT_CE_ELEMENTS // V``, at least 1), the shapes checked.
+
+    Raises:
+        ValueError: shapes that do not fit, or ``chunk < 1``.
+    """
     if logits.dim() != 2 or probs.dim() != 2 or logits.shape[1] != probs.shape[1]:
         raise ValueError(
             f"need logits [n, V] and probs [m, V] of one V, got {tuple(logits.shape)} and "
@@ -80,5 +92,4 @@ def soft_cross_entropy(
     chunk = max(1, SOFT_CE_ELEMENTS // logits.shape[1]) if chunk is None else chunk
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    result: Tensor = _SoftCrossEntropy.apply(logits, probs.detach(), rows, chunk)
-    return result
+    return chunk
