@@ -104,6 +104,8 @@ class StaticDrafting(EagleDrafter):
         """Feed all but the last ``depth + 1`` pairs now (only the prompt has more); copy the
         rest into the step's buffers, drafted from by the next :meth:`propose`."""
         count = new_tokens.numel()
+        if count == 0:
+            return
         head = max(count - self._rows, 0)
         self._reserve(self._committed + head + self._rows + self._tree_columns)
         if head:
