@@ -66,3 +66,27 @@ def test_bench_gpu_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     wanted = {"hf greedy", "hf greedy, static cache", "headway, no drafter", "prompt lookup"}
     assert {row["drafter"] for row in rows} >= wanted
     assert all(row["identical"] == "1/1" for row in rows if row["drafter"] != "hf prompt lookup")
+
+
+@pytest.mark.slow
+def test_step_costs_runs_here_on_a_cpu(tmp_path: Path) -> None:
+    """The one-call GPU script of issue #32 runs end to end on a CPU (uncaptured there): every
+    table written, the static drafter's trees equal to the eager drafter's."""
+    import importlib.util
+    import json
+
+    path = SCRIPTS[0].parent / "step_costs.py"
+    spec = importlib.util.spec_from_file_location("step_costs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--device", "cpu", "--dtype", "float32", "--new-tokens", "6", "--repeats", "1"]
+    module.main([*argv, "--prompt-tokens", "8", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "step_costs.json").read_text())
+    assert {"hf_static_tok_s", "plain_captured_tok_s", "verify_ms"} <= set(data)
+    table = (tmp_path / "step_costs.md").read_text()
+    for line in table.splitlines():
+        if "trees equal" in line:
+            equal, total = line.split("trees equal ")[1].split(";")[0].split("/")
+            assert equal == total and int(total) > 0, line
+    assert table.count("trees equal") == 2

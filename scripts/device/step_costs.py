@@ -1,0 +1,184 @@
+"""The costs of one EAGLE-3 decoding step on a GPU, in ONE device call (issue #32).
+
+Needs nothing the GPU machine lacks: no prompt sets, no GGUF. The target is a SmolLM2-135M-shaped
+Llama with random weights (``scripts/device/smollm2-135m.json``: what a forward costs does not
+depend on the weights) and the drafter is the shipped EAGLE-3 (``force``: the random target's
+fingerprint differs). Acceptance on such a target is meaningless, so the script measures costs
+and predicts the speedup at a given tau (``--tau``, default the shipped drafter's 2.75 on an
+H200 in bf16) instead:
+
+- HF greedy with a static cache (``generate(cache_implementation="static")``) and headway's plain
+  captured decoding, tokens/s;
+- the captured verify forward over 1, 4, 8, 16 tokens (ms);
+- one drafting step (propose + observe, averaged over a generation), eager and static-captured
+  (``drafting=static``), for the default tree and a chain; whether their trees are the same;
+- predicted tokens/s with drafting = tau / (verify(n) + drafting step), against both baselines.
+
+Each table prints, and is written to ``$OUT/step_costs.md`` / ``.json``, as soon as it is
+measured. Usage on the machine (one call; ~2 min on an H100):
+
+    PYTHONPATH=. python3 scripts/device/step_costs.py --out "$OUT"
+
+Here (CPU, for a smoke test): ``--device cpu --new-tokens 8 --repeats 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from headway.decode.captured import StaticForward
+from headway.decode.costs import verify_timer
+from headway.decode.generate import Decoder
+from headway.decode.options import DecodeOptions
+from headway.drafters.build import build_drafter
+from headway.drafters.specs import EagleSpec
+from headway.eval.speed import TimedDrafter
+from headway.target import Target
+
+CONFIG = Path(__file__).with_name("smollm2-135m.json")
+DRAFTER = Path(__file__).resolve().parents[2] / "drafters" / "smollm2-135m-eagle3"
+SHAPES = {"tree (top_k 8, depth 4, 16 tokens)": (8, 4, 16), "chain (depth 4)": (1, 4, 5)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
+    parser.add_argument("--dtype", default="bfloat16", help="target and drafter dtype")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="random prompt length")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens per generation")
+    parser.add_argument("--repeats", type=int, default=3, help="generations per row (median)")
+    parser.add_argument("--tau", type=float, default=2.75, help="tau the prediction assumes")
+    parser.add_argument("--out", default=".", help="folder for step_costs.md and .json")
+    return parser.parse_args(argv)
+
+
+def synced(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``run`` after one warm-up call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        synced(device)
+        start = time.perf_counter()
+        run()
+        synced(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def recording(drafter: Any) -> list[tuple[list[int], list[int]]]:
+    """Make ``drafter`` keep every tree it proposes (tokens, parents); returns that list."""
+    recorded: list[tuple[list[int], list[int]]] = []
+    inner_propose = drafter.propose
+
+    def propose(sequence: torch.Tensor, floor: float | None = None) -> Any:
+        tree = inner_propose(sequence, floor)
+        recorded.append((tree.tokens.tolist(), tree.parents.tolist()))
+        return tree
+
+    drafter.propose = propose
+    return recorded
+
+
+class Report:
+    """Rows printed and written as they come."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.lines, self.data = out, [], {}  # type: ignore[var-annotated]
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, key: str, value: Any, line: str) -> None:
+        self.data[key] = value
+        self.lines.append(line)
+        print(line, flush=True)
+        (self.out / "step_costs.md").write_text("\n".join(self.lines) + "\n", encoding="utf-8")
+        (self.out / "step_costs.json").write_text(json.dumps(self.data, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    config = LlamaConfig(**json.loads(CONFIG.read_text(encoding="utf-8")))
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    target = Target(model=model, tokenizer=None, source="random smollm2-135m")  # type: ignore[arg-type]
+    prompt = torch.randint(3, config.vocab_size, (args.prompt_tokens,), device=device)
+    new, repeats = args.new_tokens, args.repeats
+    report = Report(Path(args.out))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    report.add("machine", name, f"# step costs: {name}, {args.dtype}, torch {torch.__version__}")
+
+    def hf_static() -> object:
+        return model.generate(
+            prompt[None],
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            cache_implementation="static",
+            attention_mask=torch.ones_like(prompt[None]),
+        )
+
+    hf = new / median_seconds(hf_static, device, repeats)
+    report.add("hf_static_tok_s", hf, f"HF greedy, static cache: {hf:.1f} tok/s")
+    captured = Decoder(model, None, DecodeOptions(verify="captured"))
+
+    def plain() -> object:
+        return captured.generate(prompt, max_new_tokens=new, eos_token_ids=())
+
+    base = new / median_seconds(plain, device, repeats)
+    report.add("plain_captured_tok_s", base, f"headway, no drafter, captured: {base:.1f} tok/s")
+    timer = verify_timer(model, args.prompt_tokens, forward=StaticForward(model))
+    verify = {size: timer(size) for size in (1, 4, 8, 16)}
+    shown = ", ".join(f"{n}: {s * 1000:.2f}" for n, s in verify.items())
+    report.add("verify_ms", {n: s * 1000 for n, s in verify.items()}, f"verify ms: {shown}")
+    for label, (top_k, depth, total) in SHAPES.items():
+        costs, trees = {}, {}
+        for drafting in ("eager", "static"):
+            spec = EagleSpec(
+                heads=str(DRAFTER),
+                top_k=top_k,
+                depth=depth,
+                total_tokens=total,
+                drafting=drafting,
+                force=True,
+            )
+            timed = TimedDrafter(build_drafter(spec, target), device)
+            recorded = recording(timed.inner)
+            decoder = Decoder(model, timed, DecodeOptions(verify="captured"))
+            decoder.generate(prompt, max_new_tokens=new, eos_token_ids=())  # warm-up, capture
+            timed.reset()
+            recorded.clear()
+            decoder.generate(prompt, max_new_tokens=new, eos_token_ids=())
+            costs[drafting] = timed.seconds / max(timed.steps, 1)
+            trees[drafting] = list(recorded)
+        same = sum(a == b for a, b in zip(trees["eager"], trees["static"], strict=False))
+        step = verify[16] if total > 8 else verify[8 if total > 4 else 4]
+        line = (
+            f"{label}: drafting a step eager {costs['eager'] * 1000:.2f} ms, static captured "
+            f"{costs['static'] * 1000:.2f} ms; trees equal {same}/{len(trees['eager'])}; "
+            + "; ".join(
+                f"predicted at tau {args.tau} with {mode} drafting: "
+                f"{args.tau / (step + cost):.1f} tok/s = "
+                f"{args.tau / (step + cost) / base:.2f}x plain captured, "
+                f"{args.tau / (step + cost) / hf:.2f}x HF static"
+                for mode, cost in costs.items()
+            )
+        )
+        report.add(f"drafting_ms[{label}]", {k: v * 1000 for k, v in costs.items()}, line)
+
+
+if __name__ == "__main__":
+    main()
