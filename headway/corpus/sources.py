@@ -34,6 +34,7 @@ from headway.corpus.embedded import (
     iter_embedded,
     read_text_tolerant,
 )
+from headway.corpus.extra_sources import EXTRA_SOURCES
 from headway.corpus.json_stream import StreamProblem, iter_array
 from headway.corpus.samples import (
     ROLES,
@@ -45,7 +46,14 @@ from headway.corpus.samples import (
 )
 from headway.errors import DataError
 
-__all__ = ["CHITCHAT", "EMBEDDED", "SHAREGPT", "load_conversations", "row_to_sample"]
+__all__ = [
+    "CHITCHAT",
+    "EMBEDDED",
+    "EXTRA_SOURCES",
+    "SHAREGPT",
+    "load_conversations",
+    "row_to_sample",
+]
 
 FORMATS_HINT = "convert it to one of the formats in docs/usage.md 'Train on your own data'"
 SHAREGPT_ROLES: dict[str, Role] = {
@@ -62,7 +70,8 @@ def load_conversations(
     source: str | Path, *, skip_bad_rows: bool = False, limit: int | None = None
 ) -> tuple[list[Sample], DataReport]:
     """Read ``source`` (a ``.jsonl`` / ``.jsonl.gz`` / ``.json`` / ``.parquet`` path, a folder of
-    them, or an embedded corpus: ``"chitchat"``, ``"sharegpt"``) into samples, in file order.
+    them, or an embedded corpus: ``"chitchat"``, ``"sharegpt"`` or a name in
+    :data:`~headway.corpus.extra_sources.EXTRA_SOURCES`) into samples, in file order.
 
     A malformed row raises :class:`~headway.errors.DataError` naming its file and row, unless
     ``skip_bad_rows`` is set: then it is skipped and counted in the report by reason. The embedded
@@ -74,8 +83,12 @@ def load_conversations(
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
     report = DataReport(source=str(source))
-    is_embedded = str(source) in EMBEDDED
-    rows = iter_embedded(str(source)) if is_embedded else _iter_file_rows(Path(source))
+    extra = EXTRA_SOURCES.get(str(source))
+    is_embedded = str(source) in EMBEDDED or extra is not None
+    if extra is not None:
+        rows = extra()
+    else:
+        rows = iter_embedded(str(source)) if is_embedded else _iter_file_rows(Path(source))
     samples: list[Sample] = []
     for location, row in rows:
         if limit is not None and len(samples) >= limit:
@@ -250,7 +263,7 @@ def _iter_file_rows(path: Path) -> Iterator[RawRow]:
     if reader is None:
         raise DataError(
             f"{path}: unsupported file type {path.suffix!r}; use .jsonl, .jsonl.gz, .json or "
-            f".parquet, or an embedded corpus: {', '.join(EMBEDDED)}"
+            f".parquet, or an embedded corpus: {', '.join((*EMBEDDED, *EXTRA_SOURCES))}"
         )
     if not path.is_file():
         raise DataError(f"{path}: no such file")

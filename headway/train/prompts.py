@@ -6,6 +6,8 @@ mix covers what users ask (DESIGN.md, "Training-data recipe"):
 - ``sharegpt``: user turns of the embedded ShareGPT V3 corpus (what people ask assistants; the
   primary source, MT-bench and HumanEval prompts removed);
 - ``chitchat``: user turns of the embedded chitchat corpus (casual small talk);
+- ``chatterbot`` (and any other name in :data:`headway.corpus.sources.EXTRA_SOURCES`): user
+  turns of that packaged corpus (chatterbot: short multilingual dialogues);
 - ``code``: prompts made from Python standard-library functions (signature + docstring →
   implement / explain / write tests);
 - ``instruct``: instructions from templates over task types and topics (writing, roleplay,
@@ -30,12 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from headway.corpus.embedded import EVAL_OVERLAP
-from headway.corpus.sources import CHITCHAT, SHAREGPT, load_conversations
+from headway.corpus.sources import CHITCHAT, EXTRA_SOURCES, SHAREGPT, load_conversations
 from headway.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_SOURCES = (CHITCHAT, SHAREGPT, "code", "instruct", "self-instruct")
+BUILTIN_SOURCES = (CHITCHAT, SHAREGPT, *EXTRA_SOURCES, "code", "instruct", "self-instruct")
 # ~1,000 tokens: ShareGPT's first turns have a median of 144 characters, a long tail of pastes.
 DEFAULT_MAX_PROMPT_CHARS = 4000
 
