@@ -79,7 +79,7 @@ class StaticDrafting(EagleDrafter):
         self._n = torch.ones((), dtype=torch.long, device=device)  # pairs in the step's buffers
         self._before = torch.zeros((), dtype=torch.long, device=device)  # committed before them
         self._base = torch.zeros((), dtype=torch.long, device=device)  # committed after: the tree
-        self._out: Tensor | None = None  # float64 [3n + m]: tokens, parents, best, their scores
+        self._out: Tensor | None = None  # float64 [2n + 2m]: tokens, parents; kept, their scores
         self._graph: Any = None
         self._pool: Any = None
 
