@@ -345,6 +345,7 @@ def test_a_killed_server_backed_run_resumes_exactly(
         argv = [str(Path(sys.executable).with_name("headway")), "data", "regenerate"]
         argv += ["--target", model, "--dtype", "float32", "--device", "cpu"]
         argv += ["--server", url, "--server-model", model, "--concurrency", "2"]
+        argv += ["--server-check", "models"]  # the probe is tested above; no local model here
         argv += ["--mix", f"{workspace.chat}:9", "--max-turns", "2", "--max-new-tokens", "6"]
         return [*argv, "--shard-size", "2", "--out", str(out)]
 
