@@ -104,6 +104,19 @@ class StaticCache(DynamicCache):
         """The layers holding buffers already (all of them after a prefill)."""
         return [layer for layer in self.layers if layer.is_initialized]
 
+    def grown(self, capacity: int, keep: int) -> StaticCache:
+        """A cache of ``capacity`` columns holding this one's first ``keep`` columns (and its
+        ``length``); this one's buffers are left as they are."""
+        device = self.columns.device
+        new = StaticCache(len(self.layers), capacity, device)
+        new.length = self.length
+        for source, target in zip(self.layers, new.layers, strict=True):
+            if source.is_initialized:
+                target.lazy_initialization(source.keys, source.values)
+                target.keys[:, :, :keep] = source.keys[:, :, :keep]
+                target.values[:, :, :keep] = source.values[:, :, :keep]
+        return new
+
 
 @dataclass
 class _Shape:
@@ -151,14 +164,7 @@ class StaticForward:
         if columns <= self.cache.capacity:
             return
         capacity = max(MIN_CAPACITY, block_bucket(columns))
-        old, new = self.cache, StaticCache(self._layers, capacity, self.model.device)
-        new.length = old.length
-        for source, target in zip(old.layers, new.layers, strict=True):
-            if source.is_initialized:
-                target.lazy_initialization(source.keys, source.values)
-                target.keys[:, :, : old.length] = source.keys[:, :, : old.length]
-                target.values[:, :, : old.length] = source.values[:, :, : old.length]
-        self.cache = new
+        self.cache = self.cache.grown(capacity, self.cache.length)
         self._shapes.clear()
         # The graphs' private memory pool goes with them: capturing into its stale handle
         # aborts in CUDA's caching allocator, so the next capture opens a new pool.

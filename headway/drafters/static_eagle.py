@@ -88,13 +88,7 @@ class StaticDrafting(EagleDrafter):
         if columns <= self._cache.capacity:
             return
         capacity = max(MIN_CAPACITY, block_bucket(columns))
-        old, new = self._cache, StaticCache(1, capacity, self._device)
-        source, target = old.layers[0], new.layers[0]
-        if source.is_initialized:
-            target.lazy_initialization(source.keys, source.values)
-            target.keys[:, :, : self._committed] = source.keys[:, :, : self._committed]
-            target.values[:, :, : self._committed] = source.values[:, :, : self._committed]
-        self._cache = new
+        self._cache = self._cache.grown(capacity, self._committed)
         self._columns = torch.arange(capacity, device=self._device)
         self._graph = None  # it wrote into the old buffers; its pool goes with it
         self._pool = None
