@@ -125,39 +125,43 @@ class StaticDrafting(EagleDrafter):
         """Feed ``features [m, H]`` paired with ``tokens [m]`` causally after the committed
         pairs (an uncaptured forward of its own shape)."""
         count, start = tokens.numel(), self._committed
-        rows = torch.arange(count, device=self._device)
-        self._cache.columns[:count].copy_(rows + start)
-        behind = (rows + start)[:, None] - self._columns[None, :]
-        self.model(
+        positions = torch.arange(count, device=self._device) + start
+        self._feed(features, tokens.to(self._device), positions, positions, self._causal(positions))
+        self._committed += count
+
+    def _causal(self, positions: Tensor) -> Tensor:
+        """Bool ``[m, capacity]``: row i sees every column up to its own position."""
+        return positions[:, None] >= self._columns[None, :]
+
+    def _feed(
+        self, features: Tensor, tokens: Tensor, positions: Tensor, columns: Tensor, visible: Tensor
+    ) -> Tensor:
+        """One draft forward over the static cache: pairs (``features [m, H]``, ``tokens [m]``)
+        at ``positions [m]``, their keys written at ``columns [m]``, row i attending to the
+        columns ``visible [m, capacity]`` marks; returns the states ``[m, H]``."""
+        self._cache.columns[: columns.numel()].copy_(columns)
+        predicted = self.model(
             features[None],
-            self.head.embed_tokens(tokens.to(self._device), self._dtype)[None],
-            position_ids=(rows + start)[None],
-            attention_mask=additive_mask(behind >= 0, self._dtype)[None, None],
+            self.head.embed_tokens(tokens, self._dtype)[None],
+            position_ids=positions[None],
+            attention_mask=additive_mask(visible, self._dtype)[None, None],
             cache=self._cache,
         )
-        self._committed += count
+        return predicted[0]
 
     def _step(self) -> None:
         """The step the graph holds: the buffered pairs, then the tree from the last one's
         state; leaves the tree and the kept nodes in :attr:`_out`."""
-        rows = torch.arange(self._rows, device=self._device)
-        positions = self._before + rows
-        self._cache.columns[: self._rows].copy_(positions)
-        behind = positions[:, None] - self._columns[None, :]  # padding rows: garbage, unread
-        predicted = self.model(
-            self._pair_features(self._in_hidden)[None],
-            self.head.embed_tokens(self._in_tokens, self._dtype)[None],
-            position_ids=positions[None],
-            attention_mask=additive_mask(behind >= 0, self._dtype)[None, None],
-            cache=self._cache,
-        )[0]
+        positions = self._before + torch.arange(self._rows, device=self._device)
+        features = self._pair_features(self._in_hidden)
+        visible = self._causal(positions)  # padding rows: garbage, never read
+        predicted = self._feed(features, self._in_tokens, positions, positions, visible)
         self._base.copy_(self._before + self._n)
         root = predicted.index_select(0, self._n.reshape(1) - 1)[0]
         tokens, parents, scores = self._expand(root, None)
         best = select_nodes(scores, self.total_tokens - 1)
         kept = scores[best.sort().values].exp()  # in node order, as subtree keeps them
-        self._out = torch.cat([tokens, parents, best]).double()
-        self._out = torch.cat([self._out, kept.double()])
+        self._out = torch.cat([tokens.double(), parents.double(), best.double(), kept.double()])
 
     def _drop_tree(self) -> None:
         """Nothing to crop: the tree's columns are past the committed ones, masked, rewritten."""
@@ -172,16 +176,9 @@ class StaticDrafting(EagleDrafter):
         visible = (self._columns < self._base).expand(count, -1).clone()
         block = torch.cat([ancestors, torch.eye(count, dtype=torch.bool, device=self._device)], 1)
         visible.scatter_(1, placed.expand(count, -1), block)
-        self._cache.columns[:count].copy_(placed[tree:])
         level = position - self._committed  # the level's offset, the same every step
-        predicted = self.model(
-            features[None],
-            self.head.embed_tokens(tokens, self._dtype)[None],
-            position_ids=(self._base + level).expand(1, count),
-            attention_mask=additive_mask(visible, self._dtype)[None, None],
-            cache=self._cache,
-        )
-        return predicted[0]
+        positions = (self._base + level).expand(count)
+        return self._feed(features, tokens, positions, placed[tree:], visible)
 
     @torch.inference_mode()
     def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
