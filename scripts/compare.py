@@ -137,8 +137,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         metavar="N",
         help="after the timed runs, decode the first N prompts again under a dispatch counter "
-        "and print each headway row's eager torch ops per step outside the target's forward "
-        "(kernel launches on a GPU), inside it, and potential host syncs per step "
+        "and print, per verify step of each headway row, the kernels a GPU would launch one by "
+        "one, the ops it would replay from CUDA graphs (with --verify captured and static "
+        "drafting), host-only ops and the host reads that wait for the GPU "
         "(headway.eval.dispatch: the CPU proxy for GPU decoding cost)",
     )
     parser.add_argument("--json", help="also write the rows to this JSON file")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from headway.decode.captured import MIN_CAPACITY, StaticForward, block_bucket
+from headway.decode.captured import MIN_CAPACITY, StaticCache, StaticForward, block_bucket
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
@@ -169,3 +169,23 @@ def test_growing_the_cache_drops_the_graphs_and_their_memory_pool() -> None:
     forward._shapes[(1, ())] = forward._shape(1, ())
     forward.reserve(forward.cache.capacity + 1)
     assert forward._shapes == {} and forward._pool is None
+
+
+@pytest.mark.parametrize("head_dims", [(4, 4, 4), (4, 8, 4)], ids=["fused", "per-layer"])
+def test_compaction_moves_every_layers_columns(head_dims: tuple[int, ...]) -> None:
+    """Layers of one shape share one buffer (one gather moves them all); a layer of another
+    shape gets buffers of its own, and columns move the same either way."""
+    cache = StaticCache(len(head_dims), 8, torch.device("cpu"))
+    cache.columns[:8] = torch.arange(8)
+    written = []
+    for layer, dim in zip(cache.layers, head_dims, strict=True):
+        keys = torch.randn(1, 2, 8, dim)
+        layer.update(keys, keys + 1)
+        written.append(keys)
+    assert (cache.fused is not None) == (len(set(head_dims)) == 1)
+    cache.move_columns(torch.tensor([5, 2, 7]), 1)
+    for layer, keys in zip(cache.layers, written, strict=True):
+        expected = keys.clone()
+        expected[:, :, 1:4] = keys[:, :, [5, 2, 7]]
+        torch.testing.assert_close(layer.keys, expected, rtol=0, atol=0)
+        torch.testing.assert_close(layer.values, expected + 1, rtol=0, atol=0)

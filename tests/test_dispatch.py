@@ -4,10 +4,10 @@ left patched afterwards."""
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from headway.decode.forwards import EagerForward
 from headway.decode.generate import Decoder, generate
+from headway.decode.options import DecodeOptions
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.oracle import OracleDrafter
 from headway.eval.dispatch import DispatchCounter, count_decoding, dispatch_table
@@ -16,18 +16,26 @@ from tests.tiny import tiny_model
 PROMPT = torch.tensor([1, 7, 23, 45, 12, 9, 60, 7, 23, 45, 12])
 
 
-def test_ops_and_syncs_are_counted_where_they_run() -> None:
-    x = torch.arange(6.0)
-    tolist = Tensor.tolist
-    with DispatchCounter() as counter:
-        y = x * 2 + 1  # two ops
-        with counter.inside_target():
-            z = y.sum()  # one op, the target's
-        assert int(z) == 36  # select-free item: one op, one sync
-        assert y.tolist()[0] == 1.0  # no op, one sync
-        assert y.nonzero().numel() == 6  # one op, one sync
-    assert (counter.counts.ops, counter.counts.target_ops, counter.counts.syncs) == (4, 1, 3)
-    assert Tensor.tolist is tolist  # restored on exit
+def test_ops_and_syncs_are_sorted_by_where_the_tensors_live() -> None:
+    weight = torch.nn.Parameter(torch.randn(3, 3), requires_grad=False)
+    host = torch.arange(3.0)
+    with DispatchCounter([weight]) as counter, torch.inference_mode():
+        on_device = weight @ host  # a launch: it reads a device tensor
+        steps = host * 2 + 1  # two host ops
+        assert steps.tolist() == [1.0, 3.0, 5.0]  # a host read of a host tensor: no sync
+        with counter.region("captured"):
+            summed = on_device.sum()  # replayed from a graph
+        with counter.region("prefill"):
+            on_device.sum()  # the prompt's: counted apart
+        copy = on_device.cpu()  # a sync; on the host a copy of its own, as on a GPU
+        assert copy is not on_device and not counter.resident(copy)
+        int(summed)  # a sync
+        placed = torch.zeros(2, device=on_device.device)  # placed where the weight is
+        hosted = torch.zeros(2, device=host.device)  # placed where a host tensor is
+        assert counter.resident(placed) and not counter.resident(hosted)
+    counts = counter.counts
+    assert (counts.launches, counts.replayed, counts.syncs, counts.prefill_ops) == (3, 1, 2, 1)
+    assert counts.host_ops == 3  # mul, add, and the zeros placed on the host
 
 
 def test_plain_decoding_dispatches_little_outside_the_target_and_the_counter_leaves() -> None:
@@ -36,6 +44,8 @@ def test_plain_decoding_dispatches_little_outside_the_target_and_the_counter_lea
     counts = count_decoding(plain, [PROMPT], max_new_tokens=12, eos_token_ids=())
     assert counts.tokens == 12 and counts.steps == 11  # the prefill commits the first token
     assert counts.target_ops > 10 * counts.steps  # a forward is many ops
+    assert counts.launches >= counts.target_ops  # an eager forward launches every op
+    assert counts.syncs == counts.steps + 1  # one read a step, and the first token's
     assert "verify" not in vars(plain.target) and type(plain.target) is EagerForward
     truth = generate(model, PROMPT, drafter=None, max_new_tokens=12, eos_token_ids=()).tokens
     assert plain.generate(PROMPT, max_new_tokens=12, eos_token_ids=()).tokens == truth
@@ -61,6 +71,20 @@ def test_a_drafter_adds_ops_outside_the_target_and_the_table_shows_them() -> Non
     }
     assert counts["oracle"].steps < counts["none"].steps  # drafts were accepted
     for name in ("oracle", "lookup"):
-        assert counts[name].per_step()["ops_per_step"] > counts["none"].per_step()["ops_per_step"]
+        assert (
+            counts[name].per_step()["host_ops_per_step"]
+            > counts["none"].per_step()["host_ops_per_step"]
+        )
     lines = dispatch_table(counts)
     assert len(lines) == 5 and lines[2].startswith("| none |")
+
+
+def test_captured_plain_decoding_launches_little_beside_its_graph() -> None:
+    """On a GPU the verify forward of ``verify="captured"`` is one graph replay: what is left
+    eager each step is the inputs' copies and the argmax, and one host read."""
+    model = tiny_model("llama")
+    captured = Decoder(model, None, DecodeOptions(verify="captured"))
+    counts = count_decoding(captured, [PROMPT], max_new_tokens=12, eos_token_ids=())
+    rates = counts.per_step()
+    assert rates["replayed_per_step"] > 10 * rates["launches_per_step"] > 0
+    assert counts.syncs == counts.steps + 1  # one read a step, and the first token's

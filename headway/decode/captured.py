@@ -57,16 +57,12 @@ class StaticLayer(DynamicLayer):
     """One layer of a :class:`StaticCache`: ``keys``/``values`` are the whole buffers
     ``[1, kv_heads, capacity, head_dim]``, allocated on the first write (the prefill)."""
 
-    def __init__(self, owner: StaticCache) -> None:
+    def __init__(self, owner: StaticCache, index: int) -> None:
         super().__init__()
-        self.owner = owner
+        self.owner, self.index = owner, index
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        capacity = self.owner.capacity
-        self.keys = key_states.new_zeros((1, key_states.shape[1], capacity, key_states.shape[3]))
-        self.values = value_states.new_zeros(
-            (1, value_states.shape[1], capacity, value_states.shape[3])
-        )
+        self.keys, self.values = self.owner.buffers_for(self.index, key_states, value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -90,19 +86,54 @@ class StaticLayer(DynamicLayer):
 
 class StaticCache(DynamicCache):
     """Static per-layer buffers of ``capacity`` columns; ``length`` tokens are committed and
-    ``columns`` ``[capacity]`` (a device buffer) names where the next forward writes."""
+    ``columns`` ``[capacity]`` (a device buffer) names where the next forward writes.
+
+    The layers' keys and values are views of one buffer ``[layers, 2, 1, kv_heads, capacity,
+    head_dim]`` (:attr:`fused`) when every layer's match the first one's, so moving columns
+    (compaction) is one gather and one write for the whole model instead of two per layer and
+    tensor; a layer of another shape gets buffers of its own.
+    """
 
     def __init__(self, num_layers: int, capacity: int, device: torch.device) -> None:
         super().__init__()
-        self.layers: list[Any] = [StaticLayer(self) for _ in range(num_layers)]
+        self.layers: list[Any] = [StaticLayer(self, index) for index in range(num_layers)]
         self.layer_class_to_replicate = None
         self.capacity = capacity
         self.length = 0
         self.columns = torch.arange(capacity, device=device)
+        self.fused: Tensor | None = None  # the one buffer, while every layer's live in it
+        self._own_buffers = False
+
+    def buffers_for(self, index: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Zeroed key and value buffers ``[1, kv_heads, capacity, head_dim]`` for layer
+        ``index``, shaped after its first ``keys``/``values`` ``[1, kv_heads, S, head_dim]``."""
+        shape = (1, keys.shape[1], self.capacity, keys.shape[3])
+        if self.fused is None and not self._own_buffers and keys.shape == values.shape:
+            self.fused = keys.new_zeros((len(self.layers), 2, *shape))
+        if (
+            self.fused is not None
+            and self.fused.shape[2:] == shape
+            and (self.fused.dtype == keys.dtype == values.dtype)
+        ):
+            return self.fused[index, 0], self.fused[index, 1]
+        self.fused, self._own_buffers = None, True  # a layer unlike the first: per layer
+        return keys.new_zeros(shape), values.new_zeros((1, values.shape[1], *shape[2:]))
 
     def static_layers(self) -> list[StaticLayer]:
         """The layers holding buffers already (all of them after a prefill)."""
         return [layer for layer in self.layers if layer.is_initialized]
+
+    def move_columns(self, source: Tensor, start: int) -> None:
+        """Copy the columns ``source [k]`` (device indices) of every layer's keys and values to
+        the columns ``start .. start + k - 1``."""
+        target = slice(start, start + source.numel())
+        if self.fused is not None:
+            self.fused[..., target, :] = self.fused.index_select(4, source)
+            return
+        for layer in self.static_layers():
+            for buffer in (layer.keys, layer.values):
+                assert buffer is not None
+                buffer[:, :, target] = buffer.index_select(2, source)
 
     def grown(self, capacity: int, keep: int) -> StaticCache:
         """A cache of ``capacity`` columns holding this one's first ``keep`` columns (and its
@@ -125,6 +156,8 @@ class _Shape:
     ids: Tensor  # [1, S]
     positions: Tensor  # [1, S]
     masks: dict[str, Tensor]  # each [1, 1, S, capacity]; key "" for a single mask
+    staged: Tensor  # [2S + 1 + S*S] on the device: ids, positions, prefix length, visibility
+    host: Tensor  # the same on the host (pinned on CUDA), copied over in one transfer
     graph: Any = None  # torch.cuda.CUDAGraph
     logits: Tensor | None = None  # [S, V]
     hidden: tuple[Tensor, ...] = field(default_factory=tuple)
@@ -151,6 +184,7 @@ class StaticForward:
         )
         self._layers = int(model.config.get_text_config().num_hidden_layers)
         self.cache = StaticCache(self._layers, MIN_CAPACITY, model.device)
+        self._keys = torch.arange(MIN_CAPACITY, device=model.device)  # [capacity] column ids
         self._shapes: dict[tuple[int, tuple[int, ...]], _Shape] = {}
         self._pool: Any = None
 
@@ -165,6 +199,7 @@ class StaticForward:
             return
         capacity = max(MIN_CAPACITY, block_bucket(columns))
         self.cache = self.cache.grown(capacity, self.cache.length)
+        self._keys = torch.arange(capacity, device=self.model.device)
         self._shapes.clear()
         # The graphs' private memory pool goes with them: capturing into its stale handle
         # aborts in CUDA's caching allocator, so the next capture opens a new pool.
@@ -204,11 +239,12 @@ class StaticForward:
         size = block_bucket(entries)
         self.reserve(prefix_len + size)
         shape = self._shape(size, hidden_layers)
-        self._fill(shape, block, parents.cpu(), prefix_len)
+        if self._window is None:
+            self._stage(shape, block, parents.cpu(), prefix_len)
+        else:
+            self._fill(shape, block, parents.cpu(), prefix_len)
         if not self.capture:
-            shape.logits, shape.hidden = self._run(
-                shape.ids, shape.positions, shape.masks, hidden_layers, 0
-            )
+            self._body(shape, hidden_layers)
         elif shape.graph is None:
             self._capture(shape, hidden_layers)
         else:
@@ -220,12 +256,7 @@ class StaticForward:
     def compact(self, prefix_len: int, keep: Tensor) -> None:
         count = keep.numel()
         if int(keep[-1]) != count - 1:  # not the block's first entries: gather them
-            source = keep.to(self.model.device) + prefix_len
-            target = slice(prefix_len, prefix_len + count)
-            for layer in self.cache.static_layers():
-                for buffer in (layer.keys, layer.values):
-                    assert buffer is not None
-                    buffer[:, :, target] = buffer.index_select(2, source)
+            self.cache.move_columns((keep + prefix_len).to(self.model.device), prefix_len)
         self.cache.length = prefix_len + count
 
     def truncate(self, length: int) -> None:
@@ -237,7 +268,11 @@ class StaticForward:
         key = (size, hidden_layers)
         if key not in self._shapes:
             device, capacity = self.model.device, self.cache.capacity
+            staged = 2 * size + 1 + size * size
+            pinned = device.type == "cuda"
             self._shapes[key] = _Shape(
+                staged=torch.zeros(staged, dtype=torch.long, device=device),
+                host=torch.zeros(staged, dtype=torch.long, pin_memory=pinned),
                 ids=torch.zeros(1, size, dtype=torch.long, device=device),
                 positions=torch.zeros(1, size, dtype=torch.long, device=device),
                 masks={
@@ -247,17 +282,61 @@ class StaticForward:
             )
         return self._shapes[key]
 
-    def _fill(self, shape: _Shape, block: Tensor, parents: Tensor, prefix_len: int) -> None:
-        """Copy one step's inputs into ``shape``'s buffers and point the cache's writes after
-        the prefix; padding entries sit at ``prefix_len`` and see only themselves."""
-        size, entries = shape.ids.shape[1], block.shape[1]
-        device = self.model.device
+    @staticmethod
+    def _inputs(
+        size: int, block: Tensor, parents: Tensor, prefix_len: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The padded ids and positions ``[S]`` and visibility ``[S, S]`` of a block, on the
+        host; padding entries sit at ``prefix_len`` and see only themselves."""
+        entries = block.shape[1]
         ids = torch.zeros(size, dtype=torch.long)
         ids[:entries] = block[0].cpu()
         positions = torch.full((size,), prefix_len, dtype=torch.long)
         positions[:entries] = depths(parents) + prefix_len
         visible = torch.eye(size, dtype=torch.bool)
         visible[:entries, :entries] = ancestor_mask(parents)
+        return ids, positions, visible
+
+    def _stage(self, shape: _Shape, block: Tensor, parents: Tensor, prefix_len: int) -> None:
+        """Pack one step's inputs on the host and send them in one transfer; :meth:`_unstage`
+        (part of the captured graph) spreads them over the forward's buffers."""
+        ids, positions, visible = self._inputs(shape.ids.shape[1], block, parents, prefix_len)
+        prefix = torch.tensor([prefix_len])
+        torch.cat([ids, positions, prefix, visible.flatten().long()], out=shape.host)
+        shape.staged.copy_(shape.host, non_blocking=True)
+
+    def _unstage(self, shape: _Shape) -> None:
+        """Device work only, of fixed shapes: the ids, positions, the columns the block writes
+        (``prefix + i``) and the mask ``[S, capacity]`` (the prefix's columns and each entry's
+        visible block columns open, the rest blocked) from the staged inputs."""
+        size = shape.ids.shape[1]
+        staged = shape.staged
+        shape.ids.copy_(staged[None, :size])
+        shape.positions.copy_(staged[None, size : 2 * size])
+        prefix = staged[2 * size]
+        visible = staged[2 * size + 1 :].view(size, size) != 0
+        offset = self._keys - prefix  # [capacity]: each column's place relative to the block
+        self.cache.columns[:size].copy_(prefix + self._keys[:size])
+        in_block = (offset >= 0) & (offset < size)
+        open_ = visible[:, offset.clamp(0, size - 1)] & in_block | (offset < 0)
+        mask = shape.masks[self._mask_keys[0]][0, 0]
+        mask.fill_(torch.finfo(mask.dtype).min)
+        mask.masked_fill_(open_, 0)
+
+    def _body(self, shape: _Shape, hidden_layers: tuple[int, ...]) -> None:
+        """What a verify forward runs on the device (and a CUDA graph holds)."""
+        if self._window is None:
+            self._unstage(shape)
+        shape.logits, shape.hidden = self._run(
+            shape.ids, shape.positions, shape.masks, hidden_layers, 0
+        )
+
+    def _fill(self, shape: _Shape, block: Tensor, parents: Tensor, prefix_len: int) -> None:
+        """For a sliding-window target (whose mask needs a host check): copy one step's inputs
+        into ``shape``'s buffers and point the cache's writes after the prefix."""
+        size = shape.ids.shape[1]
+        device = self.model.device
+        ids, positions, visible = self._inputs(size, block, parents, prefix_len)
         shape.ids.copy_(ids[None])
         shape.positions.copy_(positions[None])
         columns = torch.arange(prefix_len, prefix_len + size, device=device)
@@ -310,15 +389,13 @@ class StaticForward:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                self._run(shape.ids, shape.positions, shape.masks, hidden_layers, 0)
+                self._body(shape, hidden_layers)
         torch.cuda.current_stream(device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            shape.logits, shape.hidden = self._run(
-                shape.ids, shape.positions, shape.masks, hidden_layers, 0
-            )
+            self._body(shape, hidden_layers)
         shape.graph = graph
         graph.replay()
         logger.info("captured the verify forward of %d tokens", shape.ids.shape[1])

@@ -80,13 +80,16 @@ def verify_greedy(tree: DraftTree, logits: Tensor) -> Acceptance:
 
     ``logits [n + 1, V]``. Lossless: the committed tokens are exactly the target's own greedy
     continuation, because every committed token is the argmax after its accepted prefix.
+
+    Only the argmax runs where the logits are; one transfer brings its ``n + 1`` ids to the
+    host, where the tree already is, so a GPU step waits for the device once here.
     """
-    argmax = logits.argmax(-1)
+    argmax = logits.argmax(-1).cpu()
     # A node is correct if its token is the target's argmax at its parent; a path is accepted if
     # all of its nodes are correct; take the deepest accepted path and the argmax after its end
     # as the bonus token.
-    correct = tree.tokens.to(argmax.device) == argmax[tree.parents.to(argmax.device) + 1]
-    ancestors = tree.ancestor_mask[1:, 1:].to(argmax.device)
+    correct = tree.tokens.cpu() == argmax[tree.parents.cpu() + 1]
+    ancestors = tree.ancestor_mask[1:, 1:].cpu()
     path_ok = ~(ancestors & ~correct).any(-1)
     path = _best_node(path_ok, tree)
     return _accept(tree, path, int(argmax[int(path[-1])]))
