@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from headway.decode.captured import MIN_CAPACITY, StaticCache, StaticForward, block_bucket
+from headway.decode.captured import MIN_CAPACITY, StaticForward, block_bucket
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
+from headway.decode.static_cache import StaticCache
 from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.oracle import OracleDrafter
@@ -166,7 +167,7 @@ def test_growing_the_cache_drops_the_graphs_and_their_memory_pool() -> None:
     forward = StaticForward(tiny_model("llama"))
     forward.begin(16)
     forward._pool = object()  # as after a capture on CUDA
-    forward._shapes[(1, ())] = forward._shape(1, ())
+    forward._shapes[(1, ())] = forward.shape_for(1, ())
     forward.reserve(forward.cache.capacity + 1)
     assert forward._shapes == {} and forward._pool is None
 
@@ -183,7 +184,7 @@ def test_compaction_moves_every_layers_columns(head_dims: tuple[int, ...]) -> No
         layer.update(keys, keys + 1)
         written.append(keys)
     assert (cache.fused is not None) == (len(set(head_dims)) == 1)
-    cache.move_columns(torch.tensor([5, 2, 7]), 1)
+    cache.move_columns(torch.tensor([5, 2, 7]), torch.tensor([1, 2, 3]))
     for layer, keys in zip(cache.layers, written, strict=True):
         expected = keys.clone()
         expected[:, :, 1:4] = keys[:, :, [5, 2, 7]]

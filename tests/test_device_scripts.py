@@ -90,3 +90,4 @@ def test_step_costs_runs_here_on_a_cpu(tmp_path: Path) -> None:
             equal, total = line.split("trees equal ")[1].split(";")[0].split("/")
             assert equal == total and int(total) > 0, line
     assert table.count("trees equal") == 2
+    assert sum(key.startswith("device_step_ms") for key in data) == 2

@@ -265,3 +265,25 @@ def test_captured_static_drafting_survives_a_growing_draft_cache() -> None:
             torch.tensor(prompt, device=CUDA), max_new_tokens=24, eos_token_ids=()
         )
         assert result.tokens == hf_greedy(model, prompt, 24)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_device_steps_equal_host_steps_on_cuda(shape: str) -> None:
+    """The device step (headway/decode/device_step.py): drafting and verification each replayed
+    from a CUDA graph, one host read a step; tokens and acceptance lengths as the host step's,
+    the output transformers' greedy, the second generation replaying the first one's graphs."""
+    model = tiny4("llama").to(CUDA)
+    truth = hf_greedy(model, PROMPT, 30)
+    settings = EAGLE3_CHAIN if shape == "chain" else EAGLE3_TREE
+    draft, head = cuda_eagle3(model), TargetHead.of(model)
+    prompt = torch.tensor(PROMPT, device=CUDA)
+    runs = []
+    for device_trees in (False, True):
+        drafter = StaticEagle3Drafter(draft, head, **settings)
+        options = DecodeOptions(verify="captured", device_trees=device_trees)
+        decoder = Decoder(model, drafter, options)
+        runs.append([decoder.generate(prompt, max_new_tokens=30, eos_token_ids=()) for _ in "ab"])
+        assert (decoder._verifier is not None) == device_trees
+    for host, device in zip(*runs, strict=True):
+        assert device.tokens == host.tokens == truth
+        assert device.accept_lengths == host.accept_lengths

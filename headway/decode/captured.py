@@ -26,18 +26,20 @@ blocked in the same mask (:func:`headway.decode.kv.window_blocked`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedModel
 
+from headway.decode.device_tree import open_columns
 from headway.decode.kv import cache_argument, sliding_window, takes_mask_mapping, window_blocked
+from headway.decode.static_cache import StaticCache
 from headway.decode.tree import ancestor_mask, depths
 
-__all__ = ["StaticCache", "StaticForward", "block_bucket"]
+__all__ = ["StaticForward", "block_bucket", "record_graph"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,102 +53,6 @@ WARMUP_RUNS = 2
 def block_bucket(size: int) -> int:
     """The padded length of a block of ``size`` entries: the next power of two (1, 2, 4, ...)."""
     return 1 << max(size - 1, 0).bit_length()
-
-
-class StaticLayer(DynamicLayer):
-    """One layer of a :class:`StaticCache`: ``keys``/``values`` are the whole buffers
-    ``[1, kv_heads, capacity, head_dim]``, allocated on the first write (the prefill)."""
-
-    def __init__(self, owner: StaticCache, index: int) -> None:
-        super().__init__()
-        self.owner, self.index = owner, index
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.keys, self.values = self.owner.buffers_for(self.index, key_states, value_states)
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(
-        self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[Tensor, Tensor]:
-        """Write ``[1, kv_heads, S, head_dim]`` at the owner's ``columns[:S]``; return the
-        whole buffers (the mask decides which columns count)."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        assert self.keys is not None and self.values is not None
-        columns = self.owner.columns[: key_states.shape[2]]
-        self.keys.index_copy_(2, columns, key_states)
-        self.values.index_copy_(2, columns, value_states)
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        """Committed tokens (transformers reads it; positions and the mask are explicit)."""
-        return self.owner.length
-
-
-class StaticCache(DynamicCache):
-    """Static per-layer buffers of ``capacity`` columns; ``length`` tokens are committed and
-    ``columns`` ``[capacity]`` (a device buffer) names where the next forward writes.
-
-    The layers' keys and values are views of one buffer ``[layers, 2, 1, kv_heads, capacity,
-    head_dim]`` (:attr:`fused`) when every layer's match the first one's, so moving columns
-    (compaction) is one gather and one write for the whole model instead of two per layer and
-    tensor; a layer of another shape gets buffers of its own.
-    """
-
-    def __init__(self, num_layers: int, capacity: int, device: torch.device) -> None:
-        super().__init__()
-        self.layers: list[Any] = [StaticLayer(self, index) for index in range(num_layers)]
-        self.layer_class_to_replicate = None
-        self.capacity = capacity
-        self.length = 0
-        self.columns = torch.arange(capacity, device=device)
-        self.fused: Tensor | None = None  # the one buffer, while every layer's live in it
-        self._own_buffers = False
-
-    def buffers_for(self, index: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """Zeroed key and value buffers ``[1, kv_heads, capacity, head_dim]`` for layer
-        ``index``, shaped after its first ``keys``/``values`` ``[1, kv_heads, S, head_dim]``."""
-        shape = (1, keys.shape[1], self.capacity, keys.shape[3])
-        if self.fused is None and not self._own_buffers and keys.shape == values.shape:
-            self.fused = keys.new_zeros((len(self.layers), 2, *shape))
-        if (
-            self.fused is not None
-            and self.fused.shape[2:] == shape
-            and (self.fused.dtype == keys.dtype == values.dtype)
-        ):
-            return self.fused[index, 0], self.fused[index, 1]
-        self.fused, self._own_buffers = None, True  # a layer unlike the first: per layer
-        return keys.new_zeros(shape), values.new_zeros((1, values.shape[1], *shape[2:]))
-
-    def static_layers(self) -> list[StaticLayer]:
-        """The layers holding buffers already (all of them after a prefill)."""
-        return [layer for layer in self.layers if layer.is_initialized]
-
-    def move_columns(self, source: Tensor, start: int) -> None:
-        """Copy the columns ``source [k]`` (device indices) of every layer's keys and values to
-        the columns ``start .. start + k - 1``."""
-        target = slice(start, start + source.numel())
-        if self.fused is not None:
-            self.fused[..., target, :] = self.fused.index_select(4, source)
-            return
-        for layer in self.static_layers():
-            for buffer in (layer.keys, layer.values):
-                assert buffer is not None
-                buffer[:, :, target] = buffer.index_select(2, source)
-
-    def grown(self, capacity: int, keep: int) -> StaticCache:
-        """A cache of ``capacity`` columns holding this one's first ``keep`` columns (and its
-        ``length``); this one's buffers are left as they are."""
-        device = self.columns.device
-        new = StaticCache(len(self.layers), capacity, device)
-        new.length = self.length
-        for source, target in zip(self.layers, new.layers, strict=True):
-            if source.is_initialized:
-                target.lazy_initialization(source.keys, source.values)
-                target.keys[:, :, :keep] = source.keys[:, :, :keep]
-                target.values[:, :, :keep] = source.values[:, :, :keep]
-        return new
 
 
 @dataclass
@@ -184,9 +90,15 @@ class StaticForward:
         )
         self._layers = int(model.config.get_text_config().num_hidden_layers)
         self.cache = StaticCache(self._layers, MIN_CAPACITY, model.device)
-        self._keys = torch.arange(MIN_CAPACITY, device=model.device)  # [capacity] column ids
+        self.keys = torch.arange(MIN_CAPACITY, device=model.device)  # [capacity] column ids
         self._shapes: dict[tuple[int, tuple[int, ...]], _Shape] = {}
         self._pool: Any = None
+
+    @property
+    def takes_device_trees(self) -> bool:
+        """Whether a tree on the device can be verified here (:mod:`headway.decode.
+        device_step`): not for a sliding-window target, whose mask needs a host check."""
+        return self._window is None
 
     def begin(self, columns: int) -> None:
         self.reserve(columns)
@@ -199,7 +111,7 @@ class StaticForward:
             return
         capacity = max(MIN_CAPACITY, block_bucket(columns))
         self.cache = self.cache.grown(capacity, self.cache.length)
-        self._keys = torch.arange(capacity, device=self.model.device)
+        self.keys = torch.arange(capacity, device=self.model.device)
         self._shapes.clear()
         # The graphs' private memory pool goes with them: capturing into its stale handle
         # aborts in CUDA's caching allocator, so the next capture opens a new pool.
@@ -238,7 +150,7 @@ class StaticForward:
             )
         size = block_bucket(entries)
         self.reserve(prefix_len + size)
-        shape = self._shape(size, hidden_layers)
+        shape = self.shape_for(size, hidden_layers)
         if self._window is None:
             self._stage(shape, block, parents.cpu(), prefix_len)
         else:
@@ -256,7 +168,8 @@ class StaticForward:
     def compact(self, prefix_len: int, keep: Tensor) -> None:
         count = keep.numel()
         if int(keep[-1]) != count - 1:  # not the block's first entries: gather them
-            self.cache.move_columns((keep + prefix_len).to(self.model.device), prefix_len)
+            source = (keep + prefix_len).to(self.model.device)
+            self.cache.move_columns(source, self.keys[prefix_len : prefix_len + count])
         self.cache.length = prefix_len + count
 
     def truncate(self, length: int) -> None:
@@ -264,7 +177,8 @@ class StaticForward:
             raise ValueError(f"cannot truncate a cache of {self.cache.length} tokens to {length}")
         self.cache.length = length
 
-    def _shape(self, size: int, hidden_layers: tuple[int, ...]) -> _Shape:
+    def shape_for(self, size: int, hidden_layers: tuple[int, ...]) -> _Shape:
+        """The input buffers (and graph) of blocks padded to ``size`` entries."""
         key = (size, hidden_layers)
         if key not in self._shapes:
             device, capacity = self.model.device, self.cache.capacity
@@ -313,23 +227,29 @@ class StaticForward:
         staged = shape.staged
         shape.ids.copy_(staged[None, :size])
         shape.positions.copy_(staged[None, size : 2 * size])
-        prefix = staged[2 * size]
-        visible = staged[2 * size + 1 :].view(size, size) != 0
-        offset = self._keys - prefix  # [capacity]: each column's place relative to the block
-        self.cache.columns[:size].copy_(prefix + self._keys[:size])
-        in_block = (offset >= 0) & (offset < size)
-        open_ = visible[:, offset.clamp(0, size - 1)] & in_block | (offset < 0)
+        self.open_block(staged[2 * size], staged[2 * size + 1 :].view(size, size) != 0, shape)
+
+    def open_block(self, prefix: Tensor, visible: Tensor, shape: _Shape) -> None:
+        """Point the cache's writes at ``prefix .. prefix + S - 1`` (``prefix`` a device
+        scalar) and build ``shape``'s mask from ``visible [S, S]``, on the device."""
+        size = visible.shape[0]
+        self.cache.columns[:size].copy_(prefix + self.keys[:size])
         mask = shape.masks[self._mask_keys[0]][0, 0]
         mask.fill_(torch.finfo(mask.dtype).min)
-        mask.masked_fill_(open_, 0)
+        mask.masked_fill_(open_columns(self.keys, prefix, visible), 0)
 
     def _body(self, shape: _Shape, hidden_layers: tuple[int, ...]) -> None:
         """What a verify forward runs on the device (and a CUDA graph holds)."""
         if self._window is None:
             self._unstage(shape)
-        shape.logits, shape.hidden = self._run(
-            shape.ids, shape.positions, shape.masks, hidden_layers, 0
-        )
+        shape.logits, shape.hidden = self.forward_block(shape, hidden_layers)
+
+    def forward_block(
+        self, shape: _Shape, hidden_layers: tuple[int, ...]
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The target over ``shape``'s ids, positions and masks: logits ``[S, V]`` and the
+        ``hidden_layers``' states ``[S, H]`` of every block entry."""
+        return self._run(shape.ids, shape.positions, shape.masks, hidden_layers, 0)
 
     def _fill(self, shape: _Shape, block: Tensor, parents: Tensor, prefix_len: int) -> None:
         """For a sliding-window target (whose mask needs a host check): copy one step's inputs
@@ -382,20 +302,27 @@ class StaticForward:
         return outputs.logits[0], tuple(outputs.hidden_states[i][0] for i in hidden_layers)
 
     def _capture(self, shape: _Shape, hidden_layers: tuple[int, ...]) -> None:
-        """Warm up, capture ``shape``'s forward as a CUDA graph, then replay it once (capture
-        records kernels without running them)."""
-        device = self.model.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):
-                self._body(shape, hidden_layers)
-        torch.cuda.current_stream(device).wait_stream(stream)
+        """Capture ``shape``'s forward as a CUDA graph (:func:`record_graph`)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._body(shape, hidden_layers)
-        shape.graph = graph
-        graph.replay()
+        body = lambda: self._body(shape, hidden_layers)  # noqa: E731
+        shape.graph = record_graph(body, self.model.device, self._pool)
         logger.info("captured the verify forward of %d tokens", shape.ids.shape[1])
+
+
+def record_graph(body: Callable[[], None], device: torch.device, pool: Any) -> Any:
+    """Run ``body`` eagerly on a side stream (:data:`WARMUP_RUNS` times: lazy initialisations
+    happen there), capture it as a CUDA graph in the memory ``pool``, then replay the graph
+    once (capture records kernels without running them); returns the graph. ``body`` must
+    read and write only tensors that outlive the graph, and running it twice must do no harm."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(WARMUP_RUNS):
+            body()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    graph.replay()
+    return graph

@@ -21,8 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -30,11 +29,13 @@ from transformers import PreTrainedModel
 
 from headway.decode.captured import StaticForward, block_bucket
 from headway.decode.costs import TreeSizer, verify_cost_table, verify_timer
+from headway.decode.device_step import DeviceDrafter, DeviceStep, DeviceVerify
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.gemm import gemm_route
 from headway.decode.kv import context_limit
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams, probs_from_logits, sample
+from headway.decode.session import Drafter, Session, StopReason, commit
 from headway.decode.tree import DraftTree, empty_tree, limit_depth
 from headway.decode.verify import verify
 
@@ -45,49 +46,27 @@ logger = logging.getLogger(__name__)
 INITIAL_ROOM = 4096
 """Answer tokens the sequence buffer (and a static cache) holds before they are first grown."""
 
-StopReason = Literal["eos", "max_new_tokens", "stop_sequence", "context_limit"]
 GREEDY = SamplingParams()
 DEFAULT_OPTIONS = DecodeOptions()
 
 
-class Drafter(Protocol):
-    """What the loop needs from a drafter (propose/observe, like transformers' candidate
-    generators).
-
-    Attributes:
-        hidden_layers: target hidden states the drafter needs, as indices into the target's
-            ``output_hidden_states``; () for none.
-        max_nodes: the most nodes one proposal holds (the loop's cost table covers that many).
-    """
-
-    hidden_layers: tuple[int, ...]
-    max_nodes: int
-
-    def begin(self, prompt_ids: Tensor) -> None:
-        """Start a new generation from ``prompt_ids`` LongTensor ``[P]``."""
-
-    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
-        """Draft a tree continuing ``sequence`` LongTensor ``[T]`` (CPU, read-only): every
-        committed id, ending with the root (the last token, not yet in the target cache).
-
-        ``floor`` is ``None`` when the drafter sizes its own tree (``DecodeOptions(sizing=
-        "drafter")``). Otherwise the loop sizes it: propose every node worth ranking, with
-        ``scores``; nodes whose log acceptance estimate is below ``floor`` cannot pay for
-        their share of the verify forward and need not be drafted at all."""
-        ...
-
-    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
-        """Learn the newly committed ``new_tokens [k]``. ``hidden[l][i]`` ``[k, H]`` is the target
-        hidden state (layer ``hidden_layers[l]``) at the position just before ``new_tokens[i]``,
-        i.e. the state whose LM-head output predicted it. After prefill ``new_tokens`` is
-        ``prompt[1:]`` + the first generated token; after a step, accepted tokens + bonus."""
-
-
 class _NoDrafter:
-    """Plain decoding: always proposes the empty tree."""
+    """Plain decoding: always proposes the empty tree (on the device too, so plain captured
+    decoding takes the device step: one host read and no tree bookkeeping a token)."""
 
     hidden_layers: tuple[int, ...] = ()
     max_nodes = 0
+    depth = 0
+    _nothing: tuple[Tensor, Tensor] | None = None
+
+    def propose_on_device(self) -> tuple[Tensor, Tensor] | None:
+        if self._nothing is None:
+            nothing = torch.empty(0, dtype=torch.long)
+            self._nothing = (nothing, nothing)
+        return self._nothing
+
+    def observe_on_device(self, tokens: Tensor, hidden: tuple[Tensor, ...], count: int) -> None:
+        return None
 
     def begin(self, prompt_ids: Tensor) -> None:
         return None
@@ -122,65 +101,7 @@ class GenerationResult:
         return sum(steps) / len(steps) if steps else math.nan
 
 
-@dataclass
-class _Session:
-    """Everything one generation carries between steps (never stored on the model)."""
-
-    target: TargetForward
-    drafter: Drafter
-    sampling: SamplingParams
-    options: DecodeOptions
-    sizer: TreeSizer | None
-    generator: torch.Generator | None
-    max_new_tokens: int
-    context_limit: int
-    eos: frozenset[int]
-    stop_sequences: tuple[tuple[int, ...], ...]
-    stop_check: Callable[[list[int]], bool] | None
-    on_tokens: Callable[[list[int]], None] | None
-    sequence: Tensor  # LongTensor buffer, grown as tokens are committed; `length` of them valid
-    length: int
-    generated: list[int] = field(default_factory=list)
-    accept_lengths: list[int] = field(default_factory=list)
-    stop_reason: StopReason | None = None
-
-
-def _stop_after(session: _Session, token: int) -> StopReason | None:
-    """Why generation must stop right after committing ``token`` (None: keep going)."""
-    if token in session.eos:
-        return "eos"
-    tail = session.generated
-    for stop in session.stop_sequences:
-        if len(tail) >= len(stop) and tuple(tail[-len(stop) :]) == stop:
-            return "stop_sequence"
-    if session.stop_check is not None and session.stop_check(tail):
-        return "stop_sequence"
-    if len(tail) >= session.max_new_tokens:
-        return "max_new_tokens"
-    return None
-
-
-def commit(session: _Session, candidates: list[int]) -> list[int]:
-    """Append ``candidates`` one by one, stopping right after an EOS, a completed stop sequence
-    or the ``max_new_tokens``-th token; stream and return the committed ones."""
-    committed: list[int] = []
-    for token in candidates:
-        if session.length == session.sequence.numel():  # grown on demand, doubling
-            session.sequence = torch.cat([session.sequence, torch.zeros_like(session.sequence)])
-        session.sequence[session.length] = token
-        session.length += 1
-        session.generated.append(token)
-        committed.append(token)
-        session.stop_reason = _stop_after(session, token)
-        if session.stop_reason is not None:
-            break
-    session.accept_lengths.append(len(committed))
-    if session.on_tokens is not None:
-        session.on_tokens(committed)
-    return committed
-
-
-def _first_token(session: _Session, logits: Tensor) -> int:
+def _first_token(session: Session, logits: Tensor) -> int:
     if session.sampling.greedy:
         return int(logits.argmax())
     probs = probs_from_logits(logits, session.sampling)
@@ -189,7 +110,7 @@ def _first_token(session: _Session, logits: Tensor) -> int:
     return int(sample(probs, session.generator))
 
 
-def prefill_step(session: _Session) -> None:
+def prefill_step(session: Session) -> None:
     """Run the prompt, commit the first generated token, let the drafter observe."""
     prompt = session.sequence[: session.length]
     logits, hidden = session.target.prefill(prompt[None], session.drafter.hidden_layers)
@@ -198,13 +119,13 @@ def prefill_step(session: _Session) -> None:
     session.drafter.observe(observed, hidden)
 
 
-def _fit(tree: DraftTree, session: _Session) -> DraftTree:
+def _fit(tree: DraftTree, session: Session) -> DraftTree:
     """Trim the draft so every accepted token + the bonus still fits in the context window."""
     room = session.context_limit - session.length
     return limit_depth(tree, room - 1)
 
 
-def draft_step(session: _Session) -> None:
+def draft_step(session: Session) -> None:
     """One speculative step: propose, verify the tree in one forward, keep the accepted path."""
     root = session.sequence[session.length - 1 : session.length]
     sizer = session.sizer
@@ -225,6 +146,24 @@ def draft_step(session: _Session) -> None:
     path = accepted.path[: len(committed)]
     observed_hidden = tuple(layer[path.to(layer.device)] for layer in hidden)
     session.drafter.observe(torch.tensor(committed), observed_hidden)
+
+
+def device_step(session: Session) -> bool:
+    """One speculative step with the tree kept on the device (module docstring); False, with
+    nothing done, where it cannot run (no device step set up, too near the context limit, or
+    nothing observed), so the caller takes the host step."""
+    step = session.device
+    if step is None or session.context_limit - session.length < step.drafter.depth + 1:
+        return False
+    tree = step.drafter.propose_on_device()
+    if tree is None:
+        return False
+    root = int(session.sequence[session.length - 1])
+    hidden_layers = session.drafter.hidden_layers
+    tokens, padded, hidden = step.verify.run(root, tree, session.length - 1, hidden_layers)
+    committed = commit(session, tokens)
+    step.drafter.observe_on_device(padded, hidden, len(committed))
+    return True
 
 
 def _prompt(prompt_ids: Tensor | Sequence[int]) -> Tensor:
@@ -268,6 +207,23 @@ class Decoder:
         )
         self.sizer: TreeSizer | None = None
         self._costs = None if verify_costs is None else list(verify_costs)
+        self._verifier: DeviceVerify | None = None
+
+    def _device_step(self, sampling: SamplingParams) -> DeviceStep | None:
+        """What the device step needs, where it applies (:mod:`headway.decode.device_step`)."""
+        drafter, target = self.drafter, self.target
+        if not (
+            self.options.device_trees
+            and sampling.greedy
+            and (self.options.sizing == "drafter" or drafter.max_nodes == 0)
+            and isinstance(target, StaticForward)
+            and target.takes_device_trees
+            and isinstance(drafter, DeviceDrafter)
+        ):
+            return None
+        if self._verifier is None:
+            self._verifier = DeviceVerify(target, drafter.depth)
+        return DeviceStep(self._verifier, drafter)
 
     def prepare(self) -> None:
         """Do now the one-off work the first :meth:`generate` would do (timing the target's
@@ -318,7 +274,7 @@ class Decoder:
         answer = min(max_new_tokens, INITIAL_ROOM)  # a huge max_new_tokens is a cap: grown later
         block = block_bucket(getattr(self.drafter, "max_nodes", 0))
         self.target.begin(prompt.numel() + answer + block)
-        session = _Session(
+        session = Session(
             target=self.target,
             drafter=self.drafter,
             sampling=sampling,
@@ -333,6 +289,7 @@ class Decoder:
             on_tokens=on_tokens,
             sequence=torch.cat([prompt, prompt.new_zeros(answer)]),  # commit grows it
             length=prompt.numel(),
+            device=self._device_step(sampling),
         )
         _run(session, prompt)
         assert session.stop_reason is not None  # _run only returns once a stop reason is set
@@ -387,7 +344,7 @@ def _check_request(
         )
 
 
-def _run(session: _Session, prompt: Tensor) -> None:
+def _run(session: Session, prompt: Tensor) -> None:
     with torch.inference_mode():
         session.drafter.begin(prompt)
         prefill_step(session)
@@ -395,4 +352,5 @@ def _run(session: _Session, prompt: Tensor) -> None:
             if session.length >= session.context_limit:
                 session.stop_reason = "context_limit"
                 break
-            draft_step(session)
+            if not device_step(session):
+                draft_step(session)

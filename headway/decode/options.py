@@ -35,11 +35,16 @@ class DecodeOptions:
     verify: ``"eager"``: the model's own forward over a ``DynamicCache``. ``"captured"``: a
         static cache, each verify forward replayed from a CUDA graph captured per padded block
         size (:mod:`headway.decode.captured`; uncaptured off CUDA). Same tokens either way.
+    device_trees: with ``verify="captured"``, greedy decoding and ``sizing="drafter"``, let
+        a drafter whose trees stay on the device (static EAGLE drafting) skip the host:
+        layout, mask, acceptance and compaction run on the device and a step reads it once
+        (:mod:`headway.decode.device_step`). Same tokens either way; False is the reference.
     """
 
     sizing: Sizing = field(default="drafter")
     acceptance: AcceptanceRule = field(default="lossless")
     verify: VerifyPath = field(default="eager")
+    device_trees: bool = field(default=True)
 
     def __post_init__(self) -> None:
         for name, kind in (

@@ -36,7 +36,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headway.decode.captured import MIN_CAPACITY, WARMUP_RUNS, StaticCache, block_bucket
+from headway.decode.captured import MIN_CAPACITY, block_bucket, record_graph
+from headway.decode.device_tree import subtree_on_device
+from headway.decode.static_cache import StaticCache
 from headway.decode.tree import DraftTree, empty_tree, subtree
 from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.eagle_drafter import EagleDrafter, select_nodes
@@ -54,6 +56,7 @@ class StaticDrafting(EagleDrafter):
     """
 
     capture: bool | None = None
+    _kept: tuple[Tensor, Tensor]  # the last step's tree on the device: tokens, parents
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget the previous sequence; the buffers (and a captured graph) are kept."""
@@ -107,19 +110,42 @@ class StaticDrafting(EagleDrafter):
                 self._observe_eagerly(
                     new_tokens[:head], self._pair_features(tuple(h[:head] for h in hidden))
                 )
+        self._buffer(new_tokens[head:], tuple(layer[head:] for layer in hidden), count - head)
+
+    def _buffer(self, tokens: Tensor, hidden: tuple[Tensor, ...], count: int) -> None:
+        """Copy a step's pairs (``tokens [m]``, ``hidden`` ``[m, H_t]`` per layer, ``m <=
+        depth + 1``; the first ``count`` of them real) into the buffers the next step reads."""
         if not self._in_hidden or any(
             b.shape[1:] != h.shape[1:] or b.dtype != h.dtype
             for b, h in zip(self._in_hidden, hidden, strict=True)
         ):
             self._in_hidden = tuple(h.new_zeros(self._rows, *h.shape[1:]) for h in hidden)
             self._graph = None
+        rows = tokens.numel()
         for buffer, layer in zip(self._in_hidden, hidden, strict=True):
-            buffer[: count - head].copy_(layer[head:])
-        self._in_tokens[: count - head].copy_(new_tokens[head:])
-        self._n.fill_(count - head)
+            buffer[:rows].copy_(layer)
+        self._in_tokens[:rows].copy_(tokens)
+        self._n.fill_(count)
         self._before.fill_(self._committed)
-        self._committed += count - head
+        self._committed += count
         self._pending = True
+
+    @torch.inference_mode()
+    def observe_on_device(self, tokens: Tensor, hidden: tuple[Tensor, ...], count: int) -> None:
+        """:meth:`observe` of the device step (:mod:`headway.decode.device_step`): the step's
+        ``count`` pairs arrive padded to ``[rows]`` (``rows <= depth + 1``) on the device."""
+        self._reserve(self._committed + self._rows + self._tree_columns)
+        self._buffer(tokens, hidden, count)
+
+    @torch.inference_mode()
+    def propose_on_device(self) -> tuple[Tensor, Tensor] | None:
+        """The step's tree as device tensors (``tokens``, ``parents`` ``[total_tokens - 1]``,
+        in node order), from one replay of the drafting graph on CUDA and no host read; valid
+        until the next proposal. None when nothing was observed since the last one."""
+        if not self._pending:
+            return None
+        self._draft()
+        return self._kept
 
     def _observe_eagerly(self, tokens: Tensor, features: Tensor) -> None:
         """Feed ``features [m, H]`` paired with ``tokens [m]`` causally after the committed
@@ -160,6 +186,7 @@ class StaticDrafting(EagleDrafter):
         root = predicted.index_select(0, self._n.reshape(1) - 1)[0]
         tokens, parents, scores = self._expand(root, None)
         best = select_nodes(scores, self.total_tokens - 1)
+        self._kept = subtree_on_device(tokens, parents, best)
         kept = scores[best.sort().values].exp()  # in node order, as subtree keeps them
         self._out = torch.cat([tokens.double(), parents.double(), best.double(), kept.double()])
 
@@ -186,13 +213,7 @@ class StaticDrafting(EagleDrafter):
         CUDA and one transfer of the tree to the host."""
         if not self._pending:
             return empty_tree()
-        with self._routed():
-            if not self.capture:
-                self._step()
-            elif self._graph is None:
-                self._capture()
-            else:
-                self._graph.replay()
+        self._draft()
         assert self._out is not None
         host = self._out.cpu()  # the one transfer of a step's drafting
         nodes = self.top_k + (self.depth - 1) * self.top_k**2  # every level expanded
@@ -203,23 +224,22 @@ class StaticDrafting(EagleDrafter):
             return tree
         return DraftTree(tree.tokens, tree.parents, scores=host[2 * nodes + keep :].float())
 
-    def _capture(self) -> None:
-        """Warm up, capture :meth:`_step` as a CUDA graph, then replay it once (see
-        :meth:`~headway.decode.captured.StaticForward._capture`). Warm-up runs are harmless:
-        a step writes the same columns with the same values each time it runs."""
-        stream = torch.cuda.Stream(self._device)
-        stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):
+    def _draft(self) -> None:
+        """Run the step: replayed from its graph on CUDA, captured on first use."""
+        with self._routed():
+            if not self.capture:
                 self._step()
-        torch.cuda.current_stream(self._device).wait_stream(stream)
+            elif self._graph is None:
+                self._capture()
+            else:
+                self._graph.replay()
+
+    def _capture(self) -> None:
+        """Capture :meth:`_step` as a CUDA graph (:func:`~headway.decode.captured.record_graph`;
+        warm-up runs are harmless: a step writes the same columns with the same values)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self._step()
-        self._graph = graph
-        graph.replay()
+        self._graph = record_graph(self._step, self._device, self._pool)
         logger.info("captured EAGLE drafting: top_k %d, depth %d", self.top_k, self.depth)
 
 

@@ -16,8 +16,8 @@ them where no GPU is (views, which launch nothing, are not counted):
   Residency is tracked per storage. An op touching a device-resident tensor is a kernel launch on
   CUDA; one on host tensors only is CPU bookkeeping (microseconds, no launch).
 - **eager or replayed.** Ops inside a region a CUDA graph replays (``StaticForward``'s verify
-  forward, a static drafter's step; see :func:`count_decoding`) are *replayed*: one graph launch
-  for all of them.
+  forward, a static drafter's step, the device step's verify; see :func:`count_decoding`) are
+  *replayed*: one graph launch for all of them.
 - **syncs.** A host read of a device-resident tensor (``item``/``int``/``bool``, ``tolist``,
   ``numpy``, ``cpu()``, ``nonzero``, ``equal``, ...) waits for the GPU. Host reads of host
   tensors cost nothing of the kind and are not counted.
@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from headway.decode.captured import StaticForward
+from headway.decode.device_step import DeviceVerify
 from headway.decode.generate import Decoder
 from headway.drafters.static_eagle import StaticDrafting
 
@@ -284,10 +285,14 @@ def _storage(tensor: Tensor) -> int:
         return 0
 
 
-def seeds_of(root: object, depth: int = 3) -> tuple[list[Tensor], list[torch.device]]:
+def seeds_of(
+    root: object, depth: int = 3, *, every_tensor: bool = False
+) -> tuple[list[Tensor], list[torch.device]]:
     """Parameters and buffers of every ``nn.Module``, and every ``torch.device``, reachable from
-    ``root`` through instance attributes, lists and tuples, ``depth`` levels deep (a drafter,
-    its wrappers, its heads, the device it placed its buffers on)."""
+    ``root`` through instance attributes, lists, tuples and dicts, ``depth`` levels deep (a
+    drafter, its wrappers, its heads, the device it placed its buffers on). With
+    ``every_tensor``, every tensor found too but those held as ``host`` (the pinned staging
+    buffers): the static caches and input buffers a decoder built before counting began."""
     tensors: list[Tensor] = []
     devices: list[torch.device] = []
     seen: set[int] = set()
@@ -301,12 +306,19 @@ def seeds_of(root: object, depth: int = 3) -> tuple[list[Tensor], list[torch.dev
         elif isinstance(value, nn.Module):
             tensors.extend(value.parameters())
             tensors.extend(value.buffers())
+        elif isinstance(value, Tensor):
+            if every_tensor:
+                tensors.append(value)
         elif isinstance(value, list | tuple):
             for item in value:
                 visit(item, left - 1)
-        elif hasattr(value, "__dict__") and not isinstance(value, type | Tensor):
-            for item in vars(value).values():
+        elif isinstance(value, dict):
+            for item in value.values():
                 visit(item, left - 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            for name, item in vars(value).items():
+                if name != "host":
+                    visit(item, left - 1)
 
     visit(root, depth)
     return tensors, devices
@@ -315,7 +327,8 @@ def seeds_of(root: object, depth: int = 3) -> tuple[list[Tensor], list[torch.dev
 @contextmanager
 def _regions_marked(counter: DispatchCounter, decoder: Decoder) -> Iterator[None]:
     """Mark ``decoder``'s prefill and verify forwards, and what a GPU replays from graphs (the
-    forward of a ``StaticForward`` verify, a static drafter's step), while the block runs."""
+    forward of a ``StaticForward`` verify, the device step's verify, a static drafter's step), while
+    the block runs."""
     target = decoder.target
     patched: list[tuple[object, str, Any]] = []
 
@@ -333,6 +346,8 @@ def _regions_marked(counter: DispatchCounter, decoder: Decoder) -> Iterator[None
     wrap(target, "verify", "target")
     if isinstance(target, StaticForward):  # its verify forward is a graph replay on CUDA
         wrap(target, "_body", "captured")
+        wrap(target, "forward_block", "target")  # the device step's forward too
+    wrap(DeviceVerify, "_body", "captured")
     wrap(StaticDrafting, "_step", "captured")
     try:
         yield
@@ -352,10 +367,15 @@ def count_decoding(
     eos_token_ids: Sequence[int],
 ) -> DispatchCounts:
     """Decode each of ``prompts`` (``[P]`` token ids) greedily with ``decoder`` under a
-    :class:`DispatchCounter` seeded with the target's and the drafter's tensors."""
+    :class:`DispatchCounter` seeded with the target's and the drafter's tensors, and the device
+    buffers of a static verify path, a static drafter and the device step built before."""
     decoder.prepare()  # one-time timings (cost sizing) are not a step's work
     tensors, devices = seeds_of(decoder.drafter)
-    counter = DispatchCounter(tensors + seeds_of(decoder.model, 0)[0], devices)
+    tensors += seeds_of(decoder.model, 0)[0]
+    for built in (decoder.target, decoder.drafter, getattr(decoder, "_verifier", None)):
+        if isinstance(built, StaticForward | StaticDrafting | DeviceVerify):  # device buffers
+            tensors += seeds_of(built, 4, every_tensor=True)[0]
+    counter = DispatchCounter(tensors, devices)
     with _regions_marked(counter, decoder), torch.inference_mode(), counter:
         for prompt in prompts:
             result = decoder.generate(

@@ -31,6 +31,7 @@ from transformers import GenerationConfig
 
 from headway.api import prompt_ids
 from headway.decode.bench import timed
+from headway.decode.device_step import DeviceDrafter
 from headway.decode.generate import Decoder, Drafter, GenerationResult, generate
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
@@ -337,6 +338,19 @@ class TimedDrafter:
     def __init__(self, inner: Drafter, device: torch.device) -> None:
         self.inner, self.device = inner, device
         self.seconds, self.steps = 0.0, 0
+        if isinstance(inner, DeviceDrafter):  # its device steps are timed too
+            self._device = inner
+            self.propose_on_device = self._propose_on_device
+            self.observe_on_device = self._observe_on_device
+
+    def _propose_on_device(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self.steps += 1
+        return self._timed(self._device.propose_on_device)
+
+    def _observe_on_device(
+        self, tokens: torch.Tensor, hidden: tuple[torch.Tensor, ...], count: int
+    ) -> None:
+        self._timed(lambda: self._device.observe_on_device(tokens, hidden, count))
 
     def __getattr__(self, name: str) -> Any:  # hidden_layers, max_nodes, ...
         return getattr(self.inner, name)

@@ -12,7 +12,9 @@ H200 in bf16) instead:
 - the captured verify forward over 1, 4, 8, 16 tokens (ms);
 - one drafting step (propose + observe, averaged over a generation), eager and static-captured
   (``drafting=static``), for the default tree and a chain; whether their trees are the same;
-- predicted tokens/s with drafting = tau / (verify(n) + drafting step), against both baselines.
+- predicted tokens/s with drafting = tau / (verify(n) + drafting step), against both baselines;
+- the whole device step (``headway/decode/device_step.py``: static drafting and verification
+  each one graph, one host read a step) timed end to end, and its predicted tokens/s.
 
 Each table prints, and is written to ``$OUT/step_costs.md`` / ``.json``, as soon as it is
 measured. Usage on the machine (one call; ~2 min on an H100):
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             timed = TimedDrafter(build_drafter(spec, target), device)
             recorded = recording(timed.inner)
-            decoder = Decoder(model, timed, DecodeOptions(verify="captured"))
+            host_steps = DecodeOptions(verify="captured", device_trees=False)  # timed per part
+            decoder = Decoder(model, timed, host_steps)
             decoder.generate(prompt, max_new_tokens=new, eos_token_ids=())  # warm-up, capture
             timed.reset()
             recorded.clear()
@@ -178,6 +181,38 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
         report.add(f"drafting_ms[{label}]", {k: v * 1000 for k, v in costs.items()}, line)
+        step_ms = device_step_seconds(model, target, prompt, (top_k, depth, total), new) * 1000
+        line = (
+            f"{label}: a device step (static drafting and verification, each one graph, one "
+            f"host read) {step_ms:.2f} ms; predicted at tau {args.tau}: "
+            f"{args.tau / step_ms * 1000:.1f} tok/s = {args.tau / step_ms * 1000 / base:.2f}x "
+            f"plain captured, {args.tau / step_ms * 1000 / hf:.2f}x HF static"
+        )
+        report.add(f"device_step_ms[{label}]", step_ms, line)
+
+
+def device_step_seconds(
+    model: Any, target: Target, prompt: torch.Tensor, shape: tuple[int, int, int], new: int
+) -> float:
+    """Seconds per step of greedy decoding through the device step (headway/decode/
+    device_step.py) with the static drafter of ``shape`` (top_k, depth, total_tokens): the
+    whole step, drafting, verification, acceptance and the host's bookkeeping included."""
+    top_k, depth, total = shape
+    spec = EagleSpec(
+        heads=str(DRAFTER),
+        top_k=top_k,
+        depth=depth,
+        total_tokens=total,
+        drafting="static",
+        force=True,
+    )
+    decoder = Decoder(model, build_drafter(spec, target), DecodeOptions(verify="captured"))
+    decoder.generate(prompt, max_new_tokens=new, eos_token_ids=())  # warm-up, capture
+    synced(prompt.device)
+    started = time.perf_counter()
+    result = decoder.generate(prompt, max_new_tokens=new, eos_token_ids=())
+    synced(prompt.device)
+    return (time.perf_counter() - started) / max(len(result.accept_lengths) - 1, 1)
 
 
 if __name__ == "__main__":

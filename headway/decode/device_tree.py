@@ -1,0 +1,96 @@
+"""Draft-tree bookkeeping on the device, in fixed shapes and without a host read (issue #32).
+
+:mod:`headway.decode.tree` and :mod:`headway.decode.verify` work on the host, where a tree
+proposed by any drafter arrives. A drafter whose tree is already on the device (a static EAGLE
+drafter's, :mod:`headway.drafters.static_eagle`) can skip that round trip: these functions lay
+the tree out, build the verify mask and accept the greedy path there, every shape fixed by the
+tree setting, so a CUDA graph can hold them and a step reads the device once (the accepted
+tokens). Each one computes what its host counterpart does (``tests/test_device_step.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["accept_greedy", "open_columns", "subtree_on_device", "tree_layout"]
+
+
+def subtree_on_device(tokens: Tensor, parents: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`headway.decode.tree.subtree` without its checks: the nodes ``keep [k]`` (distinct,
+    ancestor-closed, any order) of a tree ``tokens``/``parents [n]``, in node order, parents
+    re-indexed; returns (tokens, parents), each ``[k]``."""
+    keep = keep.sort().values
+    new_index = torch.full_like(parents, -1)
+    new_index[keep] = torch.arange(keep.numel(), device=keep.device)
+    kept_parents = parents[keep]
+    remapped = torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], -1)
+    return tokens[keep], remapped
+
+
+def tree_layout(parents: Tensor, max_depth: int) -> tuple[Tensor, Tensor]:
+    """Depths ``[n + 1]`` (root 0) and the ancestor mask ``[n + 1, n + 1]`` of the block (root,
+    then ``parents [n]``'s nodes), as :func:`headway.decode.tree.depths` and
+    :func:`~headway.decode.tree.ancestor_mask` give them, by ``max_depth`` pointer jumps (the
+    deepest a node can be) instead of a host read of the depth."""
+    size = parents.numel() + 1
+    device = parents.device
+    block_parent = torch.cat([parents.new_zeros(1), parents + 1])  # the root is its own parent
+    rows = torch.arange(size, device=device)
+    mask = torch.eye(size, dtype=torch.bool, device=device)
+    ancestor = rows
+    for _ in range(max_depth):
+        ancestor = block_parent[ancestor]
+        mask[rows, ancestor] = True
+    return mask.sum(-1) - 1, mask
+
+
+def open_columns(keys: Tensor, prefix: Tensor, visible: Tensor) -> Tensor:
+    """Bool ``[S, capacity]``: which cache columns each of a block's ``S`` entries attends to,
+    the block written at the columns ``prefix .. prefix + S - 1`` of a static cache.
+
+    Args:
+        keys: LongTensor ``[capacity]``, the column indices ``0 .. capacity - 1``.
+        prefix: LongTensor ``[]``, the committed columns (each open to every entry).
+        visible: bool ``[S, S]``, which block entries each entry sees (itself, its ancestors).
+    """
+    size = visible.shape[0]
+    offset = keys - prefix  # each column's place relative to the block
+    in_block = (offset >= 0) & (offset < size)
+    return visible[:, offset.clamp(0, size - 1)] & in_block | (offset < 0)
+
+
+def accept_greedy(
+    ids: Tensor, parents: Tensor, depths: Tensor, ancestors: Tensor, argmax: Tensor, rows: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy acceptance (:func:`headway.decode.verify.verify_greedy`) on the device.
+
+    Args:
+        ids: LongTensor ``[S]``, the block's ids (root, the ``n`` nodes, padding).
+        parents, depths, ancestors: the tree (``[n]``) and its layout (:func:`tree_layout`).
+        argmax: LongTensor ``[S]``, the target's greedy token after each block entry.
+        rows: the longest accepted path counted with the root (the tree's depth + 1, at most
+            ``n + 1``).
+
+    Returns:
+        ``count`` LongTensor ``[]``: tokens committed (accepted nodes + the bonus token);
+        ``path`` ``[rows]``: the accepted path's block indices, root first, padded with its
+        last entry; ``tokens`` ``[rows]``: the committed tokens, padded with the bonus token.
+    """
+    nodes = parents.numel()
+    if nodes == 0:  # plain decoding: the bonus token alone
+        return ids.new_ones(()), ids.new_zeros(1), argmax[:1]
+    correct = ids[1 : nodes + 1] == argmax[parents + 1]
+    path_ok = ~(ancestors[1:, 1:] & ~correct).any(-1)
+    score = torch.where(path_ok, depths[1:], -1)
+    best = torch.where(path_ok.any(), score.argmax() + 1, 0)  # the first deepest; else the root
+    on_path = ancestors.index_select(0, best.reshape(1))[0]  # [n + 1]; no host read
+    count = on_path.sum()
+    order = torch.arange(nodes + 1, device=ids.device)
+    path = torch.where(on_path, order, nodes + 1).sort().values[:rows]
+    last = path.gather(0, (count - 1).reshape(1))
+    path = torch.where(order[:rows] < count, path, last)
+    bonus = argmax.gather(0, last)
+    following = ids.gather(0, torch.cat([path[1:], last]))  # each entry's accepted child
+    tokens = torch.where(order[:rows] < count - 1, following, bonus)
+    return count, path, tokens

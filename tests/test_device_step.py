@@ -1,0 +1,149 @@
+"""The device step (headway/decode/device_step.py, device_tree.py): the device bookkeeping
+computes what the host's does, and greedy decoding with a static EAGLE drafter over the captured
+verify path gives the host step's tokens and acceptance lengths, step for step, while reading
+the device once a step; on CUDA, captured: tests/test_gpu.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from headway.decode import captured
+from headway.decode.captured import StaticForward
+from headway.decode.device_step import DeviceStep
+from headway.decode.device_tree import accept_greedy, subtree_on_device, tree_layout
+from headway.decode.generate import Decoder
+from headway.decode.options import DecodeOptions
+from headway.decode.sampling import SamplingParams
+from headway.decode.tree import DraftTree, ancestor_mask, depths, subtree
+from headway.decode.verify import verify_greedy
+from headway.eval.dispatch import count_decoding
+from tests.test_eagle3 import PROMPT, target_and_truth
+from tests.test_static_eagle import SHAPES, _pair
+
+TREES = {
+    "chain": [-1, 0, 1, 2],
+    "star": [-1, -1, -1, -1],
+    "mixed": [-1, -1, 0, 0, 1, 2, 2, 5, 3],
+}
+
+
+def random_tree(nodes: int, generator: torch.Generator) -> list[int]:
+    """A random topologically ordered parent list of ``nodes`` nodes."""
+    return [int(torch.randint(-1, i, (), generator=generator)) for i in range(nodes)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_device_bookkeeping_computes_the_hosts(seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    parents = torch.tensor(
+        TREES[sorted(TREES)[seed % 3]] if seed < 3 else random_tree(1 + seed % 12, generator)
+    )
+    nodes = parents.numel()
+    found_depths, found_mask = tree_layout(parents, nodes)
+    assert torch.equal(found_depths, depths(parents))
+    assert torch.equal(found_mask, ancestor_mask(parents))
+    # greedy acceptance: argmax at random, often equal to the drafted token
+    vocab = 4
+    tokens = torch.randint(0, vocab, (nodes,), generator=generator)
+    argmax = torch.randint(0, vocab, (nodes + 1,), generator=generator)
+    ids = torch.cat([torch.tensor([7]), tokens, torch.zeros(3, dtype=torch.long)])  # padded
+    argmax = torch.cat([argmax, torch.zeros(3, dtype=torch.long)])
+    logits = torch.nn.functional.one_hot(argmax[: nodes + 1], vocab).float()
+    expected = verify_greedy(DraftTree(tokens, parents), logits)
+    rows = int(found_depths.max()) + 1
+    count, path, committed = accept_greedy(ids, parents, found_depths, found_mask, argmax, rows)
+    assert int(count) == expected.accept_length
+    assert path[: int(count)].tolist() == expected.path.tolist()
+    assert committed[: int(count)].tolist() == expected.tokens.tolist()
+    # a subtree of the best-scored nodes, kept ancestor-closed
+    scores = -found_depths[1:].double() - torch.rand(nodes, generator=generator)
+    keep = scores.sort(descending=True).indices[: max(1, nodes // 2)]
+    mine = subtree_on_device(tokens, parents, keep)
+    theirs = subtree(tokens, parents, keep)
+    assert torch.equal(mine[0], theirs.tokens) and torch.equal(mine[1], theirs.parents)
+
+
+def _decoders(model: Any, drafter: Any) -> list[Decoder]:
+    return [
+        Decoder(model, drafter, DecodeOptions(verify="captured", device_trees=on))
+        for on in (False, True)
+    ]
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("kind", ["eagle1", "random", "trained"])
+def test_device_steps_are_the_host_steps(kind: str, shape: str) -> None:
+    model, truth = target_and_truth("llama")
+    _, static = _pair(kind, model, SHAPES[shape])
+    host, device = _decoders(model, static)
+    results = [run.generate(PROMPT, max_new_tokens=32, eos_token_ids=()) for run in (host, device)]
+    assert results[0].tokens == results[1].tokens == truth
+    assert results[0].accept_lengths == results[1].accept_lengths
+    assert device._verifier is not None and host._verifier is None  # the path each one took
+
+
+def test_a_growing_cache_and_a_second_prompt_keep_the_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(captured, "MIN_CAPACITY", 16)  # the target's cache grows mid-answer
+    model, _ = target_and_truth("llama")
+    _, static = _pair("random", model, SHAPES["tree"])
+    host, device = _decoders(model, static)
+    for prompt in (PROMPT, torch.arange(1, 40) % 90 + 3, PROMPT[:3]):
+        mine, theirs = (
+            run.generate(prompt, max_new_tokens=48, eos_token_ids=()) for run in (device, host)
+        )
+        assert mine.tokens == theirs.tokens and mine.accept_lengths == theirs.accept_lengths
+    assert isinstance(device.target, StaticForward) and device.target.cache.capacity > 16
+
+
+def test_the_device_step_stops_where_the_host_step_must_take_over() -> None:
+    """An EOS inside an accepted tree ends both paths alike; sampling and cost sizing take the
+    host step; near the context limit the loop falls back to the host step."""
+    model, truth = target_and_truth("llama")
+    _, static = _pair("trained", model, SHAPES["tree"])
+    host, device = _decoders(model, static)
+    eos = [truth[10]]
+    results = [run.generate(PROMPT, max_new_tokens=40, eos_token_ids=eos) for run in (host, device)]
+    assert results[0].tokens == results[1].tokens and results[1].stop_reason == "eos"
+    assert device._device_step(SamplingParams(temperature=1.0)) is None
+    sized = Decoder(model, static, DecodeOptions(verify="captured", sizing="cost"))
+    assert sized._device_step(SamplingParams()) is None
+    long_prompt = torch.arange(model.config.max_position_embeddings - 6) % 90 + 3
+    mine, theirs = (
+        run.generate(long_prompt, max_new_tokens=5, eos_token_ids=()) for run in (device, host)
+    )
+    assert mine.tokens == theirs.tokens and mine.stop_reason == theirs.stop_reason
+
+
+def test_a_device_step_reads_the_device_once() -> None:
+    model, _ = target_and_truth("llama")
+    _, static = _pair("random", model, SHAPES["tree"])
+    host, device = _decoders(model, static)
+    counts = {
+        name: count_decoding(run, [PROMPT], max_new_tokens=24, eos_token_ids=())
+        for name, run in (("host", host), ("device", device))
+    }
+    assert counts["device"].syncs == counts["device"].steps + 1  # and the first token's
+    assert counts["host"].syncs == 2 * counts["host"].steps + 1
+    assert counts["device"].host_ops < counts["host"].host_ops / 2
+    assert isinstance(device._device_step(SamplingParams()), DeviceStep)
+
+
+def test_plain_captured_decoding_takes_the_device_step() -> None:
+    model, _ = target_and_truth("llama")
+    host, device = _decoders(model, None)
+    for prompt in (PROMPT, torch.arange(1, 30) % 90 + 3):
+        mine, theirs = (
+            run.generate(prompt, max_new_tokens=20, eos_token_ids=()) for run in (device, host)
+        )
+        assert mine.tokens == theirs.tokens and mine.accept_lengths == theirs.accept_lengths
+    assert device._verifier is not None and host._verifier is None
+    mine, theirs = (
+        count_decoding(run, [PROMPT], max_new_tokens=12, eos_token_ids=()) for run in (device, host)
+    )
+    assert mine.syncs == theirs.syncs == mine.steps + 1  # plain decoding read once a step already
+    assert mine.host_ops < theirs.host_ops / 2  # but it laid out and accepted empty trees
