@@ -19,9 +19,13 @@ from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree, ancestor_mask, depths, subtree
 from headway.decode.verify import verify_greedy
+from headway.drafters.medusa_drafter import MedusaDrafter
 from headway.eval.dispatch import count_decoding
+from headway.heads.hidden_states import final_hidden_layer
+from headway.heads.medusa import MedusaConfig, MedusaHeads
 from tests.test_eagle3 import PROMPT, target_and_truth
 from tests.test_static_eagle import SHAPES, _pair
+from tests.tiny import TINY_VOCAB
 
 TREES = {
     "chain": [-1, 0, 1, 2],
@@ -147,3 +151,22 @@ def test_plain_captured_decoding_takes_the_device_step() -> None:
     )
     assert mine.syncs == theirs.syncs == mine.steps + 1  # plain decoding read once a step already
     assert mine.host_ops < theirs.host_ops / 2  # but it laid out and accepted empty trees
+
+
+def test_medusa_heads_take_the_device_step() -> None:
+    """Medusa's static tree, filled on the device from the heads' top-k: the host step's
+    output and acceptance lengths, one host read a step."""
+    model, truth = target_and_truth("llama")
+    torch.manual_seed(0)
+    lm_head = model.get_output_embeddings().weight.detach()
+    heads = MedusaHeads(MedusaConfig(3, 1, model.config.hidden_size, TINY_VOCAB), lm_head)
+    with torch.no_grad():  # random heads: some drafts right, most wrong
+        for parameter in heads.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    drafter = MedusaDrafter(heads.eval(), hidden_layer=final_hidden_layer(model))
+    host, device = _decoders(model, drafter)
+    results = [run.generate(PROMPT, max_new_tokens=32, eos_token_ids=()) for run in (host, device)]
+    assert results[0].tokens == results[1].tokens == truth
+    assert results[0].accept_lengths == results[1].accept_lengths
+    counts = count_decoding(device, [PROMPT], max_new_tokens=24, eos_token_ids=())
+    assert counts.syncs == counts.steps + 1 and device._verifier is not None

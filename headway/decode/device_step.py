@@ -3,9 +3,10 @@
 The host step (:func:`~headway.decode.generate.draft_step`) brings every tree to the host,
 lays it out and accepts there: on a GPU that is a read of the draft and a read of the target's
 argmax each step, and ~100 small host ops between them. A drafter that drafts with static
-shapes on the device (:class:`DeviceDrafter`; the static EAGLE drafters) hands its tree over as
-device tensors instead, and :class:`DeviceVerify` runs, as one sequence of fixed-shape kernels
-(one CUDA graph per tree setting on CUDA):
+shapes on the device (:class:`DeviceDrafter`: the static EAGLE drafters, Medusa heads, and plain
+decoding's empty tree) hands its tree over as device tensors instead, and
+:class:`DeviceVerify` runs, as one sequence of fixed-shape kernels (one CUDA graph per tree
+setting on CUDA):
 
 1. the block's layout and mask from the tree (:mod:`headway.decode.device_tree`),
 2. the target's verify forward over its static cache (:class:`~headway.decode.captured.

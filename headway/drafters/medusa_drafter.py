@@ -138,6 +138,7 @@ class MedusaDrafter:
         self.max_nodes = len(self.tree.choices)
         gemm_route(self.heads)  # decided now, not in the first step
         self._last_hidden: Tensor | None = None  # [H], the state that predicted the root
+        self._on_device: tuple[Tensor, Tensor, Tensor] | None = None  # see _device_index
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget the previous generation."""
@@ -163,6 +164,37 @@ class MedusaDrafter:
         if self._last_hidden is None:
             raise RuntimeError("MedusaDrafter.candidates() called before observe()")
         return self._head_logits(self._last_hidden).topk(self.tree.width, dim=-1).indices
+
+    @property
+    def depth(self) -> int:
+        """The tree's deepest level (one head per level)."""
+        return self.tree.depth
+
+    @torch.inference_mode()
+    def propose_on_device(self) -> tuple[Tensor, Tensor] | None:
+        """The static tree's ``tokens`` and ``parents`` ``[n]`` on the heads' device, for the
+        device step (:mod:`headway.decode.device_step`): no host read; None before any
+        observation."""
+        if self._last_hidden is None:
+            return None
+        candidates = self.candidates()
+        index = self._device_index(candidates.device)
+        return candidates[index[0], index[1]], index[2]
+
+    def _device_index(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """The tree's depth index, rank and parents ``[n]`` on ``device`` (copied once)."""
+        if self._on_device is None or self._on_device[0].device != device:
+            tree = self.tree
+            index, rank, parents = (
+                t.to(device) for t in (tree.depth_index, tree.rank, tree.parents)
+            )
+            self._on_device = (index, rank, parents)
+        return self._on_device
+
+    def observe_on_device(self, tokens: Tensor, hidden: tuple[Tensor, ...], count: int) -> None:
+        """Keep the state at the last committed token (``hidden[0][count - 1]``, a view: no
+        host read); the device step's :meth:`observe`."""
+        self._last_hidden = hidden[0][count - 1]
 
     @torch.inference_mode()
     def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
