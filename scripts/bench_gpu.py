@@ -47,8 +47,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--verify",
         default="both",
-        choices=["eager", "captured", "both"],
-        help="verify forward of headway's rows: eager, captured (CUDA graphs) or both (default)",
+        help="verify forwards of headway's rows, comma-separated: eager, captured (CUDA "
+        "graphs), compiled (torch.compile, then captured); both (default) = eager,captured",
     )
     parser.add_argument(
         "--train-methods", default="eagle3,medusa1,eagle1", help="methods timed ('' for none)"

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ from headway.cli.common import add_gemm_flag
 from headway.decode.bench import timed
 from headway.decode.gemm import apply_gemm
 from headway.decode.generate import Decoder, Drafter
-from headway.decode.options import DecodeOptions
+from headway.decode.options import DecodeOptions, VerifyPath
 from headway.drafters.build import build_drafter, spec_for
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.merged import FirstDrafter
@@ -113,9 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--verify",
         default="eager",
-        choices=["eager", "captured", "both"],
-        help="how headway's rows run the target's verify forward: eager (default), captured "
-        "(a static cache, CUDA graphs on a GPU) or both (every headway row twice)",
+        help="how headway's rows run the target's verify forward, comma-separated, each row "
+        "once per path: eager (default), captured (a static cache, CUDA graphs on a GPU), "
+        "compiled (captured, the forward compiled by torch.compile); both = eager,captured",
     )
     parser.add_argument(
         "--fallback",
@@ -196,6 +197,16 @@ def run_method(run_dir: str) -> str:
     return "eagle3-export" if eagle3 else "eagle1-export"
 
 
+def verify_paths(value: str) -> list[str]:
+    """The verify paths of ``--verify`` (comma-separated; ``both`` is eager,captured)."""
+    paths = ["eager", "captured"] if value == "both" else value.split(",")
+    valid = typing.get_args(VerifyPath)
+    for path in paths:
+        if path not in valid:
+            raise SystemExit(f"--verify {value}: {path!r} is none of {', '.join(valid)}, both")
+    return paths
+
+
 def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     """Every configuration to compare, baseline first; each headway row once per verify path
     of ``--verify`` (``both``: eager, then captured)."""
@@ -205,14 +216,14 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     ]
     if args.hf_static or (args.hf_static is None and target.model.device.type == "cuda"):
         rows.append(Row("hf greedy, static cache", hf_runner(None, static=True)))
-    paths = ["eager", "captured"] if args.verify == "both" else [args.verify]
+    paths = verify_paths(args.verify)
     for verify in paths:  # the best plain decoder of each verify path, beside the drafters
-        suffix = ", captured" if verify == "captured" else ""
+        suffix = "" if verify == "eager" else f", {verify}"
         rows.append(headway_row(f"headway, no drafter{suffix}", target, None, verify=verify))
 
     def add(name: str, spec: Any, sizing: str = "drafter", *, fallback: bool = False) -> None:
         for verify in paths:  # a drafter per row: drafters keep state between steps
-            suffix = ", captured" if verify == "captured" else ""
+            suffix = "" if verify == "eager" else f", {verify}"
             drafter = build_drafter(spec, target)
             if fallback:
                 drafter = behind_cheap_guesses(drafter, target, args.retrieval_data)

@@ -87,6 +87,23 @@ def test_greedy_output_equals_transformers(family: str) -> None:
             assert max(result.accept_lengths) > 1
 
 
+@pytest.mark.slow
+def test_the_compiled_verify_forward_keeps_the_output() -> None:
+    """verify="compiled": the verify forwards through torch.compile (inductor, here on the
+    CPU), trees and the device step included; transformers' greedy output, no recompile when
+    a second prompt decodes."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama")
+    truth = hf_greedy(model, PROMPT, 24, eos=None)
+    for drafter in (OracleDrafter(truth, 3, width=2), None):
+        decoder = Decoder(model, drafter, DecodeOptions(verify="compiled"))
+        assert decoder.generate(PROMPT, max_new_tokens=24, eos_token_ids=()).tokens == truth
+    graphs = counters["stats"]["unique_graphs"]
+    assert decoder.generate(PROMPT, max_new_tokens=24, eos_token_ids=()).tokens == truth
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_the_cache_grows_past_its_first_capacity_and_stays_exact() -> None:
     """Verify forwards that run past the smallest static cache: the committed columns are
     copied into a larger one mid-way and the logits still equal the eager path's."""

@@ -129,12 +129,15 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify",
         default="eager",
-        choices=["eager", "captured"],
+        choices=["eager", "captured", "compiled"],
         help="eager (default): the target's own forward over a growing KV cache. captured: a "
         "static KV cache, and on CUDA each verify forward replayed from a CUDA graph captured "
         "once per block size (1, 2, 4, ... tokens; a tree is padded to the next), which removes "
-        "the kernel-launch cost of a small target. Same tokens either way; off CUDA it runs "
-        "uncaptured and is slower than eager",
+        "the kernel-launch cost of a small target; with greedy decoding and a static EAGLE "
+        "drafter or Medusa heads the tree then stays on the GPU (one host read a step). "
+        "compiled: as captured, the verify forward compiled by torch.compile first (fused "
+        "kernels; compiling takes a while the first time). Same tokens either way; off CUDA "
+        "both run uncaptured and are slower than eager",
     )
 
 

@@ -73,12 +73,17 @@ class StaticForward:
     """The target over a :class:`StaticCache`, verify forwards replayed from CUDA graphs when
     ``capture`` (default: on CUDA). See the module docstring."""
 
-    def __init__(self, model: PreTrainedModel, *, capture: bool | None = None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, capture: bool | None = None, compile: bool = False
+    ) -> None:
         on_cuda = model.device.type == "cuda"
         if capture and not on_cuda:
             raise ValueError(f"CUDA graphs need a CUDA device; the target is on {model.device}")
         self.model = model
         self.capture = on_cuda if capture is None else capture
+        # verify="compiled": the verify forwards (not the prefill, whose length varies) go
+        # through torch.compile, compiled during the warm-up runs before a capture
+        self._compiled: Any = torch.compile(model) if compile else None
         if not on_cuda:
             logger.info("no CUDA: the static verify path runs uncaptured on %s", model.device)
         window, mixed = sliding_window(model)
@@ -249,7 +254,7 @@ class StaticForward:
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The target over ``shape``'s ids, positions and masks: logits ``[S, V]`` and the
         ``hidden_layers``' states ``[S, H]`` of every block entry."""
-        return self._run(shape.ids, shape.positions, shape.masks, hidden_layers, 0)
+        return self._run(shape.ids, shape.positions, shape.masks, hidden_layers, 0, True)
 
     def _fill(self, shape: _Shape, block: Tensor, parents: Tensor, prefix_len: int) -> None:
         """For a sliding-window target (whose mask needs a host check): copy one step's inputs
@@ -289,8 +294,10 @@ class StaticForward:
         masks: dict[str, Tensor],
         hidden_layers: tuple[int, ...],
         logits_to_keep: int,
+        compiled: bool = False,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
-        outputs = self.model(
+        forward = self._compiled if compiled and self._compiled is not None else self.model
+        outputs = forward(
             input_ids=ids,
             attention_mask=masks.get("", masks),
             position_ids=positions,

@@ -203,7 +203,9 @@ class Decoder:
         if options.verify == "eager":
             gemm_route(model)  # decided now ("auto" times it), not in the first forward
         self.target: TargetForward = (
-            StaticForward(model) if options.verify == "captured" else EagerForward(model)
+            EagerForward(model)
+            if options.verify == "eager"
+            else StaticForward(model, compile=options.verify == "compiled")
         )
         self.sizer: TreeSizer | None = None
         self._costs = None if verify_costs is None else list(verify_costs)

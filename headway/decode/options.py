@@ -19,7 +19,7 @@ from headway.decode.verify import AcceptanceRule
 __all__ = ["DecodeOptions", "Sizing", "VerifyPath"]
 
 Sizing = Literal["drafter", "cost"]
-VerifyPath = Literal["eager", "captured"]
+VerifyPath = Literal["eager", "captured", "compiled"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,11 @@ class DecodeOptions:
         sampling; :func:`headway.decode.verify.verify_typical`).
     verify: ``"eager"``: the model's own forward over a ``DynamicCache``. ``"captured"``: a
         static cache, each verify forward replayed from a CUDA graph captured per padded block
-        size (:mod:`headway.decode.captured`; uncaptured off CUDA). Same tokens either way.
-    device_trees: with ``verify="captured"``, greedy decoding and ``sizing="drafter"``, let
+        size (:mod:`headway.decode.captured`; uncaptured off CUDA). ``"compiled"``: as
+        captured, the verify forward compiled by ``torch.compile`` first (fused kernels on a
+        GPU; compiling takes a while on first use of each block size). Same tokens either way
+        (fp32).
+    device_trees: with ``verify="captured"`` or ``"compiled"``, greedy decoding and ``sizing="drafter"``, let
         a drafter whose trees stay on the device (static EAGLE drafting) skip the host:
         layout, mask, acceptance and compaction run on the device and a step reads it once
         (:mod:`headway.decode.device_step`). Same tokens either way; False is the reference.
