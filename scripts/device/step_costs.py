@@ -13,8 +13,10 @@ H200 in bf16) instead:
 - one drafting step (propose + observe, averaged over a generation), eager and static-captured
   (``drafting=static``), for the default tree and a chain; whether their trees are the same;
 - predicted tokens/s with drafting = tau / (verify(n) + drafting step), against both baselines;
-- the whole device step (``headway/decode/device_step.py``: static drafting and verification
-  each one graph, one host read a step) timed end to end, and its predicted tokens/s.
+- last, for each ``--verify`` path (captured, then compiled: ``torch.compile`` first), plain
+  decoding's tokens/s and the whole device step (``headway/decode/device_step.py``: static
+  drafting and verification each one graph, one host read a step) timed end to end, with its
+  predicted tokens/s.
 
 Each table prints, and is written to ``$OUT/step_costs.md`` / ``.json``, as soon as it is
 measured. Usage on the machine (one call; ~2 min on an H100):
@@ -27,6 +29,7 @@ Here (CPU, for a smoke test): ``--device cpu --new-tokens 8 --repeats 1``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -59,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="generations per row (median)")
     parser.add_argument("--tau", type=float, default=2.75, help="tau the prediction assumes")
     parser.add_argument("--out", default=".", help="folder for step_costs.md and .json")
+    parser.add_argument(
+        "--verify",
+        default="captured,compiled",
+        help="verify paths whose device step is timed last (compiled: torch.compile first, "
+        "which takes a minute or more per block size on first use)",
+    )
     return parser.parse_args(argv)
 
 
@@ -181,18 +190,34 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
         report.add(f"drafting_ms[{label}]", {k: v * 1000 for k, v in costs.items()}, line)
-        step_ms = device_step_seconds(model, target, prompt, (top_k, depth, total), new) * 1000
-        line = (
-            f"{label}: a device step (static drafting and verification, each one graph, one "
-            f"host read) {step_ms:.2f} ms; predicted at tau {args.tau}: "
-            f"{args.tau / step_ms * 1000:.1f} tok/s = {args.tau / step_ms * 1000 / base:.2f}x "
-            f"plain captured, {args.tau / step_ms * 1000 / hf:.2f}x HF static"
+    for verify_path in args.verify.split(","):
+        plain_path = Decoder(model, None, DecodeOptions(verify=verify_path))
+        run = functools.partial(plain_path.generate, prompt, max_new_tokens=new, eos_token_ids=())
+        run()  # compile, capture
+        rate = new / median_seconds(run, device, repeats)
+        report.add(
+            f"plain_tok_s[{verify_path}]",
+            rate,
+            f"headway, no drafter, {verify_path}: {rate:.1f} tok/s = {rate / hf:.2f}x HF static",
         )
-        report.add(f"device_step_ms[{label}]", step_ms, line)
+        for label, shape in SHAPES.items():
+            step = device_step_seconds(model, target, prompt, shape, new, verify_path) * 1000
+            line = (
+                f"{label}, {verify_path}: a device step (static drafting and verification, each "
+                f"one graph, one host read) {step:.2f} ms; predicted at tau {args.tau}: "
+                f"{args.tau / step * 1000:.1f} tok/s = {args.tau / step * 1000 / base:.2f}x "
+                f"plain captured, {args.tau / step * 1000 / hf:.2f}x HF static"
+            )
+            report.add(f"device_step_ms[{label}, {verify_path}]", step, line)
 
 
 def device_step_seconds(
-    model: Any, target: Target, prompt: torch.Tensor, shape: tuple[int, int, int], new: int
+    model: Any,
+    target: Target,
+    prompt: torch.Tensor,
+    shape: tuple[int, int, int],
+    new: int,
+    verify: str = "captured",
 ) -> float:
     """Seconds per step of greedy decoding through the device step (headway/decode/
     device_step.py) with the static drafter of ``shape`` (top_k, depth, total_tokens): the
@@ -206,7 +231,8 @@ def device_step_seconds(
         drafting="static",
         force=True,
     )
-    decoder = Decoder(model, build_drafter(spec, target), DecodeOptions(verify="captured"))
+    options = DecodeOptions(verify=verify)  # type: ignore[arg-type]
+    decoder = Decoder(model, build_drafter(spec, target), options)
     decoder.generate(prompt, max_new_tokens=new, eos_token_ids=())  # warm-up, capture
     synced(prompt.device)
     started = time.perf_counter()
