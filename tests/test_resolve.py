@@ -12,7 +12,11 @@ import pytest
 from headway.api import _choice
 from headway.cli import build_parser
 from headway.cli.common import decode_options, drafter_from_flags
+from headway.decode.generate import Decoder
+from headway.decode.options import DecodeOptions
+from headway.decode.sampling import SamplingParams
 from headway.drafters import resolve
+from headway.drafters.build import build_drafter
 from headway.drafters.resolve import resolve_drafter
 from headway.drafters.specs import EagleSpec, PromptLookupSpec, RetrievalSpec
 from headway.errors import HeadwayError
@@ -38,6 +42,24 @@ def test_nothing_named_takes_the_shipped_drafter_cost_sized(shipped: tuple[Any, 
     assert resolve_drafter(model, sizing="drafter").sizing == "drafter"  # a named sizing wins
     tuned = resolve_drafter(model, options={"depth": 3})
     assert isinstance(tuned.spec, EagleSpec) and tuned.spec.depth == 3
+
+
+def test_a_static_verify_path_keeps_the_shipped_drafters_trees_on_the_device(
+    shipped: tuple[Any, Path],
+) -> None:
+    """With --verify captured/compiled the default drafter drafts in fixed shapes, sized by
+    itself, which is what the device step takes; a named drafting or sizing still wins."""
+    model, _ = shipped
+    for verify in ("captured", "compiled"):
+        choice = resolve_drafter(model, verify=verify)
+        assert isinstance(choice.spec, EagleSpec) and choice.spec.drafting == "static"
+        assert choice.sizing == "drafter" and verify in choice.reason
+    named = resolve_drafter(model, verify="captured", options={"drafting": "eager"}, sizing="cost")
+    assert isinstance(named.spec, EagleSpec) and named.spec.drafting == "eager"
+    assert named.sizing == "cost"
+    target = Target(model=model, tokenizer=None, source="tiny")  # type: ignore[arg-type]
+    decoder = Decoder(model, build_drafter(choice.spec, target), DecodeOptions(verify="captured"))
+    assert decoder._device_step(SamplingParams()) is not None
 
 
 def test_named_drafters_are_sized_by_themselves_and_none_is_plain(

@@ -249,6 +249,7 @@ def drafter_from_flags(
         options=options,
         sizing=getattr(args, "sizing", None),
         fallback=default,
+        verify=getattr(args, "verify", "eager"),
     )
     logger.info("drafter: %s, sizing %s", choice.reason, choice.sizing)
     if choice.spec is None:

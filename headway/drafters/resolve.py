@@ -10,7 +10,10 @@ What was named, in order:
   that drafter, its options checked against its spec; sized by the drafter unless a sizing is
   named.
 - nothing: the drafter shipped for this target (:func:`~headway.drafters.shipped.default_heads`),
-  sized as it was measured (:data:`~headway.drafters.shipped.DEFAULT_SIZING`, cost); else, where
+  sized as it was measured (:data:`~headway.drafters.shipped.DEFAULT_SIZING`, cost), or with a
+  static verify path (``verify`` captured or compiled, a GPU's) drafting in fixed shapes and
+  sized by the drafter, so its trees stay on the device (:mod:`headway.decode.device_step`;
+  not yet measured on a GPU); else, where
   a fallback is allowed, retrieval over a corpus this target regenerated that the checkout
   ships; else the fallback (prompt lookup); else an error.
 
@@ -20,14 +23,14 @@ Nothing given is changed: the answer is a new :class:`DrafterChoice`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedModel
 
-from headway.decode.options import Sizing
+from headway.decode.options import Sizing, VerifyPath
 from headway.drafters.build import spec_for
 from headway.drafters.shipped import DEFAULT_SIZING, default_corpus, default_heads
-from headway.drafters.specs import DrafterSpec
+from headway.drafters.specs import DrafterSpec, EagleSpec
 from headway.errors import HeadwayError
 
 __all__ = ["NO_DRAFTER", "DrafterChoice", "resolve_drafter"]
@@ -54,6 +57,7 @@ def resolve_drafter(
     options: Mapping[str, object] | None = None,
     sizing: Sizing | None = None,
     fallback: str | None = "prompt-lookup",
+    verify: VerifyPath = "eager",
 ) -> DrafterChoice:
     """The drafter for ``model`` (the target's HF model) from what a user named (see the
     module docstring). ``options`` are the drafter's spec options (checked, unknown keys get
@@ -74,8 +78,14 @@ def resolve_drafter(
     shipped = default_heads(model)
     if shipped is not None:
         spec = spec_for(None, heads=str(shipped), options=values)
-        chosen = sizing or DEFAULT_SIZING
-        return DrafterChoice(spec, chosen, f"the drafter shipped for this target ({shipped})")
+        reason = f"the drafter shipped for this target ({shipped})"
+        if verify == "eager":
+            return DrafterChoice(spec, sizing or DEFAULT_SIZING, reason)
+        # a static verify path (a GPU's): drafting in fixed shapes, trees sized by the drafter,
+        # so the tree stays on the device (headway.decode.device_step)
+        if isinstance(spec, EagleSpec) and "drafting" not in values:
+            spec = replace(spec, drafting="static")
+        return DrafterChoice(spec, sizing or "drafter", f"{reason}, for the {verify} verify path")
     corpus = default_corpus(model) if fallback else None
     if corpus is not None:
         values.setdefault("data", str(corpus))
