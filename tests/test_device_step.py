@@ -13,18 +13,27 @@ import torch
 from headway.decode import captured
 from headway.decode.captured import StaticForward
 from headway.decode.device_step import DeviceStep
-from headway.decode.device_tree import accept_greedy, subtree_on_device, tree_layout
+from headway.decode.device_tree import (
+    accept_greedy,
+    accept_sampled,
+    subtree_on_device,
+    tree_layout,
+)
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree, ancestor_mask, depths, subtree
 from headway.decode.verify import verify_greedy
 from headway.drafters.medusa_drafter import MedusaDrafter
+from headway.drafters.static_eagle import StaticEagle3Drafter
 from headway.eval.dispatch import count_decoding
+from headway.heads.eagle import TargetHead
 from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.medusa import MedusaConfig, MedusaHeads
-from tests.test_eagle3 import PROMPT, target_and_truth
+from tests.test_eagle3 import PROMPT, fit_method, target_and_truth, tiny4
+from tests.test_generate import chi_square, exact_two_token_probs
 from tests.test_static_eagle import SHAPES, _pair
+from tests.test_verify import AFTER, ROOT_P, SMALL, block_probs, deterministic_tree
 from tests.tiny import TINY_VOCAB
 
 TREES = {
@@ -105,15 +114,16 @@ def test_a_growing_cache_and_a_second_prompt_keep_the_output(
 
 
 def test_the_device_step_stops_where_the_host_step_must_take_over() -> None:
-    """An EOS inside an accepted tree ends both paths alike; sampling and cost sizing take the
-    host step; near the context limit the loop falls back to the host step."""
+    """An EOS inside an accepted tree ends both paths alike; typical acceptance and cost sizing
+    take the host step; near the context limit the loop falls back to the host step."""
     model, truth = target_and_truth("llama")
     _, static = _pair("trained", model, SHAPES["tree"])
     host, device = _decoders(model, static)
     eos = [truth[10]]
     results = [run.generate(PROMPT, max_new_tokens=40, eos_token_ids=eos) for run in (host, device)]
     assert results[0].tokens == results[1].tokens and results[1].stop_reason == "eos"
-    assert device._device_step(SamplingParams(temperature=1.0)) is None
+    typical = Decoder(model, static, DecodeOptions(verify="captured", acceptance="typical"))
+    assert typical._device_step(SamplingParams(temperature=1.0)) is None
     sized = Decoder(model, static, DecodeOptions(verify="captured", sizing="cost"))
     assert sized._device_step(SamplingParams()) is None
     long_prompt = torch.arange(model.config.max_position_embeddings - 6) % 90 + 3
@@ -170,3 +180,66 @@ def test_medusa_heads_take_the_device_step() -> None:
     assert results[0].accept_lengths == results[1].accept_lengths
     counts = count_decoding(device, [PROMPT], max_new_tokens=24, eos_token_ids=())
     assert counts.syncs == counts.steps + 1 and device._verifier is not None
+
+
+def test_device_sampling_commits_tokens_distributed_as_the_target() -> None:
+    """The device rejection walk over test_verify.py's tree of fixed candidates: the first
+    committed token follows the target's root distribution, the second (after an accepted
+    first) the target's distribution after it."""
+    tree = deterministic_tree(torch.Generator())
+    probs = block_probs(tree)
+    ids = torch.cat([torch.tensor([0]), tree.tokens])
+    generator = torch.Generator().manual_seed(99)
+    first = torch.zeros(SMALL)
+    second = torch.zeros(SMALL, SMALL)
+    samples = 6000
+    for _ in range(samples):
+        noise = torch.rand(tree.size + SMALL, generator=generator)
+        count, _, committed = accept_sampled(ids, tree.parents, probs, noise, 3, 2)
+        tokens = committed[: int(count)].tolist()
+        first[tokens[0]] += 1
+        if len(tokens) >= 2:
+            second[tokens[0], tokens[1]] += 1
+    statistic, bound = chi_square(first, ROOT_P)
+    assert statistic < bound, (statistic, bound)
+    for token in range(SMALL):
+        if second[token].sum() > 500:  # enough accepted samples to judge
+            statistic, bound = chi_square(second[token], AFTER[token])
+            assert statistic < bound, (token, statistic, bound)
+    assert second.sum() > samples / 3  # drafts were accepted often enough to test depth 2
+
+
+def test_sampled_device_steps_follow_the_target_distribution() -> None:
+    """The first two sampled tokens through the device step (a static EAGLE-3 drafter fitted so
+    that its drafts are often accepted, test_eagle3_decode.py's setting) follow the target's
+    exact two-token distribution."""
+    model = tiny4("gpt2")
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 5.0)
+    params = SamplingParams(temperature=1.0)
+    first, second = exact_two_token_probs(model, params)
+    extended = torch.cat(
+        [
+            PROMPT.expand(TINY_VOCAB, -1),
+            torch.arange(TINY_VOCAB)[:, None],
+            second.argmax(-1)[:, None],
+        ],
+        dim=1,
+    )
+    draft = fit_method(model, extended, steps=120, size=TINY_VOCAB).draft
+    drafter = StaticEagle3Drafter(draft, TargetHead.of(model), top_k=3, depth=2, total_tokens=7)
+    decoder = Decoder(model, drafter, DecodeOptions(verify="captured"))
+    assert decoder._device_step(params) is not None
+    generator = torch.Generator().manual_seed(5)
+    counts = torch.zeros(TINY_VOCAB * TINY_VOCAB)
+    accepted = 0
+    for _ in range(1500):
+        result = decoder.generate(
+            PROMPT, max_new_tokens=3, sampling=params, eos_token_ids=(), generator=generator
+        )
+        counts[result.tokens[0] * TINY_VOCAB + result.tokens[1]] += 1
+        accepted += result.accept_lengths[1] > 1
+    exact = (first[:, None] * second).flatten()
+    assert not bool(counts[exact == 0].any())
+    statistic, bound = chi_square(counts, exact)
+    assert statistic < bound, (statistic, bound)
+    assert accepted > 1500 / 3

@@ -11,15 +11,17 @@ setting on CUDA):
 1. the block's layout and mask from the tree (:mod:`headway.decode.device_tree`),
 2. the target's verify forward over its static cache (:class:`~headway.decode.captured.
    StaticForward`'s buffers),
-3. greedy acceptance, the accepted path's keys/values moved behind the prefix, and the target
-   states on the path gathered for the drafter,
+3. acceptance (greedy; or lossless speculative sampling over uniforms drawn before the graph
+   runs), the accepted path's keys/values moved behind the prefix, and the target states on the
+   path gathered for the drafter,
 
 then reads back the committed tokens, the one host read of the step
 (:func:`~headway.decode.generate.device_step` is the loop's side). Where it applies:
-greedy decoding, ``verify="captured"`` on a target without a sliding window, trees sized by
-the drafter (``sizing="drafter"``) and ``DecodeOptions.device_trees``; a step too near the
-context limit takes the host step. Output: the host step's, token for token
-(``tests/test_device_step.py``).
+``verify="captured"`` or ``"compiled"`` on a target without a sliding window, lossless
+acceptance, trees sized by the drafter (``sizing="drafter"``) and
+``DecodeOptions.device_trees``; a step too near the context limit takes the host step. Output:
+greedy, the host step's token for token; sampled, the target's distribution, drawn with
+other random numbers than the host step's (``tests/test_device_step.py``).
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ import torch
 from torch import Tensor
 
 from headway.decode.captured import StaticForward, block_bucket, record_graph
-from headway.decode.device_tree import accept_greedy, tree_layout
+from headway.decode.device_tree import accept_greedy, accept_sampled, tree_layout
+from headway.decode.sampling import SamplingParams, probs_from_logits
 from headway.decode.static_cache import StaticCache
 
 __all__ = ["DeviceDrafter", "DeviceStep", "DeviceVerify"]
+
+GREEDY = SamplingParams()
 
 
 @runtime_checkable
@@ -72,6 +77,7 @@ class _Plan:
     graph: Any = None
     out: Tensor | None = None  # [1 + rows]: count, then the committed tokens (padded)
     hidden: tuple[Tensor, ...] = field(default_factory=tuple)  # [rows, H] per layer
+    noise: Tensor | None = None  # sampling: [n + V] uniforms, drawn before each run
 
 
 class DeviceVerify:
@@ -81,7 +87,7 @@ class DeviceVerify:
     def __init__(self, target: StaticForward, max_depth: int) -> None:
         self.target = target
         self.max_depth = max_depth
-        self._plans: dict[tuple[int, tuple[int, ...]], _Plan] = {}
+        self._plans: dict[tuple[int, tuple[int, ...], SamplingParams], _Plan] = {}
 
     def run(
         self,
@@ -89,11 +95,14 @@ class DeviceVerify:
         tree: tuple[Tensor, Tensor],
         prefix_len: int,
         hidden_layers: tuple[int, ...],
+        sampling: SamplingParams = GREEDY,
+        generator: torch.Generator | None = None,
     ) -> tuple[list[int], Tensor, tuple[Tensor, ...]]:
         """Verify the tree (``tokens``, ``parents`` ``[n]``) below ``root`` after the cache's
         ``prefix_len`` tokens; returns the committed tokens (host), and on the device the same
         tokens padded ``[rows]`` and the target states on the accepted path (``[rows, H]`` per
-        hidden layer), which stay valid until the next call."""
+        hidden layer), which stay valid until the next call. Sampling draws its uniforms from
+        ``generator`` before the graph runs (one launch; the graph holds no random op)."""
         target = self.target
         tokens, parents = tree
         if prefix_len != target.cache.length:
@@ -101,15 +110,20 @@ class DeviceVerify:
                 f"prefix_len={prefix_len} but the cache holds {target.cache.length} tokens"
             )
         target.reserve(prefix_len + block_bucket(tokens.numel() + 1))
-        plan = self._plan(tokens.numel(), hidden_layers)
+        plan = self._plan(tokens.numel(), hidden_layers, sampling)
         plan.host[0], plan.host[1] = root, prefix_len
         plan.staged.copy_(plan.host, non_blocking=True)
         plan.tokens.copy_(tokens)
         plan.parents.copy_(parents)
+        if not sampling.greedy:
+            if plan.noise is None:
+                vocab = self.target.model.get_output_embeddings().weight.shape[0]
+                plan.noise = plan.tokens.new_zeros(plan.nodes + vocab, dtype=torch.float32)
+            plan.noise.uniform_(generator=generator)
         if not target.capture:
-            self._body(plan, hidden_layers)
+            self._body(plan, hidden_layers, sampling)
         elif plan.graph is None:
-            body = lambda: self._body(plan, hidden_layers)  # noqa: E731
+            body = lambda: self._body(plan, hidden_layers, sampling)  # noqa: E731
             plan.graph = record_graph(body, target.model.device, torch.cuda.graph_pool_handle())
         else:
             plan.graph.replay()
@@ -119,8 +133,8 @@ class DeviceVerify:
         target.cache.length = prefix_len + count
         return host[1 : 1 + count].tolist(), plan.out[1:], plan.hidden
 
-    def _plan(self, nodes: int, hidden_layers: tuple[int, ...]) -> _Plan:
-        key = (nodes, hidden_layers)
+    def _plan(self, nodes: int, hidden_layers: tuple[int, ...], sampling: SamplingParams) -> _Plan:
+        key = (nodes, hidden_layers, sampling)
         plan = self._plans.get(key)
         if plan is None or plan.cache is not self.target.cache:  # the cache grew: start anew
             device = self.target.model.device
@@ -136,7 +150,7 @@ class DeviceVerify:
             self._plans[key] = plan
         return plan
 
-    def _body(self, plan: _Plan, hidden_layers: tuple[int, ...]) -> None:
+    def _body(self, plan: _Plan, hidden_layers: tuple[int, ...], sampling: SamplingParams) -> None:
         """Device work only, of fixed shapes (what a CUDA graph holds): steps 1-3 of the
         module docstring; leaves the results in ``plan.out`` and ``plan.hidden``."""
         target, nodes = self.target, plan.nodes
@@ -153,8 +167,17 @@ class DeviceVerify:
         shape.positions[0].copy_(positions)
         target.open_block(prefix, visible, shape)
         logits, hidden = target.forward_block(shape, hidden_layers)
-        argmax = logits.argmax(-1)
-        count, path, tokens = accept_greedy(ids, plan.parents, depths, ancestors, argmax, plan.rows)
+        if sampling.greedy:
+            argmax = logits.argmax(-1)
+            count, path, tokens = accept_greedy(
+                ids, plan.parents, depths, ancestors, argmax, plan.rows
+            )
+        else:
+            assert plan.noise is not None
+            probs = probs_from_logits(logits, sampling)
+            count, path, tokens = accept_sampled(
+                ids, plan.parents, probs, plan.noise, plan.rows, self.max_depth
+            )
         if nodes:  # the accepted path's columns behind the prefix
             target.cache.move_columns(prefix + path, prefix + target.keys[: plan.rows])
         plan.hidden = tuple(layer.index_select(0, path) for layer in hidden)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["accept_greedy", "open_columns", "subtree_on_device", "tree_layout"]
+__all__ = ["accept_greedy", "accept_sampled", "open_columns", "subtree_on_device", "tree_layout"]
 
 
 def subtree_on_device(tokens: Tensor, parents: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
@@ -91,6 +91,76 @@ def accept_greedy(
     last = path.gather(0, (count - 1).reshape(1))
     path = torch.where(order[:rows] < count, path, last)
     bonus = argmax.gather(0, last)
+    return count, path, _committed(ids, path, count, bonus)
+
+
+def _committed(ids: Tensor, path: Tensor, count: Tensor, bonus: Tensor) -> Tensor:
+    """The committed tokens ``[rows]``: each accepted node's token along ``path [rows]``
+    (padded with its last entry), then the ``bonus [1]`` token, padded with it."""
+    rows = path.numel()
+    last = path.gather(0, (count - 1).reshape(1))
     following = ids.gather(0, torch.cat([path[1:], last]))  # each entry's accepted child
-    tokens = torch.where(order[:rows] < count - 1, following, bonus)
-    return count, path, tokens
+    order = torch.arange(rows, device=ids.device)
+    return torch.where(order < count - 1, following, bonus)
+
+
+def accept_sampled(
+    ids: Tensor, parents: Tensor, probs: Tensor, noise: Tensor, rows: int, max_depth: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Lossless speculative sampling over a tree of deterministic candidates on the device:
+    :func:`headway.decode.verify.verify_sampling`'s recursive rejection, in fixed shapes.
+
+    At the current node (the root first) its children are tried in node order: child ``c_i``
+    is accepted with probability ``p(c_i) / (1 - p(c_1) - ... - p(c_{i-1}))``, which is what
+    trying ``c_i`` after zeroing and renormalising the rejected siblings' mass comes to; every
+    child at once, one uniform each. On acceptance the walk moves to the child with the target's
+    probabilities there; when none is accepted (or at a leaf) the bonus token is drawn from
+    ``p`` with the children's tokens removed (Gumbel-max over the same noise). Each node's
+    uniform is used at most once, so the committed tokens follow the target's distribution.
+
+    Args:
+        ids: LongTensor ``[S]``: root, the ``n`` nodes' tokens (distinct among siblings),
+            padding.
+        parents: LongTensor ``[n]``.
+        probs: float ``[S, V]``, the target's (shaped) probabilities after each block entry.
+        noise: float ``[n + V]`` of uniforms in ``[0, 1)``: one per node, then the bonus
+            token's Gumbel noise.
+        rows, max_depth: as :func:`accept_greedy`'s ``rows``; the deepest node.
+
+    Returns:
+        ``count``, ``path``, ``tokens`` as :func:`accept_greedy`.
+    """
+    nodes = parents.numel()
+    device = ids.device
+    tokens = ids[1 : nodes + 1]
+    uniforms, gumbel = noise[:nodes], -torch.log(-torch.log(noise[nodes:].clamp_min(1e-20)))
+    if nodes == 0:  # plain sampling: the bonus token alone
+        return ids.new_ones(()), ids.new_zeros(1), (probs[0].log() + gumbel).argmax().reshape(1)
+    node = torch.zeros((), dtype=torch.long, device=device)  # block index of the walk's node
+    stopped = torch.zeros((), dtype=torch.bool, device=device)
+    residual = probs[0]
+    path = torch.zeros(rows, dtype=torch.long, device=device)
+    count = torch.ones((), dtype=torch.long, device=device)
+    for level in range(max_depth + 1):  # a leaf at max_depth stops the walk at the last level
+        p = probs.index_select(0, node.reshape(1))[0]  # [V]
+        children = parents == node - 1  # the root's children have parent -1
+        mass = torch.where(children, p[tokens], 0.0)  # [n]
+        before = torch.cumsum(mass, 0) - mass  # earlier siblings' mass
+        accepted = children & (uniforms * (1.0 - before) < mass)
+        moves = accepted.any() & ~stopped
+        child = accepted.int().argmax() + 1  # the first accepted sibling, as a block index
+        taken = torch.zeros_like(p).index_add_(0, tokens, children.to(p.dtype)) > 0
+        left = torch.where(taken, 0.0, p)
+        total = left.sum()
+        left = torch.where(total > 0, left / total.clamp_min(1e-30), p)  # rounding: keep p
+        stops = ~stopped & ~moves
+        residual = torch.where(stops, left, residual)
+        if level + 1 < rows:
+            path[level + 1] = torch.where(moves, child, path[level + 1])
+        count = count + moves.long()
+        node = torch.where(moves, child, node)
+        stopped = stopped | stops
+    bonus = (residual.log() + gumbel).argmax().reshape(1)
+    last = path.gather(0, (count - 1).reshape(1))
+    path = torch.where(torch.arange(rows, device=device) < count, path, last)
+    return count, path, _committed(ids, path, count, bonus)

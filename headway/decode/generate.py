@@ -160,7 +160,9 @@ def device_step(session: Session) -> bool:
         return False
     root = int(session.sequence[session.length - 1])
     hidden_layers = session.drafter.hidden_layers
-    tokens, padded, hidden = step.verify.run(root, tree, session.length - 1, hidden_layers)
+    tokens, padded, hidden = step.verify.run(
+        root, tree, session.length - 1, hidden_layers, session.sampling, session.generator
+    )
     committed = commit(session, tokens)
     step.drafter.observe_on_device(padded, hidden, len(committed))
     return True
@@ -216,7 +218,7 @@ class Decoder:
         drafter, target = self.drafter, self.target
         if not (
             self.options.device_trees
-            and sampling.greedy
+            and (sampling.greedy or self.options.acceptance == "lossless")
             and (self.options.sizing == "drafter" or drafter.max_nodes == 0)
             and isinstance(target, StaticForward)
             and target.takes_device_trees

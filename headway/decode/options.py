@@ -38,11 +38,12 @@ class DecodeOptions:
         captured, the verify forward compiled by ``torch.compile`` first (fused kernels on a
         GPU; compiling takes a while on first use of each block size). Same tokens either way
         (fp32).
-    device_trees: with ``verify="captured"`` or ``"compiled"``, greedy decoding and
+    device_trees: with ``verify="captured"`` or ``"compiled"``, lossless acceptance and
         ``sizing="drafter"``, let a drafter whose trees stay on the device (static EAGLE
         drafting, Medusa heads, plain decoding) skip the host: layout, mask, acceptance and
         compaction run on the device and a step reads it once
-        (:mod:`headway.decode.device_step`). Same tokens either way; False is the reference.
+        (:mod:`headway.decode.device_step`). Greedy: the same tokens either way (False is the
+        reference); sampled: the same distribution, other random numbers.
     """
 
     sizing: Sizing = field(default="drafter")
