@@ -210,9 +210,13 @@ def test_device_sampling_commits_tokens_distributed_as_the_target() -> None:
 
 
 def test_sampled_device_steps_follow_the_target_distribution() -> None:
+    sampled_device_steps(torch.device("cpu"))
+
+
+def sampled_device_steps(device: torch.device) -> None:
     """The first two sampled tokens through the device step (a static EAGLE-3 drafter fitted so
     that its drafts are often accepted, test_eagle3_decode.py's setting) follow the target's
-    exact two-token distribution."""
+    exact two-token distribution, on ``device`` (tests/test_gpu.py runs it on CUDA)."""
     model = tiny4("gpt2")
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 5.0)
     params = SamplingParams(temperature=1.0)
@@ -226,15 +230,20 @@ def test_sampled_device_steps_follow_the_target_distribution() -> None:
         dim=1,
     )
     draft = fit_method(model, extended, steps=120, size=TINY_VOCAB).draft
+    model, draft = model.to(device), draft.to(device)
     drafter = StaticEagle3Drafter(draft, TargetHead.of(model), top_k=3, depth=2, total_tokens=7)
     decoder = Decoder(model, drafter, DecodeOptions(verify="captured"))
     assert decoder._device_step(params) is not None
-    generator = torch.Generator().manual_seed(5)
+    generator = torch.Generator(device).manual_seed(5)
     counts = torch.zeros(TINY_VOCAB * TINY_VOCAB)
     accepted = 0
     for _ in range(1500):
         result = decoder.generate(
-            PROMPT, max_new_tokens=3, sampling=params, eos_token_ids=(), generator=generator
+            PROMPT.to(device),
+            max_new_tokens=3,
+            sampling=params,
+            eos_token_ids=(),
+            generator=generator,
         )
         counts[result.tokens[0] * TINY_VOCAB + result.tokens[1]] += 1
         accepted += result.accept_lengths[1] > 1

@@ -287,3 +287,12 @@ def test_device_steps_equal_host_steps_on_cuda(shape: str) -> None:
     for host, device in zip(*runs, strict=True):
         assert device.tokens == host.tokens == truth
         assert device.accept_lengths == host.accept_lengths
+
+
+def test_sampled_device_steps_follow_the_target_distribution_on_cuda() -> None:
+    """Sampling through the captured device step (uniforms drawn before each replay): the first
+    two tokens follow the target's exact two-token distribution (tests/test_device_step.py's
+    test, on CUDA)."""
+    from tests.test_device_step import sampled_device_steps
+
+    sampled_device_steps(CUDA)
