@@ -26,6 +26,7 @@ from headway.generation.batched_generation import ContinuousBatcher
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.vocab import DraftVocab
+from tests.test_device_step import sampled_device_steps
 from tests.test_eagle3 import CHAIN as EAGLE3_CHAIN
 from tests.test_eagle3 import TREE as EAGLE3_TREE
 from tests.test_eagle3 import tiny4
@@ -293,6 +294,4 @@ def test_sampled_device_steps_follow_the_target_distribution_on_cuda() -> None:
     """Sampling through the captured device step (uniforms drawn before each replay): the first
     two tokens follow the target's exact two-token distribution (tests/test_device_step.py's
     test, on CUDA)."""
-    from tests.test_device_step import sampled_device_steps
-
     sampled_device_steps(CUDA)
