@@ -135,8 +135,10 @@ class DeviceVerify:
 
     def _plan(self, nodes: int, hidden_layers: tuple[int, ...], sampling: SamplingParams) -> _Plan:
         key = (nodes, hidden_layers, sampling)
+        if any(plan.cache is not self.target.cache for plan in self._plans.values()):
+            self._plans.clear()  # the cache grew: every graph wrote into the old one
         plan = self._plans.get(key)
-        if plan is None or plan.cache is not self.target.cache:  # the cache grew: start anew
+        if plan is None:
             device = self.target.model.device
             plan = _Plan(
                 nodes=nodes,
