@@ -5,6 +5,7 @@ checked against the eager path in tests/test_gpu.py."""
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import pytest
@@ -33,6 +34,14 @@ CAPTURED = DecodeOptions(verify="captured")
 
 def test_blocks_are_padded_to_powers_of_two() -> None:
     assert [block_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+
+
+def test_compiling_without_a_compiler_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ValueError, match="needs a C\\+\\+ compiler"):
+        StaticForward(tiny_model("llama"), compile=True)
 
 
 def test_capture_off_cuda_is_refused_in_one_line() -> None:
@@ -88,6 +97,10 @@ def test_greedy_output_equals_transformers(family: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not any(map(shutil.which, ("c++", "g++", "clang++"))),
+    reason="torch.compile needs a C++ compiler",
+)
 def test_the_compiled_verify_forward_keeps_the_output() -> None:
     """verify="compiled": the verify forwards through torch.compile (inductor, here on the
     CPU), trees and the device step included; transformers' greedy output, no recompile when

@@ -26,6 +26,7 @@ blocked in the same mask (:func:`headway.decode.kv.window_blocked`).
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,11 @@ class StaticForward:
         self.capture = on_cuda if capture is None else capture
         # verify="compiled": the verify forwards (not the prefill, whose length varies) go
         # through torch.compile, compiled during the warm-up runs before a capture
+        if compile and not on_cuda and not any(map(shutil.which, ("c++", "g++", "clang++"))):
+            raise ValueError(
+                "verify=compiled on a CPU needs a C++ compiler for torch.compile (none on PATH): "
+                "install one (e.g. g++) or use --verify captured"
+            )
         self._compiled: Any = torch.compile(model) if compile else None
         if not on_cuda:
             logger.info("no CUDA: the static verify path runs uncaptured on %s", model.device)
