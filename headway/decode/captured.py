@@ -39,6 +39,7 @@ from headway.decode.device_tree import open_columns
 from headway.decode.kv import cache_argument, sliding_window, takes_mask_mapping, window_blocked
 from headway.decode.static_cache import StaticCache
 from headway.decode.tree import ancestor_mask, depths
+from headway.errors import HardwareError
 
 __all__ = ["StaticForward", "block_bucket", "record_graph"]
 
@@ -85,7 +86,7 @@ class StaticForward:
         # verify="compiled": the verify forwards (not the prefill, whose length varies) go
         # through torch.compile, compiled during the warm-up runs before a capture
         if compile and not on_cuda and not any(map(shutil.which, ("c++", "g++", "clang++"))):
-            raise ValueError(
+            raise HardwareError(
                 "verify=compiled on a CPU needs a C++ compiler for torch.compile (none on PATH): "
                 "install one (e.g. g++) or use --verify captured"
             )
