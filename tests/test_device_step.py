@@ -156,11 +156,11 @@ def test_plain_captured_decoding_takes_the_device_step() -> None:
         )
         assert mine.tokens == theirs.tokens and mine.accept_lengths == theirs.accept_lengths
     assert device._verifier is not None and host._verifier is None
-    mine, theirs = (
+    on_device, on_host = (
         count_decoding(run, [PROMPT], max_new_tokens=12, eos_token_ids=()) for run in (device, host)
     )
-    assert mine.syncs == theirs.syncs == mine.steps + 1  # plain decoding read once a step already
-    assert mine.host_ops < theirs.host_ops / 2  # but it laid out and accepted empty trees
+    assert on_device.syncs == on_host.syncs == on_device.steps + 1  # one read a step already
+    assert on_device.host_ops < on_host.host_ops / 2  # but it laid out and accepted empty trees
 
 
 def test_medusa_heads_take_the_device_step() -> None:

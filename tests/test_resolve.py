@@ -58,6 +58,7 @@ def test_a_static_verify_path_keeps_the_shipped_drafters_trees_on_the_device(
     assert isinstance(named.spec, EagleSpec) and named.spec.drafting == "eager"
     assert named.sizing == "cost"
     target = Target(model=model, tokenizer=None, source="tiny")  # type: ignore[arg-type]
+    assert choice.spec is not None
     decoder = Decoder(model, build_drafter(choice.spec, target), DecodeOptions(verify="captured"))
     assert decoder._device_step(SamplingParams()) is not None
 
