@@ -97,6 +97,7 @@ def test_greedy_output_equals_transformers(family: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.skipif(
     not any(map(shutil.which, ("c++", "g++", "clang++"))),
     reason="torch.compile needs a C++ compiler",
