@@ -92,3 +92,4 @@ def test_step_costs_runs_here_on_a_cpu(tmp_path: Path) -> None:
             assert equal == total and int(total) > 0, line
     assert table.count("trees equal") == 2
     assert sum(key.startswith("device_step_ms") for key in data) == 2
+    assert {"plain_sampled_tok_s", "sampled_device_step_ms"} <= set(data)

@@ -16,7 +16,8 @@ H200 in bf16) instead:
 - last, for each ``--verify`` path (captured, then compiled: ``torch.compile`` first), plain
   decoding's tokens/s and the whole device step (``headway/decode/device_step.py``: static
   drafting and verification each one graph, one host read a step) timed end to end, with its
-  predicted tokens/s.
+  predicted tokens/s; then, captured at temperature 1.0, plain sampling's tokens/s and the
+  sampled device step (lossless rejection on the device), predicted at ``--sampled-tau``.
 
 Each table prints, and is written to ``$OUT/step_costs.md`` / ``.json``, as soon as it is
 measured. Usage on the machine (one call; ~2 min on an H100):
@@ -43,6 +44,7 @@ from headway.decode.captured import StaticForward
 from headway.decode.costs import verify_timer
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
+from headway.decode.sampling import SamplingParams
 from headway.drafters.build import build_drafter
 from headway.drafters.specs import EagleSpec
 from headway.eval.speed import TimedDrafter
@@ -50,6 +52,7 @@ from headway.target import Target
 
 CONFIG = Path(__file__).with_name("smollm2-135m.json")
 DRAFTER = Path(__file__).resolve().parents[2] / "drafters" / "smollm2-135m-eagle3"
+GREEDY = SamplingParams()
 SHAPES = {"tree (top_k 8, depth 4, 16 tokens)": (8, 4, 16), "chain (depth 4)": (1, 4, 5)}
 
 
@@ -61,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per generation")
     parser.add_argument("--repeats", type=int, default=3, help="generations per row (median)")
     parser.add_argument("--tau", type=float, default=2.75, help="tau the prediction assumes")
+    parser.add_argument(
+        "--sampled-tau",
+        type=float,
+        default=1.74,
+        help="tau at temperature 1.0 the sampled prediction assumes (default: the shipped "
+        "drafter's on MT-bench x8, fp32, on a CPU)",
+    )
     parser.add_argument("--out", default=".", help="folder for step_costs.md and .json")
     parser.add_argument(
         "--verify",
@@ -209,6 +219,40 @@ def main(argv: list[str] | None = None) -> None:
                 f"plain captured, {args.tau / step * 1000 / hf:.2f}x HF static"
             )
             report.add(f"device_step_ms[{label}, {verify_path}]", step, line)
+        if verify_path == "captured":
+            sampled_rows(report, args, model, target, prompt)
+
+
+def sampled_rows(
+    report: Report, args: argparse.Namespace, model: Any, target: Target, prompt: torch.Tensor
+) -> None:
+    """At temperature 1.0, captured: plain sampling's tokens/s and the sampled device step of the
+    default tree (lossless rejection on the device), predicted at ``--sampled-tau``."""
+    new, device = args.new_tokens, prompt.device
+    params = SamplingParams(temperature=1.0)
+    generator = torch.Generator(device).manual_seed(0)
+    plain = Decoder(model, None, DecodeOptions(verify="captured"))
+    run = functools.partial(
+        plain.generate,
+        prompt,
+        max_new_tokens=new,
+        eos_token_ids=(),
+        sampling=params,
+        generator=generator,
+    )
+    run()  # capture
+    rate = new / median_seconds(run, device, args.repeats)
+    line = f"headway, no drafter, captured, temperature 1.0: {rate:.1f} tok/s"
+    report.add("plain_sampled_tok_s", rate, line)
+    shape = next(iter(SHAPES.values()))
+    step = device_step_seconds(model, target, prompt, shape, new, "captured", params) * 1000
+    tau = args.sampled_tau
+    line = (
+        f"default tree, captured, temperature 1.0: a sampled device step {step:.2f} ms; "
+        f"predicted at tau {tau}: {tau / step * 1000:.1f} tok/s = "
+        f"{tau / step * 1000 / rate:.2f}x plain captured sampling"
+    )
+    report.add("sampled_device_step_ms", step, line)
 
 
 def device_step_seconds(
@@ -218,6 +262,7 @@ def device_step_seconds(
     shape: tuple[int, int, int],
     new: int,
     verify: str = "captured",
+    sampling: SamplingParams = GREEDY,
 ) -> float:
     """Seconds per step of greedy decoding through the device step (headway/decode/
     device_step.py) with the static drafter of ``shape`` (top_k, depth, total_tokens): the
@@ -233,10 +278,19 @@ def device_step_seconds(
     )
     options = DecodeOptions(verify=verify)  # type: ignore[arg-type]
     decoder = Decoder(model, build_drafter(spec, target), options)
-    decoder.generate(prompt, max_new_tokens=new, eos_token_ids=())  # warm-up, capture
+    generator = torch.Generator(prompt.device).manual_seed(0)
+    run = functools.partial(
+        decoder.generate,
+        prompt,
+        max_new_tokens=new,
+        eos_token_ids=(),
+        sampling=sampling,
+        generator=generator,
+    )
+    run()  # warm-up, capture
     synced(prompt.device)
     started = time.perf_counter()
-    result = decoder.generate(prompt, max_new_tokens=new, eos_token_ids=())
+    result = run()
     synced(prompt.device)
     return (time.perf_counter() - started) / max(len(result.accept_lengths) - 1, 1)
 
