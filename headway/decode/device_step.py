@@ -65,7 +65,8 @@ class DeviceDrafter(Protocol):
 
 @dataclass
 class _Plan:
-    """The buffers (and, on CUDA, the graph) of one tree size and set of hidden layers."""
+    """The buffers (and, on CUDA, the graph) of one tree size, set of hidden layers and
+    sampling setting."""
 
     nodes: int
     rows: int
@@ -119,7 +120,11 @@ class DeviceVerify:
             if plan.noise is None:
                 vocab = self.target.model.get_output_embeddings().weight.shape[0]
                 plan.noise = plan.tokens.new_zeros(plan.nodes + vocab, dtype=torch.float32)
-            plan.noise.uniform_(generator=generator)
+            if generator is None or generator.device == plan.noise.device:
+                plan.noise.uniform_(generator=generator)
+            else:  # a generator elsewhere (e.g. on the host): draw there, copy over
+                drawn = torch.rand(plan.noise.shape, generator=generator, device=generator.device)
+                plan.noise.copy_(drawn)
         if not target.capture:
             self._body(plan, hidden_layers, sampling)
         elif plan.graph is None:
