@@ -70,19 +70,9 @@ _HOST_READS = frozenset({"tolist", "numpy", "cpu"})
 """Tensor methods that read device memory on the host (on a CPU they dispatch no op)."""
 
 _FACTORIES = frozenset(
-    {
-        torch.arange,
-        torch.empty,
-        torch.eye,
-        torch.full,
-        torch.ones,
-        torch.rand,
-        torch.randint,
-        torch.randn,
-        torch.tensor,
-        torch.zeros,
-    }
-)
+    (torch.arange, torch.empty, torch.eye, torch.full, torch.ones, torch.rand, torch.randint,
+     torch.randn, torch.tensor, torch.zeros)
+)  # fmt: skip
 """Factories whose ``device=`` argument places the result."""
 
 
