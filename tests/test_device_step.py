@@ -31,7 +31,7 @@ from headway.heads.eagle import TargetHead
 from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from tests.test_eagle3 import PROMPT, fit_method, target_and_truth, tiny4
-from tests.test_generate import chi_square, exact_two_token_probs
+from tests.test_generate import chi_square, every_first_then_greedy, exact_two_token_probs
 from tests.test_static_eagle import SHAPES, _pair
 from tests.test_verify import AFTER, ROOT_P, SMALL, block_probs, deterministic_tree
 from tests.tiny import TINY_VOCAB
@@ -221,14 +221,7 @@ def sampled_device_steps(device: torch.device) -> None:
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 5.0)
     params = SamplingParams(temperature=1.0)
     first, second = exact_two_token_probs(model, params)
-    extended = torch.cat(
-        [
-            PROMPT.expand(TINY_VOCAB, -1),
-            torch.arange(TINY_VOCAB)[:, None],
-            second.argmax(-1)[:, None],
-        ],
-        dim=1,
-    )
+    extended = every_first_then_greedy(second)
     draft = fit_method(model, extended, steps=120, size=TINY_VOCAB).draft
     model, draft = model.to(device), draft.to(device)
     drafter = StaticEagle3Drafter(draft, TargetHead.of(model), top_k=3, depth=2, total_tokens=7)

@@ -31,7 +31,7 @@ from tests.test_eagle3 import (
     trained,
 )
 from tests.test_eagle_drafter import Recorder
-from tests.test_generate import chi_square, exact_two_token_probs
+from tests.test_generate import chi_square, every_first_then_greedy, exact_two_token_probs
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB
 
 
@@ -140,14 +140,7 @@ def test_sampling_follows_the_target_distribution() -> None:
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 5.0)
     params = SamplingParams(temperature=1.0)
     first, second = exact_two_token_probs(model, params)
-    extended = torch.cat(
-        [
-            PROMPT.expand(TINY_VOCAB, -1),
-            torch.arange(TINY_VOCAB)[:, None],
-            second.argmax(-1)[:, None],
-        ],
-        dim=1,
-    )
+    extended = every_first_then_greedy(second)
     draft = fit_method(model, extended, steps=120, size=TINY_VOCAB).draft
     drafter = Recorder(Eagle3Drafter(draft, TargetHead.of(model), top_k=3, depth=2, total_tokens=7))
     generator = torch.Generator().manual_seed(5)

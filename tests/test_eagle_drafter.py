@@ -29,7 +29,13 @@ from headway.heads.io import save_heads
 from headway.target import fingerprint
 from headway.train.losses_eagle import eagle_loss
 from tests.drafting import heads_drafter
-from tests.test_generate import chi_square, exact_two_token_probs, hf_greedy, sharp_gpt2
+from tests.test_generate import (
+    chi_square,
+    every_first_then_greedy,
+    exact_two_token_probs,
+    hf_greedy,
+    sharp_gpt2,
+)
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model
 
 PROMPT = torch.tensor([1, 5, 17, 33, 8, 40, 41, 9])
@@ -343,14 +349,7 @@ def test_sampling_follows_the_target_distribution() -> None:
     model = sharp_gpt2()
     params = SamplingParams(temperature=1.0)
     first, second = exact_two_token_probs(model, params)
-    extended = torch.cat(
-        [
-            PROMPT.expand(TINY_VOCAB, -1),
-            torch.arange(TINY_VOCAB)[:, None],
-            second.argmax(-1)[:, None],
-        ],
-        dim=1,
-    )
+    extended = every_first_then_greedy(second)
     draft = fit_drafter(model, extended, steps=120)
     drafter = Recorder(
         EagleDrafter(

@@ -265,6 +265,14 @@ def exact_two_token_probs(model: Any, params: SamplingParams) -> tuple[Tensor, T
     return probs_from_logits(first, params), probs_from_logits(second, params)
 
 
+def every_first_then_greedy(second: Tensor) -> Tensor:
+    """``[V, P + 2]``: PROMPT, each first token t1, then the most likely second token after it
+    (``second [V, V]`` from :func:`exact_two_token_probs`): what a drafter is fitted on so that
+    the sampling tests' drafts are often accepted."""
+    every_first = torch.arange(TINY_VOCAB)[:, None]
+    return torch.cat([PROMPT.expand(TINY_VOCAB, -1), every_first, second.argmax(-1)[:, None]], 1)
+
+
 class TableDrafter:
     """Drafts from a table of the target's next-token probabilities after the first token, mixed
     with uniform noise. ``random=True``: ``width`` siblings drawn from q without replacement (with
