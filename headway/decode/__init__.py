@@ -2,7 +2,8 @@
 
 The decode core works on token ids only (no tokenizer) and never imports ``headway.heads`` or
 ``headway.train``; drafters (every one lives in :mod:`headway.drafters`) plug in through the
-:class:`~headway.decode.generate.Drafter` protocol.
+:class:`~headway.decode.generate.Drafter` protocol (and, to keep their trees on a GPU, the
+:class:`~headway.decode.device_step.DeviceDrafter` protocol).
 """
 
 from __future__ import annotations
