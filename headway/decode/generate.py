@@ -4,8 +4,9 @@ One loop serves every drafter; with ``drafter=None`` each step verifies an empty
 plain autoregressive decoding through the very same code. A step is the host step
 (:func:`draft_step`: the tree on the host) or, where a drafter's tree stays on the device and the
 verify path is static, the device step (:func:`device_step`, :mod:`headway.decode.device_step`).
-Guarantees (fp32): with greedy sampling the tokens equal the target's own greedy decoding (``model.generate(do_sample=False)``); with
-sampling and ``acceptance="lossless"`` they follow the target distribution shaped by
+Guarantees (fp32): with greedy sampling the tokens equal the target's own greedy decoding
+(``model.generate(do_sample=False)``); with sampling and ``acceptance="lossless"`` they follow
+the target distribution shaped by
 :class:`~headway.decode.sampling.SamplingParams` (Leviathan et al. 2023; Chen et al. 2023; Miao et
 al. 2023, SpecInfer). Lower precisions can flip near-tied argmaxes between the tree forward and a
 plain forward, so exactness is only promised in fp32.
