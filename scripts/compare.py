@@ -221,21 +221,26 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
         suffix = "" if verify == "eager" else f", {verify}"
         rows.append(headway_row(f"headway, no drafter{suffix}", target, None, verify=verify))
 
-    def add(name: str, spec: Any, sizing: str = "drafter", *, fallback: bool = False) -> None:
-        for verify in paths:  # a drafter per row: drafters keep state between steps
+    def add(
+        name: str,
+        spec: Any,
+        sizing: str = "drafter",
+        *,
+        fallback: bool = False,
+        only: list[str] | None = None,
+    ) -> None:
+        for verify in only or paths:  # a drafter per row: drafters keep state between steps
             suffix = "" if verify == "eager" else f", {verify}"
             drafter = build_drafter(spec, target)
             if fallback:
                 drafter = behind_cheap_guesses(drafter, target, args.retrieval_data)
             rows.append(headway_row(name + suffix, target, drafter, sizing, verify))
 
-    default = resolve_drafter(target.model)  # what `headway generate` runs when nothing is named
-    if default.spec is not None:
-        add(
-            f"default drafter, as headway generate runs it ({default.reason})",
-            default.spec,
-            default.sizing,
-        )
+    for verify in paths:  # what `headway generate --verify VERIFY` runs when nothing is named
+        default = resolve_drafter(target.model, verify=verify)  # type: ignore[arg-type]
+        if default.spec is not None:
+            name = f"default drafter, as headway generate runs it ({default.reason})"
+            add(name, default.spec, default.sizing, only=[verify])
     add("prompt lookup", PromptLookupSpec(num_draft_tokens=args.lookup_tokens))
     # cost-sized: full-length continuations ranked by share (the sizer replaces adaptation)
     sized_lookup = PromptLookupSpec(num_draft_tokens=args.lookup_tokens, adaptive=False)

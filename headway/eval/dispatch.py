@@ -362,7 +362,10 @@ def count_decoding(
     decoder.prepare()  # one-time timings (cost sizing) are not a step's work
     tensors, devices = seeds_of(decoder.drafter)
     tensors += seeds_of(decoder.model, 0)[0]
-    for built in (decoder.target, decoder.drafter, getattr(decoder, "_verifier", None)):
+    drafter: object = decoder.drafter
+    while hasattr(drafter, "inner"):  # a timing or recording wrapper
+        drafter = drafter.inner
+    for built in (decoder.target, drafter, getattr(decoder, "_verifier", None)):
         if isinstance(built, StaticForward | StaticDrafting | DeviceVerify):  # device buffers
             tensors += seeds_of(built, 4, every_tensor=True)[0]
     counter = DispatchCounter(tensors, devices)
