@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from headway.decode.captured import StaticForward
 from headway.decode.costs import verify_timer
-from headway.decode.generate import Decoder
+from headway.decode.generate import Decoder, GenerationResult
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
 from headway.drafters.build import build_drafter
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         report.add(f"drafting_ms[{label}]", {k: v * 1000 for k, v in costs.items()}, line)
     for verify_path in args.verify.split(","):
         plain_path = Decoder(model, None, DecodeOptions(verify=verify_path))
-        run = functools.partial(plain_path.generate, prompt, max_new_tokens=new, eos_token_ids=())
+        run = generation(plain_path, prompt, new)
         run()  # compile, capture
         rate = new / median_seconds(run, device, repeats)
         report.add(
@@ -230,16 +230,8 @@ def sampled_rows(
     default tree (lossless rejection on the device), predicted at ``--sampled-tau``."""
     new, device = args.new_tokens, prompt.device
     params = SamplingParams(temperature=1.0)
-    generator = torch.Generator(device).manual_seed(0)
     plain = Decoder(model, None, DecodeOptions(verify="captured"))
-    run = functools.partial(
-        plain.generate,
-        prompt,
-        max_new_tokens=new,
-        eos_token_ids=(),
-        sampling=params,
-        generator=generator,
-    )
+    run = generation(plain, prompt, new, params)
     run()  # capture
     rate = new / median_seconds(run, device, args.repeats)
     line = f"headway, no drafter, captured, temperature 1.0: {rate:.1f} tok/s"
@@ -255,6 +247,22 @@ def sampled_rows(
     report.add("sampled_device_step_ms", step, line)
 
 
+def generation(
+    decoder: Decoder, prompt: torch.Tensor, new: int, sampling: SamplingParams = GREEDY
+) -> Callable[[], GenerationResult]:
+    """One generation of ``new`` tokens after ``prompt`` through ``decoder``, as a call to
+    time; sampled draws come from a generator on the prompt's device, seeded 0 once."""
+    generator = torch.Generator(prompt.device).manual_seed(0)
+    return functools.partial(
+        decoder.generate,
+        prompt,
+        max_new_tokens=new,
+        eos_token_ids=(),
+        sampling=sampling,
+        generator=generator,
+    )
+
+
 def device_step_seconds(
     model: Any,
     target: Target,
@@ -264,9 +272,10 @@ def device_step_seconds(
     verify: str = "captured",
     sampling: SamplingParams = GREEDY,
 ) -> float:
-    """Seconds per step of greedy decoding through the device step (headway/decode/
-    device_step.py) with the static drafter of ``shape`` (top_k, depth, total_tokens): the
-    whole step, drafting, verification, acceptance and the host's bookkeeping included."""
+    """Seconds per step of decoding (``sampling``, greedy by default) through the device step
+    (headway/decode/device_step.py) with the static drafter of ``shape`` (top_k, depth,
+    total_tokens): the whole step, drafting, verification, acceptance and the host's
+    bookkeeping included."""
     top_k, depth, total = shape
     spec = EagleSpec(
         heads=str(DRAFTER),
@@ -278,15 +287,7 @@ def device_step_seconds(
     )
     options = DecodeOptions(verify=verify)  # type: ignore[arg-type]
     decoder = Decoder(model, build_drafter(spec, target), options)
-    generator = torch.Generator(prompt.device).manual_seed(0)
-    run = functools.partial(
-        decoder.generate,
-        prompt,
-        max_new_tokens=new,
-        eos_token_ids=(),
-        sampling=sampling,
-        generator=generator,
-    )
+    run = generation(decoder, prompt, new, sampling)
     run()  # warm-up, capture
     synced(prompt.device)
     started = time.perf_counter()
