@@ -55,7 +55,7 @@ from headway.drafters.resolve import resolve_drafter
 from headway.drafters.specs import EagleSpec, MedusaSpec, PromptLookupSpec, RetrievalSpec
 from headway.eval.acceptance import acceptance_stats
 from headway.eval.baselines import Runner, hf_runner
-from headway.eval.dispatch import count_decoding, dispatch_table
+from headway.eval.dispatch_decoding import count_decoding, dispatch_table
 from headway.eval.speed import EvalSettings, TimedDrafter, drafter_runner
 from headway.evalsets import load_prompts
 from headway.target import Target, eos_token_ids, load_target
@@ -140,8 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after the timed runs, decode the first N prompts again under a dispatch counter "
         "and print, per verify step of each headway row, the kernels a GPU would launch one by "
         "one, the ops it would replay from CUDA graphs (with --verify captured and static "
-        "drafting), host-only ops and the host reads that wait for the GPU "
-        "(headway.eval.dispatch: the CPU proxy for GPU decoding cost)",
+        "drafting), host-only ops, the host reads that wait for the GPU, and the graph faults "
+        "(what inside a region a GPU captures would break the capture or go stale on replay; "
+        "'none' is the aim) (headway.eval.dispatch: the CPU proxy for GPU decoding cost)",
     )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     return parser.parse_args(argv)

@@ -26,7 +26,7 @@ from headway.decode.tree import DraftTree, ancestor_mask, depths, subtree
 from headway.decode.verify import verify_greedy
 from headway.drafters.medusa_drafter import MedusaDrafter
 from headway.drafters.static_eagle import StaticEagle3Drafter
-from headway.eval.dispatch import count_decoding
+from headway.eval.dispatch_decoding import count_decoding
 from headway.heads.eagle import TargetHead
 from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.medusa import MedusaConfig, MedusaHeads
@@ -145,6 +145,26 @@ def test_a_device_step_reads_the_device_once() -> None:
     assert counts["host"].syncs == 2 * counts["host"].steps + 1
     assert counts["device"].host_ops < counts["host"].host_ops / 2
     assert isinstance(device._device_step(SamplingParams()), DeviceStep)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("kind", ["none", "eagle1", "trained"])
+def test_what_a_gpu_would_capture_is_device_work_only(kind: str, temperature: float) -> None:
+    """The bodies a GPU records as CUDA graphs (the verify forward, the device step, a static
+    drafter's step) read nothing back, take no host vector, run no host op and draw no random
+    number (headway.eval.dispatch's graph faults): on a CPU nothing is captured, so this is
+    the check that the graphs replay what the CPU runs."""
+    model, _ = target_and_truth("llama")
+    drafters: list[Any] = [None]
+    if kind != "none":
+        drafters = [_pair(kind, model, SHAPES[shape])[1] for shape in sorted(SHAPES)]
+    sampling = SamplingParams(temperature=temperature)
+    for drafter in drafters:
+        for run in _decoders(model, drafter):
+            counts = count_decoding(
+                run, [PROMPT], max_new_tokens=16, eos_token_ids=(), sampling=sampling
+            )
+            assert counts.replayed > 0 and counts.graph_faults == {}
 
 
 def test_plain_captured_decoding_takes_the_device_step() -> None:

@@ -10,7 +10,8 @@ from headway.decode.generate import Decoder, generate
 from headway.decode.options import DecodeOptions
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.oracle import OracleDrafter
-from headway.eval.dispatch import DispatchCounter, count_decoding, dispatch_table
+from headway.eval.dispatch import DispatchCounter
+from headway.eval.dispatch_decoding import count_decoding, dispatch_table
 from tests.tiny import tiny_model
 
 PROMPT = torch.tensor([1, 7, 23, 45, 12, 9, 60, 7, 23, 45, 12])
@@ -88,3 +89,26 @@ def test_captured_plain_decoding_launches_little_beside_its_graph() -> None:
     rates = counts.per_step()
     assert rates["replayed_per_step"] > 10 * rates["launches_per_step"] > 0
     assert counts.syncs == counts.steps + 1  # one read a step, and the first token's
+
+
+def test_graph_faults_are_what_a_capture_would_break_on() -> None:
+    """Inside a replayed region: a host read, a host vector fed to a device op, a host-only op
+    and a random op are faults; device work, Python scalars and the same ops outside are not."""
+    weight = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    host = torch.arange(3.0)
+    with DispatchCounter([weight]) as counter, torch.inference_mode():
+        int(weight.sum())  # outside a region: a sync, no fault
+        with counter.region("captured"):
+            device = weight * 2 + torch.tensor(1.0)  # device work and a scalar constant
+            torch.zeros(3, device=weight.device).add_(device)  # placed on the device
+            assert not counter.counts.graph_faults
+            device.tolist()  # a host read
+            weight + host  # the host's values baked into the graph
+            host + 1  # runs at capture, never on replay
+            torch.rand(3, device=weight.device)  # a random op
+    assert counter.counts.graph_faults == {
+        "sync: tolist": 1,
+        "host input: aten.add.Tensor": 1,
+        "host op: aten.add.Tensor": 1,
+        "random: aten.rand.default": 1,
+    }

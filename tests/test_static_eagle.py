@@ -16,7 +16,8 @@ from headway.drafters import static_eagle
 from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.eagle_drafter import EagleDrafter
 from headway.drafters.static_eagle import StaticEagle3Drafter, StaticEagleDrafter
-from headway.eval.dispatch import DispatchCounter, seeds_of
+from headway.eval.dispatch import DispatchCounter
+from headway.eval.dispatch_decoding import seeds_of
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead
 from tests.drafting import heads_drafter
 from tests.test_eagle3 import CHAIN, PROMPT, TREE, random_draft, target_and_truth, trained

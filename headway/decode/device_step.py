@@ -34,12 +34,10 @@ from torch import Tensor
 
 from headway.decode.captured import StaticForward, block_bucket, record_graph
 from headway.decode.device_tree import accept_greedy, accept_sampled, tree_layout
-from headway.decode.sampling import SamplingParams, probs_from_logits
+from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits
 from headway.decode.static_cache import StaticCache
 
 __all__ = ["DeviceDrafter", "DeviceStep", "DeviceVerify"]
-
-GREEDY = SamplingParams()
 
 
 @runtime_checkable
@@ -155,6 +153,8 @@ class DeviceVerify:
                 cache=self.target.cache,
             )
             self._plans[key] = plan
+            # the forward's buffers now, not in the graph's body (no host allocation there)
+            self.target.shape_for(block_bucket(nodes + 1), hidden_layers)
         return plan
 
     def _body(self, plan: _Plan, hidden_layers: tuple[int, ...], sampling: SamplingParams) -> None:

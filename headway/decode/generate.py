@@ -37,7 +37,7 @@ from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.gemm import gemm_route
 from headway.decode.kv import context_limit
 from headway.decode.options import DecodeOptions
-from headway.decode.sampling import SamplingParams, probs_from_logits, sample
+from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits, sample
 from headway.decode.session import Drafter, Session, StopReason, commit
 from headway.decode.tree import DraftTree, empty_tree, limit_depth
 from headway.decode.verify import verify
@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 INITIAL_ROOM = 4096
 """Answer tokens the sequence buffer (and a static cache) holds before they are first grown."""
 
-GREEDY = SamplingParams()
 DEFAULT_OPTIONS = DecodeOptions()
 
 

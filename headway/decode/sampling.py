@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "GREEDY",
     "SamplingParams",
     "normalise",
     "pick_tokens",
@@ -57,6 +58,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding takes the argmax (temperature 0)."""
         return self.temperature == 0.0
+
+
+GREEDY = SamplingParams()
+"""Greedy decoding (temperature 0), the default everywhere."""
 
 
 def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:

@@ -21,6 +21,12 @@ them where no GPU is (views, which launch nothing, are not counted):
 - **syncs.** A host read of a device-resident tensor (``item``/``int``/``bool``, ``tolist``,
   ``numpy``, ``cpu()``, ``nonzero``, ``equal``, ...) waits for the GPU. Host reads of host
   tensors cost nothing of the kind and are not counted.
+- **graph faults.** What inside a replayed region would break the capture or go stale on
+  replay, found without a GPU: a host read (illegal while capturing), a device op fed a host
+  tensor of one element or more (its values are baked into the graph at capture; zero-dimensional
+  ones are let pass as the Python constants they are), a host-only op
+  (it runs once, at capture, never on replay), a random op (the decoder draws its random
+  numbers before a graph, so that replays follow the caller's generator).
 
 Limits: a tensor the code places on the device with ``.to(device)`` stays "host" here (on a CPU
 ``.to`` returns the tensor itself, so its storage cannot be told apart), though the ops using it
@@ -32,21 +38,16 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from headway.decode.captured import StaticForward
-from headway.decode.device_step import DeviceVerify
-from headway.decode.generate import Decoder
-from headway.drafters.static_eagle import StaticDrafting
-
-__all__ = ["DispatchCounter", "DispatchCounts", "count_decoding", "dispatch_table", "seeds_of"]
+__all__ = ["DispatchCounter", "DispatchCounts"]
 
 _SYNC_OPS = frozenset(
     {
@@ -62,9 +63,17 @@ _SYNC_OPS = frozenset(
 """Ops whose output size or value the host must wait for on CUDA."""
 
 _NO_KERNEL = frozenset(
-    {"aten.resolve_conj.default", "aten.resolve_neg.default", "aten.lift_fresh.default"}
+    {
+        "aten.resolve_conj.default",
+        "aten.resolve_neg.default",
+        "aten.lift_fresh.default",
+        "aten.detach_.default",
+    }
 )
 """Ops that launch nothing (views, which share their input's storage, are not counted either)."""
+
+_RANDOM = ("uniform", "normal", "exponential", "bernoulli", "multinomial", "random", "rand")
+"""Substrings of the names of aten ops that draw random numbers."""
 
 _HOST_READS = frozenset({"tolist", "numpy", "cpu"})
 """Tensor methods that read device memory on the host (on a CPU they dispatch no op)."""
@@ -89,6 +98,8 @@ class DispatchCounts:
         prefill_ops: ops of the prompts' prefill forwards (once per prompt, not per step).
         steps: verify forwards (prefill excluded).
         tokens: tokens generated.
+        graph_faults: ``"kind: op"`` -> count, for what inside a replayed region would break
+            its capture or replay on a GPU (module docstring); empty when the regions are sound.
     """
 
     launches: int = 0
@@ -99,6 +110,7 @@ class DispatchCounts:
     prefill_ops: int = 0
     steps: int = 0
     tokens: int = 0
+    graph_faults: dict[str, int] = field(default_factory=dict)
 
     def per_step(self) -> dict[str, float]:
         """Each count per verify step, and eager launches per generated token."""
@@ -131,7 +143,7 @@ class _Factories(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in _HOST_READS and args and self.counter.resident(args[0]):
-            self.counter.sync()
+            self.counter.sync(name)
             if name == "cpu":  # a copy on the host, as on a GPU (a CPU returns the tensor itself)
                 return self.counter.host_copy(args[0])
         placed = func in _FACTORIES and self.counter.on_device(kwargs.get("device"))
@@ -192,8 +204,6 @@ class DispatchCounter(TorchDispatchMode):
 
     def _mark(self, tensor: Tensor, on_device: bool) -> None:
         key = _storage(tensor)
-        if not key:
-            return
         if on_device:
             self._resident.setdefault(key, []).append(weakref.ref(tensor))
         else:
@@ -214,10 +224,17 @@ class DispatchCounter(TorchDispatchMode):
         self._mark(copy, False)
         return copy
 
-    def sync(self) -> None:
-        """Count one host read of a device-resident tensor (not during a prefill)."""
+    def sync(self, op: str = "read") -> None:
+        """Count one host read (``op``) of a device-resident tensor (not during a prefill)."""
         if "prefill" not in self._regions:
             self.counts.syncs += 1
+            self._fault("sync", op)
+
+    def _fault(self, kind: str, op: str) -> None:
+        """Record a graph fault of ``kind`` by ``op`` if a replayed region is running."""
+        if "captured" in self._regions and "prefill" not in self._regions and not self._quiet:
+            key = f"{kind}: {op}"
+            self.counts.graph_faults[key] = self.counts.graph_faults.get(key, 0) + 1
 
     def __torch_dispatch__(
         self,
@@ -231,9 +248,10 @@ class DispatchCounter(TorchDispatchMode):
         fresh = str(func).startswith("aten.lift_fresh")  # torch.tensor(...): placed or host
         on_device = self.placing > 0 or (not fresh and any(self.resident(x) for x in inputs))
         if on_device and str(func) in _SYNC_OPS:
-            self.sync()
+            self.sync(str(func))
         if not (getattr(func, "is_view", False) or str(func) in _NO_KERNEL):
             self._count(on_device)
+            self._check(str(func), on_device, inputs)
         result = func(*args, **kwargs)
         for out in tree_flatten(result)[0]:
             if isinstance(out, Tensor) and (on_device or not self.resident(out)):
@@ -256,6 +274,17 @@ class DispatchCounter(TorchDispatchMode):
         else:
             counts.launches += 1
 
+    def _check(self, op: str, on_device: bool, inputs: Sequence[Tensor]) -> None:
+        """Record the graph faults of one counted op (module docstring)."""
+        if "captured" not in self._regions:
+            return
+        if not on_device:
+            self._fault("host op", op)
+        elif self.placing == 0 and any(_baked(x) and not self.resident(x) for x in inputs):
+            self._fault("host input", op)
+        if any(word in op.split(".")[1] for word in _RANDOM):
+            self._fault("random", op)
+
     def __enter__(self) -> DispatchCounter:
         self._stack.enter_context(_Factories(self))
         super().__enter__()
@@ -266,133 +295,17 @@ class DispatchCounter(TorchDispatchMode):
         self._stack.close()
 
 
+def _baked(tensor: Tensor) -> bool:
+    """Whether a host ``tensor`` fed to a device op in a graph bakes values into it (it has
+    dimensions and elements; a zero-dimensional one is a Python scalar's constant)."""
+    return tensor.dim() > 0 and tensor.numel() > 0
+
+
 def _storage(tensor: Tensor) -> int:
-    """The address of ``tensor``'s storage (0 for an empty one, or one without storage such
-    as a packed weight)."""
+    """The address of ``tensor``'s storage; for an empty one, or one without storage such as a
+    packed weight, minus the tensor's ``id`` (residency then goes with the tensor itself)."""
     try:
-        return int(tensor.untyped_storage().data_ptr())
+        address = int(tensor.untyped_storage().data_ptr())
     except (NotImplementedError, RuntimeError):
-        return 0
-
-
-def seeds_of(
-    root: object, depth: int = 3, *, every_tensor: bool = False
-) -> tuple[list[Tensor], list[torch.device]]:
-    """Parameters and buffers of every ``nn.Module``, and every ``torch.device``, reachable from
-    ``root`` through instance attributes, lists, tuples and dicts, ``depth`` levels deep (a
-    drafter, its wrappers, its heads, the device it placed its buffers on). With
-    ``every_tensor``, every tensor found too but those held as ``host`` (the pinned staging
-    buffers): the static caches and input buffers a decoder built before counting began."""
-    tensors: list[Tensor] = []
-    devices: list[torch.device] = []
-    seen: set[int] = set()
-
-    def visit(value: object, left: int) -> None:
-        if id(value) in seen or left < 0:
-            return
-        seen.add(id(value))
-        if isinstance(value, torch.device):
-            devices.append(value)
-        elif isinstance(value, nn.Module):
-            tensors.extend(value.parameters())
-            tensors.extend(value.buffers())
-        elif isinstance(value, Tensor):
-            if every_tensor:
-                tensors.append(value)
-        elif isinstance(value, list | tuple):
-            for item in value:
-                visit(item, left - 1)
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item, left - 1)
-        elif hasattr(value, "__dict__") and not isinstance(value, type):
-            for name, item in vars(value).items():
-                if name != "host":
-                    visit(item, left - 1)
-
-    visit(root, depth)
-    return tensors, devices
-
-
-@contextmanager
-def _regions_marked(counter: DispatchCounter, decoder: Decoder) -> Iterator[None]:
-    """Mark ``decoder``'s prefill and verify forwards, and what a GPU replays from graphs (the
-    forward of a ``StaticForward`` verify, the device step's verify, a static drafter's step), while
-    the block runs."""
-    target = decoder.target
-    patched: list[tuple[object, str, Any]] = []
-
-    def wrap(owner: object, name: str, kind: str) -> None:
-        method = getattr(owner, name)
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with counter.region(kind):
-                return method(*args, **kwargs)
-
-        patched.append((owner, name, vars(owner).get(name) if isinstance(owner, type) else None))
-        setattr(owner, name, run)
-
-    wrap(target, "prefill", "prefill")
-    wrap(target, "verify", "target")
-    if isinstance(target, StaticForward):  # its verify forward is a graph replay on CUDA
-        wrap(target, "_body", "captured")
-        wrap(target, "forward_block", "target")  # the device step's forward too
-    wrap(DeviceVerify, "_body", "captured")
-    wrap(StaticDrafting, "_step", "captured")
-    try:
-        yield
-    finally:
-        for owner, name, original in reversed(patched):
-            if original is not None:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)  # the instance attribute goes; the method is back
-
-
-def count_decoding(
-    decoder: Decoder,
-    prompts: Sequence[Tensor],
-    *,
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int],
-) -> DispatchCounts:
-    """Decode each of ``prompts`` (``[P]`` token ids) greedily with ``decoder`` under a
-    :class:`DispatchCounter` seeded with the target's and the drafter's tensors, and the device
-    buffers of a static verify path, a static drafter and the device step built before."""
-    decoder.prepare()  # one-time timings (cost sizing) are not a step's work
-    tensors, devices = seeds_of(decoder.drafter)
-    tensors += seeds_of(decoder.model, 0)[0]
-    drafter: object = decoder.drafter
-    while hasattr(drafter, "inner"):  # a timing or recording wrapper
-        drafter = drafter.inner
-    for built in (decoder.target, drafter, getattr(decoder, "_verifier", None)):
-        if isinstance(built, StaticForward | StaticDrafting | DeviceVerify):  # device buffers
-            tensors += seeds_of(built, 4, every_tensor=True)[0]
-    counter = DispatchCounter(tensors, devices)
-    with _regions_marked(counter, decoder), torch.inference_mode(), counter:
-        for prompt in prompts:
-            result = decoder.generate(
-                prompt, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids
-            )
-            counter.counts.steps += len(result.accept_lengths) - 1
-            counter.counts.tokens += len(result.tokens)
-    return counter.counts
-
-
-def dispatch_table(counts: dict[str, DispatchCounts]) -> list[str]:
-    """Markdown lines: per configuration and verify step, the eager kernel launches a GPU would
-    make, the ops it would replay from graphs, host-only ops, host syncs, and launches per
-    generated token."""
-    lines = [
-        "| drafter | eager launches per step | replayed from graphs per step | host ops per step "
-        "| host syncs per step | eager launches per token |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, count in counts.items():
-        rates = count.per_step()
-        lines.append(
-            f"| {name} | {rates['launches_per_step']:.0f} | {rates['replayed_per_step']:.0f} | "
-            f"{rates['host_ops_per_step']:.0f} | {rates['syncs_per_step']:.1f} | "
-            f"{rates['launches_per_token']:.0f} |"
-        )
-    return lines
+        address = 0
+    return address or -id(tensor)

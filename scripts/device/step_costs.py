@@ -44,7 +44,7 @@ from headway.decode.captured import StaticForward
 from headway.decode.costs import verify_timer
 from headway.decode.generate import Decoder, GenerationResult
 from headway.decode.options import DecodeOptions
-from headway.decode.sampling import SamplingParams
+from headway.decode.sampling import GREEDY, SamplingParams
 from headway.drafters.build import build_drafter
 from headway.drafters.specs import EagleSpec
 from headway.eval.speed import TimedDrafter
@@ -52,7 +52,6 @@ from headway.target import Target
 
 CONFIG = Path(__file__).with_name("smollm2-135m.json")
 DRAFTER = Path(__file__).resolve().parents[2] / "drafters" / "smollm2-135m-eagle3"
-GREEDY = SamplingParams()
 SHAPES = {"tree (top_k 8, depth 4, 16 tokens)": (8, 4, 16), "chain (depth 4)": (1, 4, 5)}
 
 
