@@ -12,7 +12,7 @@ import torch
 
 from headway.decode import captured
 from headway.decode.captured import StaticForward
-from headway.decode.device_step import DeviceStep
+from headway.decode.device_step import DeviceStep, DeviceVerify
 from headway.decode.device_tree import (
     accept_greedy,
     accept_sampled,
@@ -25,7 +25,7 @@ from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree, ancestor_mask, depths, subtree
 from headway.decode.verify import verify_greedy
 from headway.drafters.medusa_drafter import MedusaDrafter
-from headway.drafters.static_eagle import StaticEagle3Drafter
+from headway.drafters.static_eagle import StaticDrafting, StaticEagle3Drafter
 from headway.eval.dispatch_decoding import count_decoding
 from headway.heads.eagle import TargetHead
 from headway.heads.hidden_states import final_hidden_layer
@@ -41,6 +41,10 @@ TREES = {
     "star": [-1, -1, -1, -1],
     "mixed": [-1, -1, 0, 0, 1, 2, 2, 5, 3],
 }
+
+
+KINDS = ("eagle1", "random", "trained")
+"""The static drafters of tests/test_static_eagle.py's ``_pair``."""
 
 
 def random_tree(nodes: int, generator: torch.Generator) -> list[int]:
@@ -87,7 +91,7 @@ def _decoders(model: Any, drafter: Any) -> list[Decoder]:
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("kind", ["eagle1", "random", "trained"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_device_steps_are_the_host_steps(kind: str, shape: str) -> None:
     model, truth = target_and_truth("llama")
     _, static = _pair(kind, model, SHAPES[shape])
@@ -165,6 +169,44 @@ def test_what_a_gpu_would_capture_is_device_work_only(kind: str, temperature: fl
                 run, [PROMPT], max_new_tokens=16, eos_token_ids=(), sampling=sampling
             )
             assert counts.replayed > 0 and counts.graph_faults == {}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bodies_a_gpu_runs_three_times_before_replaying_give_the_same_output(
+    temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA a graph's body runs twice eagerly (warm-up), is captured, then replayed: every
+    body a GPU captures must do no harm when run again. Here each runs three times per call,
+    and decoding (host and device steps, greedy and sampled from one seed) stays the same."""
+    model, _ = target_and_truth("llama")
+    sampling = SamplingParams(temperature=temperature)
+
+    def outputs() -> list[tuple[list[int], list[int]]]:
+        found = []
+        for drafter in [None] + [_pair(kind, model, SHAPES["tree"])[1] for kind in KINDS]:
+            for run in _decoders(model, drafter):
+                generator = torch.Generator().manual_seed(7)
+                result = run.generate(
+                    PROMPT, max_new_tokens=20, eos_token_ids=(), sampling=sampling,
+                    generator=generator,
+                )  # fmt: skip
+                found.append((result.tokens, result.accept_lengths))
+        return found
+
+    once = outputs()
+    for owner, name in (
+        (StaticForward, "_body"),
+        (DeviceVerify, "_body"),
+        (StaticDrafting, "_step"),
+    ):
+        body = getattr(owner, name)
+
+        def thrice(*args: Any, body: Any = body, **kwargs: Any) -> None:
+            for _ in range(3):
+                body(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, thrice)
+    assert outputs() == once
 
 
 def test_plain_captured_decoding_takes_the_device_step() -> None:
