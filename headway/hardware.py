@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import platform
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -33,6 +34,7 @@ __all__ = [
     "CpuFeatures",
     "cpu_features",
     "fast_bf16",
+    "has_cxx_compiler",
     "mixed_precision",
     "onednn_supports",
     "regeneration_dtype",
@@ -151,6 +153,11 @@ def cpu_features() -> CpuFeatures:
         amx=_flag("_is_amx_tile_supported"),
         onednn_bf16=onednn_supports(torch.bfloat16),
     )
+
+
+def has_cxx_compiler() -> bool:
+    """Whether a C++ compiler is on PATH (``torch.compile`` needs one to build CPU kernels)."""
+    return any(map(shutil.which, ("c++", "g++", "clang++")))
 
 
 def fast_bf16(device: torch.device | str) -> bool:

@@ -20,6 +20,7 @@ from headway.decode.static_cache import StaticCache
 from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.oracle import OracleDrafter
+from headway.hardware import has_cxx_compiler
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.vocab import DraftVocab
@@ -98,10 +99,7 @@ def test_greedy_output_equals_transformers(family: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-@pytest.mark.skipif(
-    not any(map(shutil.which, ("c++", "g++", "clang++"))),
-    reason="torch.compile needs a C++ compiler",
-)
+@pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")
 def test_the_compiled_verify_forward_keeps_the_output() -> None:
     """verify="compiled": the verify forwards through torch.compile (inductor, here on the
     CPU), trees and the device step included; transformers' greedy output, no recompile when

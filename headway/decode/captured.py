@@ -26,7 +26,6 @@ blocked in the same mask (:func:`headway.decode.kv.window_blocked`).
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from headway.decode.kv import cache_argument, sliding_window, takes_mask_mapping
 from headway.decode.static_cache import StaticCache
 from headway.decode.tree import ancestor_mask, depths
 from headway.errors import HardwareError
+from headway.hardware import has_cxx_compiler
 
 __all__ = ["StaticForward", "block_bucket", "record_graph"]
 
@@ -85,7 +85,7 @@ class StaticForward:
         self.capture = on_cuda if capture is None else capture
         # verify="compiled": the verify forwards (not the prefill, whose length varies) go
         # through torch.compile, compiled during the warm-up runs before a capture
-        if compile and not on_cuda and not any(map(shutil.which, ("c++", "g++", "clang++"))):
+        if compile and not on_cuda and not has_cxx_compiler():
             raise HardwareError(
                 "verify=compiled on a CPU needs a C++ compiler for torch.compile (none on PATH): "
                 "install one (e.g. g++) or use --verify captured"
