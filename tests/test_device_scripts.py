@@ -82,6 +82,10 @@ def test_step_costs_runs_here_on_a_cpu(tmp_path: Path) -> None:
     spec.loader.exec_module(module)
     argv = ["--device", "cpu", "--dtype", "float32", "--new-tokens", "6", "--repeats", "1"]
     argv += ["--verify", "captured"]  # compiling on a CPU is the slow test of test_captured.py
+    trees = [{"top_k": 1, "depth": 2, "total_tokens": 3, "tau": 1.5}]
+    trees += [{"top_k": 2, "depth": 2, "total_tokens": 4, "tau": 1.6}]
+    (tmp_path / "trees.json").write_text(json.dumps({"trees": trees}))
+    argv += ["--tree-taus", str(tmp_path / "trees.json")]
     module.main([*argv, "--prompt-tokens", "8", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "step_costs.json").read_text())
     assert {"hf_static_tok_s", "plain_captured_tok_s", "verify_ms"} <= set(data)
@@ -93,3 +97,5 @@ def test_step_costs_runs_here_on_a_cpu(tmp_path: Path) -> None:
     assert table.count("trees equal") == 2
     assert sum(key.startswith("device_step_ms") for key in data) == 2
     assert {"plain_sampled_tok_s", "sampled_device_step_ms"} <= set(data)
+    assert {"tree_tok_s[1,2,3]", "tree_tok_s[2,2,4]"} <= set(data)
+    assert data["best_tree"] in ([1, 2, 3], [2, 2, 4])

@@ -17,7 +17,12 @@ H200 in bf16) instead:
   decoding's tokens/s and the whole device step (``headway/decode/device_step.py``: static
   drafting and verification each one graph, one host read a step) timed end to end, with its
   predicted tokens/s; then, captured at temperature 1.0, plain sampling's tokens/s and the
-  sampled device step (lossless rejection on the device), predicted at ``--sampled-tau``.
+  sampled device step (lossless rejection on the device), predicted at ``--sampled-tau``;
+- the tree sweep, captured, greedy: the device step of each tree in ``--tree-taus`` (a JSON of
+  trees and the shipped drafter's tau with each, measured on a CPU with the real target, where
+  acceptance does not depend on the device) and its predicted tokens/s, the best tree last: on
+  a GPU a deeper, wider tree costs little more a step, so the CPU's default need not be the
+  GPU's.
 
 Each table prints, and is written to ``$OUT/step_costs.md`` / ``.json``, as soon as it is
 measured. Usage on the machine (one call; ~2 min on an H100):
@@ -51,6 +56,7 @@ from headway.eval.speed import TimedDrafter
 from headway.target import Target
 
 CONFIG = Path(__file__).with_name("smollm2-135m.json")
+TREE_TAUS = Path(__file__).with_name("tree_taus.json")
 DRAFTER = Path(__file__).resolve().parents[2] / "drafters" / "smollm2-135m-eagle3"
 SHAPES = {"tree (top_k 8, depth 4, 16 tokens)": (8, 4, 16), "chain (depth 4)": (1, 4, 5)}
 
@@ -69,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1.74,
         help="tau at temperature 1.0 the sampled prediction assumes (default: the shipped "
         "drafter's on MT-bench x8, fp32, on a CPU)",
+    )
+    parser.add_argument(
+        "--tree-taus",
+        default=str(TREE_TAUS),
+        help="JSON of the trees to sweep with the shipped drafter's tau for each, measured on a "
+        "CPU ({'trees': [{'top_k', 'depth', 'total_tokens', 'tau'}, ...]}); '' skips the sweep",
     )
     parser.add_argument("--out", default=".", help="folder for step_costs.md and .json")
     parser.add_argument(
@@ -220,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             report.add(f"device_step_ms[{label}, {verify_path}]", step, line)
         if verify_path == "captured":
             sampled_rows(report, args, model, target, prompt)
+            tree_rows(report, args, model, target, prompt, {"plain captured": base, "HF": hf})
 
 
 def sampled_rows(
@@ -244,6 +257,40 @@ def sampled_rows(
         f"{tau / step * 1000 / rate:.2f}x plain captured sampling"
     )
     report.add("sampled_device_step_ms", step, line)
+
+
+def tree_rows(
+    report: Report,
+    args: argparse.Namespace,
+    model: Any,
+    target: Target,
+    prompt: torch.Tensor,
+    baselines: dict[str, float],
+) -> None:
+    """Captured, greedy: each tree of ``--tree-taus`` through the device step, its step timed
+    here and its tokens/s predicted at the tau measured for it on a CPU (against each of
+    ``baselines``, name -> tokens/s); the best tree last."""
+    if not args.tree_taus or not Path(args.tree_taus).is_file():
+        report.add("best_tree", None, f"tree sweep skipped: no tree file {args.tree_taus!r}")
+        return
+    trees = json.loads(Path(args.tree_taus).read_text(encoding="utf-8"))["trees"]
+    rates: dict[tuple[int, int, int], float] = {}
+    for tree in trees:
+        shape = (int(tree["top_k"]), int(tree["depth"]), int(tree["total_tokens"]))
+        step = device_step_seconds(model, target, prompt, shape, args.new_tokens) / tree["tau"]
+        rates[shape] = 1 / step
+        against = ", ".join(
+            f"{rates[shape] / rate:.2f}x {name}" for name, rate in baselines.items()
+        )
+        line = (
+            f"tree top_k {shape[0]}, depth {shape[1]}, {shape[2]} tokens (tau {tree['tau']:.2f} "
+            f"on a CPU): a device step {step * tree['tau'] * 1000:.2f} ms, predicted "
+            f"{rates[shape]:.1f} tok/s = {against}"
+        )
+        report.add(f"tree_tok_s[{shape[0]},{shape[1]},{shape[2]}]", rates[shape], line)
+    best = max(rates, key=rates.__getitem__)
+    line = f"best tree here: top_k {best[0]}, depth {best[1]}, {best[2]} tokens"
+    report.add("best_tree", list(best), line)
 
 
 def generation(
