@@ -6,7 +6,13 @@
 source scripts/device/env.sh
 folder=${1:-data/regenerated/smollm2-sharegpt}
 mix=${2:-sharegpt:12000}
+shift $(($# < 2 ? $# : 2))
+# options after the folder and the mix replace these (a folder resumes only with its own settings)
+options=("$@")
+if [ ${#options[@]} -eq 0 ]; then
+    options=(--max-new-tokens 512 --temperature 0 --shard-size 256 --seed 0 --dtype float32
+        --batch-size 128)
+fi
 rm -rf /root/regen && cp -r "$folder" /root/regen
-cd /root && setsid nohup python3 -m headway data regenerate --mix "$mix" \
-    --out /root/regen --max-new-tokens 512 --temperature 0 --shard-size 256 --seed 0 \
-    --dtype float32 --batch-size 128 > /root/regen.log 2>&1 < /dev/null &
+cd /root && setsid nohup python3 -m headway data regenerate --mix "$mix" --out /root/regen \
+    "${options[@]}" > /root/regen.log 2>&1 < /dev/null &
