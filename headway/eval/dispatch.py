@@ -22,11 +22,11 @@ them where no GPU is (views, which launch nothing, are not counted):
   ``numpy``, ``cpu()``, ``nonzero``, ``equal``, ...) waits for the GPU. Host reads of host
   tensors cost nothing of the kind and are not counted.
 - **graph faults.** What inside a replayed region would break the capture or go stale on
-  replay, found without a GPU: a host read (illegal while capturing), a device op fed a host
-  tensor of one element or more (its values are baked into the graph at capture; zero-dimensional
-  ones are let pass as the Python constants they are), a host-only op
-  (it runs once, at capture, never on replay), a random op (the decoder draws its random
-  numbers before a graph, so that replays follow the caller's generator).
+  replay, found without a GPU: a host read (illegal while capturing), a device op fed a
+  non-empty host tensor with dimensions (its values are baked into the graph at capture;
+  zero-dimensional ones pass as the Python constants they are), a host-only op (it runs once,
+  at capture, never on replay), a random op (the decoder draws its random numbers before a
+  graph, so that replays follow the caller's generator).
 
 Limits: a tensor the code places on the device with ``.to(device)`` stays "host" here (on a CPU
 ``.to`` returns the tensor itself, so its storage cannot be told apart), though the ops using it
