@@ -12,7 +12,7 @@ import torch
 
 from headway.decode import captured
 from headway.decode.captured import StaticForward
-from headway.decode.device_step import DeviceStep, DeviceVerify
+from headway.decode.device_step import DeviceStep
 from headway.decode.device_tree import (
     accept_greedy,
     accept_sampled,
@@ -25,8 +25,8 @@ from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree, ancestor_mask, depths, subtree
 from headway.decode.verify import verify_greedy
 from headway.drafters.medusa_drafter import MedusaDrafter
-from headway.drafters.static_eagle import StaticDrafting, StaticEagle3Drafter
-from headway.eval.dispatch_decoding import count_decoding
+from headway.drafters.static_eagle import StaticEagle3Drafter
+from headway.eval.dispatch_decoding import CAPTURED_BODIES, count_decoding
 from headway.heads.eagle import TargetHead
 from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.medusa import MedusaConfig, MedusaHeads
@@ -194,11 +194,7 @@ def test_bodies_a_gpu_runs_three_times_before_replaying_give_the_same_output(
         return found
 
     once = outputs()
-    for owner, name in (
-        (StaticForward, "_body"),
-        (DeviceVerify, "_body"),
-        (StaticDrafting, "_step"),
-    ):
+    for owner, name in CAPTURED_BODIES:
         body = getattr(owner, name)
 
         def thrice(*args: Any, body: Any = body, **kwargs: Any) -> None:

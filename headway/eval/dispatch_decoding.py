@@ -23,7 +23,15 @@ from headway.decode.sampling import GREEDY, SamplingParams
 from headway.drafters.static_eagle import StaticDrafting
 from headway.eval.dispatch import DispatchCounter, DispatchCounts
 
-__all__ = ["count_decoding", "dispatch_table", "seeds_of"]
+__all__ = ["CAPTURED_BODIES", "count_decoding", "dispatch_table", "seeds_of"]
+
+CAPTURED_BODIES: tuple[tuple[type, str], ...] = (
+    (StaticForward, "_body"),  # the captured verify forward
+    (DeviceVerify, "_body"),  # the device step's verify
+    (StaticDrafting, "_step"),  # a static drafter's step
+)
+"""(class, method) of every body a GPU records as a CUDA graph (through
+:func:`~headway.decode.captured.record_graph`) and replays."""
 
 
 def seeds_of(
@@ -85,11 +93,10 @@ def _regions_marked(counter: DispatchCounter, decoder: Decoder) -> Iterator[None
 
     wrap(target, "prefill", "prefill")
     wrap(target, "verify", "target")
-    if isinstance(target, StaticForward):  # its verify forward is a graph replay on CUDA
-        wrap(target, "_body", "captured")
-        wrap(target, "forward_block", "target")  # the device step's forward too
-    wrap(DeviceVerify, "_body", "captured")
-    wrap(StaticDrafting, "_step", "captured")
+    if isinstance(target, StaticForward):
+        wrap(target, "forward_block", "target")  # the device step's forward
+    for owner, name in CAPTURED_BODIES:
+        wrap(owner, name, "captured")
     try:
         yield
     finally:
