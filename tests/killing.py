@@ -34,12 +34,11 @@ from transformers import PreTrainedModel
 
 from headway.corpus.jsonl import read_jsonl
 from headway.train.regenerate import prompts_path
+from tests.launching import ENV
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 
 TIMEOUT_S = 300.0
-# One thread per process: the machine is shared, and thread count must not change results.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # The installed `headway` command, beside this interpreter.
 HEADWAY = str(Path(sys.executable).with_name("headway"))
 # 3 shards: `data cache-features` writes 256 samples per shard.

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from headway.train.sharding import (
     should_shard,
     take_fsdp_launch,
 )
+from tests.launching import ENV, accelerate_launch
 from tests.tiny import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,30 +151,9 @@ def worker(root: Path, run: str) -> None:
 
 
 def launch(root: Path, run: str) -> None:
-    command = [
-        *(sys.executable, "-m", "accelerate.commands.launch"),
-        *("--config_file", str(root / "accelerate.yaml"), "--dynamo_backend", "no"),
-        *("-m", "tests.test_fsdp_target", str(root), run),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    # Own session: on a timeout the launcher AND its two workers are killed, none is orphaned.
-    launcher = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = launcher.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.communicate()
-        raise
-    assert launcher.returncode == 0, stderr[-4000:]
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    program = ["-m", "tests.test_fsdp_target", str(root), run]
+    accelerate_launch(program, config_file=root / "accelerate.yaml", cwd=REPO, env=env)
 
 
 @pytest.mark.slow

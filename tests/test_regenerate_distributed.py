@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from headway.corpus.jsonl import read_jsonl
 from headway.train.regenerate import prompts_path
 from tests.killing import ENV, HEADWAY, make_workspace
-
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+from tests.launching import accelerate_launch
 
 
 def regenerate_argv(target: Path, chat: Path, out: Path) -> list[str]:
@@ -25,12 +23,13 @@ def regenerate_argv(target: Path, chat: Path, out: Path) -> list[str]:
 
 
 def launch(argv: list[str], processes: int) -> None:
-    # On a CPU-only machine --multi_gpu runs the processes over gloo (--cpu would run one).
-    prefix = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(processes)]
-    prefix += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    command = [*prefix, HEADWAY, *argv] if processes > 1 else [HEADWAY, *argv]
-    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    if processes == 1:
+        result = subprocess.run(
+            [HEADWAY, *argv], env=ENV, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        accelerate_launch([HEADWAY, *argv], processes=processes, timeout_s=300)
 
 
 def outcome(out: Path) -> dict[str, Any]:

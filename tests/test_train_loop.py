@@ -4,10 +4,6 @@ reads offline features, and runs as two processes."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +24,7 @@ from headway.train.features import (
 )
 from headway.train.methods import build_method, feature_layers
 from headway.train.packed_features import collate_cached
+from tests.launching import accelerate_launch
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 
@@ -202,41 +199,7 @@ def test_two_processes_train_one_model(workspace: Path, tmp_path: Path) -> None:
     from headway.config import to_dict
 
     recipe.write_text(yaml.safe_dump(to_dict(config)), encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "headway.train",
-        "--config",
-        str(recipe),
-    ]
-    # Own session: on a timeout the launcher AND its two workers are killed, none is orphaned.
-    launcher = subprocess.Popen(
-        command,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = launcher.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.communicate()
-        raise
-    assert launcher.returncode == 0, stderr[-3000:]
+    accelerate_launch(["-m", "headway.train", "--config", str(recipe)], processes=2)
     summary = json.loads((workspace / "ddp" / "training_summary.json").read_text())
     assert summary["num_processes"] == 2
     first, second = summary["param_checksum_per_process"]
