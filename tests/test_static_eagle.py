@@ -106,3 +106,19 @@ def test_the_spec_option_builds_the_static_drafter(tmp_path: Path) -> None:
     assert isinstance(heads_drafter(run, model), EagleDrafter)
     result = generate(model, PROMPT, drafter=static, max_new_tokens=32, eos_token_ids=())
     assert result.tokens == truth
+
+
+def test_a_step_makes_only_the_proposal_asked_for() -> None:
+    """One step's host tree (``propose``) and device subtree (``propose_on_device``) are the
+    same nodes; a step builds only the one asked for, and asking for the other switches."""
+    model, _ = target_and_truth("llama")
+    _, static = _pair("random", model, SHAPES["tree"])
+    generate(model, PROMPT, drafter=static, max_new_tokens=4, eos_token_ids=())
+    host = static.propose(PROMPT)
+    static._out = None
+    on_device = static.propose_on_device()
+    assert on_device is not None and static._out is None  # the host tree was not built
+    assert torch.equal(on_device[0].cpu(), host.tokens)
+    assert torch.equal(on_device[1].cpu(), host.parents)
+    again = static.propose(PROMPT)
+    assert torch.equal(again.tokens, host.tokens) and torch.equal(again.parents, host.parents)

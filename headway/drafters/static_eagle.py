@@ -57,6 +57,9 @@ class StaticDrafting(EagleDrafter):
 
     capture: bool | None = None
     _kept: tuple[Tensor, Tensor]  # the last step's tree on the device: tokens, parents
+    # Which proposal a step makes: the device step's subtree (:attr:`_kept`) or the host tree
+    # (:attr:`_out`); a graph holds one of them, so a switch drops it.
+    _on_device = False
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget the previous sequence; the buffers (and a captured graph) are kept."""
@@ -144,7 +147,7 @@ class StaticDrafting(EagleDrafter):
         until the next proposal. None when nothing was observed since the last one."""
         if not self._pending:
             return None
-        self._draft()
+        self._draft(on_device=True)
         return self._kept
 
     def _observe_eagerly(self, tokens: Tensor, features: Tensor) -> None:
@@ -177,7 +180,8 @@ class StaticDrafting(EagleDrafter):
 
     def _step(self) -> None:
         """The step the graph holds: the buffered pairs, then the tree from the last one's
-        state; leaves the tree and the kept nodes in :attr:`_out`."""
+        state; leaves the kept subtree in :attr:`_kept` (device step) or the tree and the kept
+        nodes in :attr:`_out` (host step)."""
         positions = self._before + torch.arange(self._rows, device=self._device)
         features = self._pair_features(self._in_hidden)
         visible = self._causal(positions)  # padding rows: garbage, never read
@@ -186,7 +190,9 @@ class StaticDrafting(EagleDrafter):
         root = predicted.index_select(0, self._n.reshape(1) - 1)[0]
         tokens, parents, scores = self._expand(root, None)
         best = select_nodes(scores, self.total_tokens - 1)
-        self._kept = subtree_on_device(tokens, parents, best)
+        if self._on_device:
+            self._kept = subtree_on_device(tokens, parents, best)
+            return
         kept = scores[best.sort().values].exp()  # in node order, as subtree keeps them
         self._out = torch.cat([tokens.double(), parents.double(), best.double(), kept.double()])
 
@@ -213,7 +219,7 @@ class StaticDrafting(EagleDrafter):
         CUDA and one transfer of the tree to the host."""
         if not self._pending:
             return empty_tree()
-        self._draft()
+        self._draft(on_device=False)
         assert self._out is not None
         host = self._out.cpu()  # the one transfer of a step's drafting
         nodes = self.top_k + (self.depth - 1) * self.top_k**2  # every level expanded
@@ -224,8 +230,13 @@ class StaticDrafting(EagleDrafter):
             return tree
         return DraftTree(tree.tokens, tree.parents, scores=host[2 * nodes + keep :].float())
 
-    def _draft(self) -> None:
-        """Run the step: replayed from its graph on CUDA, captured on first use."""
+    def _draft(self, *, on_device: bool) -> None:
+        """Run the step for the device or the host proposal: replayed from its graph on CUDA,
+        captured on first use (and again when the other proposal is asked for)."""
+        if on_device != self._on_device:
+            self._on_device = on_device
+            self._graph = None  # it makes the other proposal; its pool goes with it
+            self._pool = None
         with self._routed():
             if not self.capture:
                 self._step()
