@@ -53,35 +53,42 @@ def exclusive_folder(
 
 
 @contextmanager
-def exclusive_output(path: Path, *, what: str = "--out") -> Iterator[None]:
+def exclusive_output(path: Path, *, what: str = "--out", wait: bool = False) -> Iterator[None]:
     """Hold the writer lock of an output ``path`` that is written whole and renamed into place
     (an export): the lock file sits beside it, ``.<name>.headway-writer.lock``, so ``path`` itself
     never holds anything but the finished output. The folder around it is not swept (it may be
     the working directory); the writer removes the temporaries of killed writes of ``path``
-    itself (:func:`headway.atomic.remove_stale`).
+    itself (:func:`headway.atomic.remove_stale`). With ``wait``, a busy lock is waited for
+    instead (a cache entry another process is writing: check for it again once the lock is yours).
 
     Raises:
-        FolderBusyError: another process is writing ``path`` (its pid named).
+        FolderBusyError: another process is writing ``path`` (its pid named), unless ``wait``.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path.parent / f".{path.name}{LOCK_NAME}", subject=path, what=what, sweep=None):
+    lock = path.parent / f".{path.name}{LOCK_NAME}"
+    with _locked(lock, subject=path, what=what, sweep=None, wait=wait):
         yield
 
 
 @contextmanager
-def _locked(path: Path, *, subject: Path, what: str, sweep: Path | None) -> Iterator[None]:
-    """``flock`` ``path`` for the block, then sweep temporaries of killed writers from ``sweep``
-    (any depth); the lock file is removed on the way out."""
+def _locked(
+    path: Path, *, subject: Path, what: str, sweep: Path | None, wait: bool = False
+) -> Iterator[None]:
+    """``flock`` ``path`` for the block (waiting for it with ``wait``), then sweep temporaries
+    of killed writers from ``sweep`` (any depth); the lock file is removed on the way out."""
     while True:
         handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(handle)
-            raise FolderBusyError(
-                f"{subject} is being written by another headway process (pid {_holder(path)}); "
-                f"wait for it to end or choose another {what} folder"
-            ) from None
+            if not wait:
+                os.close(handle)
+                raise FolderBusyError(
+                    f"{subject} is being written by another headway process (pid "
+                    f"{_holder(path)}); wait for it to end or choose another {what} folder"
+                ) from None
+            logger.info("waiting for pid %s, writing %s", _holder(path), subject)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             same = os.fstat(handle).st_ino == path.stat().st_ino
         except FileNotFoundError:

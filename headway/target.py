@@ -30,6 +30,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from headway.atomic import remove_dead_writers_leftovers, temporary_name
 from headway.errors import TargetError
+from headway.locks import exclusive_output
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,15 @@ def convert_gguf(gguf_path: Path) -> Path:
     final = converted_folder(gguf_path)
     if (final / "config.json").is_file():
         return final
+    # One process converts; the others (two test workers, the ranks of a launch) wait for it.
+    with exclusive_output(final, what="target conversion", wait=True):
+        if (final / "config.json").is_file():
+            return final  # converted while this process waited
+        return _convert(gguf_path, final)
+
+
+def _convert(gguf_path: Path, final: Path) -> Path:
+    """:func:`convert_gguf`'s conversion, under its lock."""
     final.parent.mkdir(parents=True, exist_ok=True)
     # Conversions a SIGKILL interrupted (of this or any other GGUF) leave their staging folder,
     # named with their pid: remove those whose process is gone.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,12 @@ from transformers import AutoModelForCausalLM
 
 from headway import target as target_module
 from headway.errors import TargetError
+from headway.locks import exclusive_output
 from headway.target import (
     Target,
     check_fingerprint,
     convert_gguf,
+    converted_folder,
     fingerprint,
     load_target,
     resolve_device,
@@ -117,6 +120,38 @@ def test_conversion_is_reused_once_complete(
     second = convert_gguf(gguf)
     assert first == second and (first / "config.json").is_file()
     assert calls == ["model.gguf"]
+
+
+def test_a_conversion_under_way_is_waited_for_not_repeated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second process asking for a target another one is converting waits for it and takes
+    its folder (two test workers, or the ranks of a launch, convert the embedded model once)."""
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    final = converted_folder(gguf)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    holding, release = threading.Event(), threading.Event()
+
+    def other_converter() -> None:  # holds the conversion lock, then publishes the folder
+        with exclusive_output(final, what="target conversion"):
+            holding.set()
+            release.wait(10)
+            final.mkdir(parents=True)
+            (final / "config.json").write_text("{}")
+
+    other = threading.Thread(target=other_converter)
+    other.start()
+    assert holding.wait(10)
+    threading.Timer(0.3, release.set).start()
+    assert convert_gguf(gguf) == final  # returned only once the other one had finished
+    other.join()
+    assert sorted(path.name for path in final.parent.iterdir()) == [final.name]  # no lock left
 
 
 def test_dtype_and_device_resolution() -> None:
