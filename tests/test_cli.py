@@ -181,6 +181,7 @@ def test_typical_acceptance_is_reachable_and_labelled_lossy(
 
 
 def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For eval and features (``generate`` on an AMX CPU: tests/test_cpu_fallback.py)."""
     from headway.cli import common
 
     assert common.dtype_for("auto", "cpu") == "float32"

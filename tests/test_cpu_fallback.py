@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from headway.cli import build_parser
 from headway.decode import packed
 from headway.decode.gemm import GemmChoice, apply_gemm
 from headway.decode.generate import generate
@@ -158,6 +159,29 @@ def test_auto_dtypes_follow_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None
         assert mixed_precision("bf16", "cpu") == "bf16"  # asked for: kept (with a warning)
         assert mixed_precision("fp16", "cpu") == "no"
         assert cpu.describe().count("\n") == 0
+
+
+def test_generate_decodes_in_bf16_only_on_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``headway generate --dtype auto``: bf16 where AMX runs it (a drafter's verify blocks cost
+    about one token there), fp32 on AVX-512 BF16 without AMX, AVX2 and a limited AMX CPU;
+    ``eval`` and feature caching stay fp32 on every CPU (exact greedy output)."""
+    from headway import hardware
+    from headway.cli import common
+
+    avx512_bf16 = CpuFeatures("x", "x86_64", "AVX512", True, True, True, False, True)
+    amx = CpuFeatures("x", "x86_64", "AVX512", True, True, True, True, True)
+    limited = CpuFeatures("x", "x86_64", "AVX2", True, True, True, True, True)
+    avx2 = CpuFeatures("x", "x86_64", "AVX2", True, False, False, False, False)
+    for cpu, wanted in ((amx, "bfloat16"), (avx512_bf16, "float32"), (limited, "float32")):
+        monkeypatch.setattr(hardware, "cpu_features", lambda cpu=cpu: cpu)
+        assert common.dtype_for("auto", "cpu", "generate") == wanted
+        assert common.dtype_for("auto", "cpu", "decode") == "float32"
+        assert common.dtype_for("float32", "cpu", "generate") == "float32"  # asked for: kept
+    monkeypatch.setattr(hardware, "cpu_features", lambda: avx2)
+    assert hardware.generation_dtype("cpu") == "float32"
+    assert hardware.generation_dtype("cuda") == "bfloat16"
+    assert build_parser().parse_args(["generate", "hi"]).dtype_use == "generate"
+    assert build_parser().parse_args(["eval"]).dtype_use == "decode"
 
 
 SCRIPT = """

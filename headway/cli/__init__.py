@@ -73,7 +73,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         "decoding at temperature 0 (fp32) and follows the target's distribution when sampling.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_target_flags(parser)
+    add_target_flags(parser, use="generate")
     add_generate_flags(parser)
     parser.set_defaults(handler=run_generate)
 

@@ -14,28 +14,35 @@ from headway.decode.options import DecodeOptions
 from headway.drafters.resolve import DrafterChoice
 from headway.drafters.specs import describe_specs
 from headway.errors import HeadwayError
-from headway.hardware import regeneration_dtype
+from headway.hardware import generation_dtype, regeneration_dtype
 from headway.target import Target, load_target, resolve_device
 
 logger = logging.getLogger(__name__)
 
-DtypeUse = Literal["decode", "data"]
-"""What ``--dtype auto`` serves: ``decode`` (float32 on a CPU, where greedy output is exact) or
-``data`` (regeneration: bfloat16 wherever the machine computes it natively)."""
+DtypeUse = Literal["decode", "generate", "data"]
+"""What ``--dtype auto`` serves: ``decode`` (eval and features: float32 on a CPU, where greedy
+output is exact), ``generate`` (bfloat16 on a CPU with AMX too, where it is fastest:
+:func:`headway.hardware.generation_dtype`) or ``data`` (regeneration: bfloat16 wherever the
+machine computes it natively)."""
 
 
 def add_target_flags(parser: argparse.ArgumentParser, *, use: DtypeUse = "decode") -> None:
     """``--target``, ``--dtype``, ``--device``, ``--trust-remote-code``; ``--dtype auto`` is
     resolved for ``use`` by :func:`dtype_for`."""
-    auto = (
-        "auto (the default) is bfloat16 where this machine computes it natively (CUDA, or a CPU "
-        "with AVX-512 BF16 or AMX) and float32 elsewhere (bf16 is emulated, slower than fp32, on "
-        "an AVX2-only CPU; `headway env` says which this is)"
-        if use == "data"
-        else "auto (the default) is bfloat16 on CUDA and float32 on a CPU; greedy output is "
-        "identical to plain decoding in float32, and in bfloat16 equal up to the rounding of a "
-        "batched forward"
+    exactness = (
+        "greedy output is identical to plain decoding in float32, and in bfloat16 equal up to "
+        "the rounding of a batched forward (pass --dtype float32 for identical text)"
     )
+    auto = {
+        "data": "auto (the default) is bfloat16 where this machine computes it natively (CUDA, "
+        "or a CPU with AVX-512 BF16 or AMX) and float32 elsewhere (bf16 is emulated, slower than "
+        "fp32, on an AVX2-only CPU; `headway env` says which this is)",
+        "generate": "auto (the default) is bfloat16 on CUDA and on a CPU with AMX (probed; there "
+        "a drafter's multi-token verify costs about a one-token forward in bf16: the shipped "
+        "drafter ran 35.1 tokens/s in bf16 against 25.2 in fp32 on a 2-core Sapphire Rapids "
+        "Xeon), float32 on other CPUs (`headway env` says which this is); " + exactness,
+        "decode": "auto (the default) is bfloat16 on CUDA and float32 on a CPU; " + exactness,
+    }[use]
     parser.set_defaults(dtype_use=use)
     parser.add_argument(
         "--target",
@@ -61,12 +68,15 @@ def add_target_flags(parser: argparse.ArgumentParser, *, use: DtypeUse = "decode
 
 def dtype_for(dtype: str, device: str, use: DtypeUse = "decode") -> str:
     """``--dtype auto`` for ``use``: decoding in bfloat16 where the target runs on CUDA, float32
-    elsewhere (CPU bf16 changes greedy text and is not always faster there); data in
+    elsewhere (CPU bf16 changes greedy text); ``generate`` in
+    :func:`headway.hardware.generation_dtype`, data in
     :func:`headway.hardware.regeneration_dtype`. Other values as given."""
     if dtype != "auto":
         return dtype
     if use == "data":
         return regeneration_dtype(resolve_device(device))
+    if use == "generate":
+        return generation_dtype(resolve_device(device))
     return "bfloat16" if resolve_device(device).type == "cuda" else "float32"
 
 

@@ -18,7 +18,13 @@ from torch import nn
 from headway import __version__
 from headway.decode.gemm import fastest_route
 from headway.decode.packed import packing_available
-from headway.hardware import cpu_features, fast_bf16, mixed_precision, regeneration_dtype
+from headway.hardware import (
+    cpu_features,
+    fast_bf16,
+    generation_dtype,
+    mixed_precision,
+    regeneration_dtype,
+)
 
 __all__ = ["add_env", "environment_report"]
 
@@ -85,6 +91,13 @@ def environment_report() -> list[tuple[str, str]]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     decode_dtype = "bfloat16" if device == "cuda" else "float32"
     bf16_reason = "native bf16 here" if fast_bf16(device) else "bf16 would be emulated here, slower"
+    amx_reason = (
+        "CUDA"
+        if device == "cuda"
+        else "bf16 on AMX tiles here: a drafter's verify blocks cost about one token"
+        if generation_dtype(device) == "bfloat16"
+        else "no AMX bf16 here: float32"
+    )
     return [
         ("headway", __version__),
         ("python", f"{sys.version.split()[0]} ({platform.platform()})"),
@@ -93,7 +106,8 @@ def environment_report() -> list[tuple[str, str]]:
         ("CPU", cpu.describe()),
         *_cuda(),
         ("auto device", device),
-        ("auto decoding dtype", f"{decode_dtype} (float32 on a CPU: greedy output exact)"),
+        ("auto decoding dtype", f"{decode_dtype} (eval, features; float32 on a CPU: exact)"),
+        ("auto generate dtype", f"{generation_dtype(device)} ({amx_reason})"),
         ("auto regeneration dtype", f"{regeneration_dtype(device)} ({bf16_reason})"),
         ("train.mixed_precision=auto", f"{mixed_precision('auto', device)} ({bf16_reason})"),
         ("--gemm auto, float32", _gemm_choice(torch.float32)),
