@@ -4,6 +4,8 @@ and a tree prices its own draft levels."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -49,6 +51,16 @@ def test_verify_cost_table_times_a_grid_and_interpolates() -> None:
     assert len(table) == 10
     assert table[3] == pytest.approx(0.016) and table[4] == pytest.approx((0.016 + 0.036) / 2)
     assert table[8] == pytest.approx((0.064 + 0.100) / 2) and table[9] == pytest.approx(0.1)
+
+
+def test_a_size_timed_slower_than_a_larger_one_takes_the_larger_ones_time() -> None:
+    """Noise (a job beside the timing) cannot make a mid-sized block look dearer than a larger
+    one: the table never decreases, and sizes timed in order keep their own times."""
+    spiked = {1: 1.0, 2: 1.1, 3: 1.2, 4: 3.0, 6: 1.3, 8: 1.4, 10: 1.5}  # 4: a noisy spike
+    table = verify_cost_table(None, 10, seconds=spiked.__getitem__)  # type: ignore[arg-type]
+    assert all(a <= b for a, b in itertools.pairwise(table))
+    assert table[3] == pytest.approx(1.3)  # size 4 takes size 6's time
+    assert [table[m - 1] for m in (1, 2, 3, 6, 8, 10)] == [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

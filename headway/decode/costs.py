@@ -76,14 +76,19 @@ def verify_cost_table(
     """Seconds of one verify forward over m block tokens (the root and m - 1 tree nodes), for
     m = 1 .. ``max_tokens`` (entry m - 1): timed at m = 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to
     ``max_tokens`` (with :func:`~headway.decode.bench.forward_seconds` on a one-level tree,
-    the model's route as the loop will run it, or ``seconds`` if given) and linearly interpolated in
+    the model's route as the loop will run it, or ``seconds`` if given), made non-decreasing (a
+    size takes the least time of itself and every larger size) and linearly interpolated in
     between."""
     if seconds is None:
         seconds = verify_timer(target_model, prefix_tokens)
 
     grid = [m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if m < max_tokens]
     grid.append(max_tokens)
-    timed = {m: seconds(m) for m in grid}
+    measured = {m: seconds(m) for m in grid}
+    # A forward over more tokens does not cost less: a size timed above a larger one was slowed
+    # by something else on the machine (one such spike made cost sizing verify 3-token trees
+    # beside a regeneration), so each size keeps the least of its and every larger size's time.
+    timed = {m: min(measured[g] for g in grid if g >= m) for m in grid}
     table = []
     for m in range(1, max_tokens + 1):
         upper = next(g for g in grid if g >= m)
@@ -92,7 +97,11 @@ def verify_cost_table(
         table.append(timed[lower] + share * (timed[upper] - timed[lower]))
     logger.info(
         "verify cost per block size (ms): %s",
-        ", ".join(f"{m}: {timed[m] * 1000:.1f}" for m in grid),
+        ", ".join(
+            f"{m}: {timed[m] * 1000:.1f}"
+            + (f" (timed {measured[m] * 1000:.1f})" if timed[m] < measured[m] else "")
+            for m in grid
+        ),
     )
     return table
 
