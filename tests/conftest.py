@@ -22,6 +22,7 @@ MAX_WORKERS = 4
 WORKER_BYTES = 3 * 2**30  # a worker's peak resident memory stays well under this
 
 
+@pytest.hookimpl(optionalhook=True)  # where pytest-xdist is not installed (a GPU machine)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto``: one worker per core this process may run on, at most :data:`MAX_WORKERS`
     and one per :data:`WORKER_BYTES` of memory, at least one."""

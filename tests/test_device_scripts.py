@@ -45,6 +45,19 @@ def test_python_dash_m_headway_is_the_headway_command() -> None:
     assert __version__ in result.stdout
 
 
+def test_the_gpu_tests_collect_without_pytest_xdist() -> None:
+    """The GPU machine runs ``python3 -m pytest -m gpu`` with its own Python, which has no
+    pytest-xdist: the conftest's xdist hook must not stop pytest there."""
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider"]
+    command += ["--collect-only", "-q", "-m", "gpu", "tests/test_gpu.py"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=root)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "test_gpu.py::" in result.stdout
+
+
 @pytest.mark.slow
 def test_bench_gpu_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     """``scripts/bench_gpu.py`` drives ``compare.py`` through its own parser: a run on the CPU
