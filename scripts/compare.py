@@ -82,7 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("runs", nargs="*", help="headway run directories (any drafter method)")
     parser.add_argument("--target", default="smollm2-135m", help="target model (default embedded)")
-    parser.add_argument("--dtype", default="float32", help="target dtype (exact in float32)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="target dtype (default float32, where every row must be identical to HF greedy; "
+        "`headway generate` decodes in bfloat16 on CUDA and on an AMX CPU: pass bfloat16 to "
+        "time what it runs there)",
+    )
     parser.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda:0'")
     parser.add_argument("--prompts", default="mt-bench", help="mt-bench, humaneval or a .jsonl")
     parser.add_argument(
