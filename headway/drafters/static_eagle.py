@@ -19,8 +19,10 @@ A step's drafting (the padded observe, every level, the best ``total_tokens - 1`
 one fixed sequence of kernels per tree setting. On CUDA it is captured as one CUDA graph on first
 use (warm-up runs on a side stream, then capture) and replayed every step after: ``observe`` only
 copies its inputs into the graph's buffers, ``propose`` replays it and reads the tree back in one
-transfer. The prompt's pairs beyond the last ``depth + 1`` are fed eagerly. A cache too small for
-the next step grows to the next power of two, dropping the graph with its memory pool.
+transfer (``propose_on_device``, for the device step, leaves the kept subtree on the device; a
+step builds only the proposal its caller asks for, and a switch recaptures). The prompt's pairs
+beyond the last ``depth + 1`` are fed eagerly. A cache too small for the next step grows to the
+next power of two, dropping the graph with its memory pool.
 
 Exactness: masked columns add exactly zero attention weight, so the draft states equal the eager
 drafter's up to summation order, and the trees are the same (``tests/test_static_eagle.py``);
