@@ -179,8 +179,7 @@ def convert_gguf(gguf_path: Path) -> Path:
 
 
 def _convert(gguf_path: Path, final: Path) -> Path:
-    """:func:`convert_gguf`'s conversion, under its lock."""
-    final.parent.mkdir(parents=True, exist_ok=True)
+    """:func:`convert_gguf`'s conversion, under its lock (which made ``final.parent``)."""
     # Conversions a SIGKILL interrupted (of this or any other GGUF) leave their staging folder,
     # named with their pid: remove those whose process is gone.
     remove_dead_writers_leftovers(final.parent)

@@ -122,3 +122,20 @@ def test_a_step_makes_only_the_proposal_asked_for() -> None:
     assert torch.equal(on_device[1].cpu(), host.parents)
     again = static.propose(PROMPT)
     assert torch.equal(again.tokens, host.tokens) and torch.equal(again.parents, host.parents)
+
+
+def test_every_dropped_graph_takes_its_memory_pool_with_it() -> None:
+    """A graph pool handle kept after its graphs are gone crashed the next capture (issue #32):
+    a grown cache, new input buffers and a switched proposal each drop both."""
+    model, _ = target_and_truth("llama")
+    _, static = _pair("random", model, SHAPES["tree"])
+    generate(model, PROMPT, drafter=static, max_new_tokens=4, eos_token_ids=())
+    hidden = static._in_hidden
+    for drop in (
+        lambda: static._reserve(static._cache.capacity + 1),
+        lambda: static._buffer(PROMPT[:2], tuple(h[:2].double() for h in hidden), 2),
+        lambda: static.propose_on_device(),
+    ):
+        static._graph, static._pool = object(), object()
+        drop()
+        assert static._graph is None and static._pool is None

@@ -16,15 +16,10 @@ import torch
 from torch import nn
 
 from headway import __version__
+from headway.cli.common import dtype_for
 from headway.decode.gemm import fastest_route
 from headway.decode.packed import packing_available
-from headway.hardware import (
-    cpu_features,
-    fast_bf16,
-    generation_dtype,
-    mixed_precision,
-    regeneration_dtype,
-)
+from headway.hardware import cpu_features, fast_bf16, mixed_precision, regeneration_dtype
 
 __all__ = ["add_env", "environment_report"]
 
@@ -89,15 +84,15 @@ def environment_report() -> list[tuple[str, str]]:
     """``(name, value)`` rows of ``headway env``."""
     cpu = cpu_features()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    decode_dtype = "bfloat16" if device == "cuda" else "float32"
+    decode_dtype = dtype_for("auto", device, "decode")
+    generate_dtype = dtype_for("auto", device, "generate")
     bf16_reason = "native bf16 here" if fast_bf16(device) else "bf16 would be emulated here, slower"
-    amx_reason = (
-        "CUDA"
-        if device == "cuda"
-        else "bf16 on AMX tiles here: a drafter's verify blocks cost about one token"
-        if generation_dtype(device) == "bfloat16"
-        else "no AMX bf16 here: float32"
-    )
+    if device == "cuda":
+        amx_reason = "CUDA"
+    elif generate_dtype == "bfloat16":
+        amx_reason = "bf16 on AMX tiles here: a drafter's verify blocks cost about one token"
+    else:
+        amx_reason = "no AMX bf16 here: float32"
     return [
         ("headway", __version__),
         ("python", f"{sys.version.split()[0]} ({platform.platform()})"),
@@ -107,7 +102,7 @@ def environment_report() -> list[tuple[str, str]]:
         *_cuda(),
         ("auto device", device),
         ("auto decoding dtype", f"{decode_dtype} (eval, features; float32 on a CPU: exact)"),
-        ("auto generate dtype", f"{generation_dtype(device)} ({amx_reason})"),
+        ("auto generate dtype", f"{generate_dtype} ({amx_reason})"),
         ("auto regeneration dtype", f"{regeneration_dtype(device)} ({bf16_reason})"),
         ("train.mixed_precision=auto", f"{mixed_precision('auto', device)} ({bf16_reason})"),
         ("--gemm auto, float32", _gemm_choice(torch.float32)),

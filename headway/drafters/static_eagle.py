@@ -98,8 +98,7 @@ class StaticDrafting(EagleDrafter):
         capacity = max(MIN_CAPACITY, block_bucket(columns))
         self._cache = self._cache.grown(capacity, self._committed)
         self._columns = torch.arange(capacity, device=self._device)
-        self._graph = None  # it wrote into the old buffers; its pool goes with it
-        self._pool = None
+        self._drop_graph()  # it wrote into the old buffers
 
     @torch.inference_mode()
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
@@ -125,7 +124,7 @@ class StaticDrafting(EagleDrafter):
             for b, h in zip(self._in_hidden, hidden, strict=True)
         ):
             self._in_hidden = tuple(h.new_zeros(self._rows, *h.shape[1:]) for h in hidden)
-            self._graph = None
+            self._drop_graph()  # it read the old buffers
         rows = tokens.numel()
         for buffer, layer in zip(self._in_hidden, hidden, strict=True):
             buffer[:rows].copy_(layer)
@@ -237,8 +236,7 @@ class StaticDrafting(EagleDrafter):
         captured on first use (and again when the other proposal is asked for)."""
         if on_device != self._on_device:
             self._on_device = on_device
-            self._graph = None  # it makes the other proposal; its pool goes with it
-            self._pool = None
+            self._drop_graph()  # it makes the other proposal
         with self._routed():
             if not self.capture:
                 self._step()
@@ -246,6 +244,12 @@ class StaticDrafting(EagleDrafter):
                 self._capture()
             else:
                 self._graph.replay()
+
+    def _drop_graph(self) -> None:
+        """Forget the captured graph and its memory pool together: a pool handle outliving its
+        graphs is what crashed the next capture in issue #32."""
+        self._graph = None
+        self._pool = None
 
     def _capture(self) -> None:
         """Capture :meth:`_step` as a CUDA graph (:func:`~headway.decode.captured.record_graph`;
