@@ -163,6 +163,11 @@ def test_import_errors_are_clear(run: Path, tmp_path: Path) -> None:
     (out / "config.json").write_text(json.dumps({**config, "medusa_num_heads": 5}))
     with pytest.raises(HeadsError, match="declares num_heads = 5 but the tensors hold 2"):
         import_medusa(out)
+    # a value that is not a number is quoted, so the error stays on one line (found by fuzzing)
+    (out / "config.json").write_text(json.dumps({**config, "medusa_num_heads": "\n"}))
+    with pytest.raises(HeadsError, match=r"declares num_heads = '\\n' but") as error:
+        import_medusa(out)
+    assert "\n" not in str(error.value)
     tensors = load_file(out / "medusa_lm_head.safetensors")
     del tensors["1.0.linear.bias"]
     save_file(tensors, out / "medusa_lm_head.safetensors")

@@ -256,7 +256,7 @@ def _check_against_config(config: MedusaConfig, engine: dict[str, Any], path: Pa
             not isinstance(value, int) or isinstance(value, bool) or value != getattr(config, field)
         ):
             raise HeadsError(
-                f"{path}: config.json declares {field} = {value} but the tensors hold "
+                f"{path}: config.json declares {field} = {value!r} but the tensors hold "
                 f"{getattr(config, field)}; fix the config or the weights"
             )
 
