@@ -55,6 +55,7 @@ from headway.drafters.resolve import resolve_drafter
 from headway.drafters.specs import EagleSpec, MedusaSpec, PromptLookupSpec, RetrievalSpec
 from headway.eval.acceptance import acceptance_stats
 from headway.eval.baselines import Runner, hf_runner
+from headway.eval.cost_tables import CostTables
 from headway.eval.dispatch_decoding import count_decoding, dispatch_table
 from headway.eval.speed import EvalSettings, TimedDrafter, drafter_runner
 from headway.evalsets import load_prompts
@@ -160,25 +161,14 @@ def headway_row(
     drafter: Drafter | None,
     sizing: str = "drafter",
     verify: str = "eager",
+    tables: CostTables | None = None,
 ) -> Row:
     """A row of headway's loop with ``drafter`` (``None``: one token per forward), its drafting
-    time measured."""
+    time measured; cost-sized rows share ``tables``'s verify costs."""
     timed_drafter = None if drafter is None else TimedDrafter(drafter, target.model.device)
-    decoder = headway_decoder(target, timed_drafter, sizing, verify)
-    return Row(name, decoder_runner(decoder), drafter=timed_drafter, decoder=decoder)
-
-
-def headway_decoder(
-    target: Target,
-    drafter: Any,
-    sizing: str = "drafter",
-    verify: str = "eager",
-) -> Decoder:
-    """headway's loop with ``drafter`` (greedy; ``None``: one token per forward), sized by the
-    drafter or by cost, its verify forward eager or captured (its linear layers multiplied as
-    the ``--gemm`` applied to the target says)."""
     options = DecodeOptions(sizing=sizing, verify=verify)  # type: ignore[arg-type]
-    return Decoder(target.model, drafter, options)
+    decoder = (tables or CostTables()).decoder(target.model, timed_drafter, options)
+    return Row(name, decoder_runner(decoder), drafter=timed_drafter, decoder=decoder)
 
 
 def decoder_runner(decoder: Decoder) -> Runner:
@@ -224,6 +214,7 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
     if args.hf_static or (args.hf_static is None and target.model.device.type == "cuda"):
         rows.append(Row("hf greedy, static cache", hf_runner(None, static=True)))
     paths = verify_paths(args.verify)
+    tables = CostTables()
     for verify in paths:  # the best plain decoder of each verify path, beside the drafters
         suffix = "" if verify == "eager" else f", {verify}"
         rows.append(headway_row(f"headway, no drafter{suffix}", target, None, verify=verify))
@@ -241,7 +232,7 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
             drafter = build_drafter(spec, target)
             if fallback:
                 drafter = behind_cheap_guesses(drafter, target, args.retrieval_data)
-            rows.append(headway_row(name + suffix, target, drafter, sizing, verify))
+            rows.append(headway_row(name + suffix, target, drafter, sizing, verify, tables))
 
     for verify in paths:  # what `headway generate --verify VERIFY` runs when nothing is named
         default = resolve_drafter(target.model, verify=verify)  # type: ignore[arg-type]
