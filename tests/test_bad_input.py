@@ -172,6 +172,13 @@ def eagle_depth_zero(tmp: Path) -> None:
     load_drafter(run, model, depth=0)
 
 
+def eagle1_draft_vocab(tmp: Path) -> None:
+    """A draft vocabulary for an EAGLE-1 drafter, which drafts with the target's own head."""
+    run, model = tiny_run(tmp, "eagle1")
+    (tmp / "draft_vocab.json").write_text(json.dumps({"token_ids": [1, 2, 3]}))
+    load_drafter(run, model, draft_vocab=str(tmp / "draft_vocab.json"))
+
+
 def medusa_rank_beyond_vocab(tmp: Path) -> None:
     """A Medusa tree asking for the top-(V+1) candidate of a V-token vocabulary."""
     run, model = tiny_run(tmp, "medusa1")
@@ -250,6 +257,9 @@ CASES = {
         overriding("eagle.ce_loss_weight=inf"), ConfigError, "eagle.ce_loss_weight", "finite"
     ),
     "EAGLE tree of depth 0": Case(eagle_depth_zero, ConfigError, "depth=0", r"must be >= 1"),
+    "draft vocabulary for an EAGLE-1 drafter": Case(
+        eagle1_draft_vocab, HeadsError, "eagle1", "drop draft_vocab", is_path=True
+    ),
     "Medusa tree top-k beyond the vocabulary": Case(
         medusa_rank_beyond_vocab, HeadsError, f"rank {TINY_VOCAB}", r"change the tree"
     ),

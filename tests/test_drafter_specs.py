@@ -74,7 +74,7 @@ def test_a_draft_vocabulary_file_reads_back_without_tokenizing(tmp_path: Path) -
     import gzip
     import json
 
-    from headway.drafters.lookup_medusa import (
+    from headway.drafters.draft_vocab import (
         draft_vocabulary,
         frequent_answer_tokens,
         write_draft_vocabulary,

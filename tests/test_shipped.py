@@ -93,6 +93,13 @@ def test_each_shipped_drafter_decodes_losslessly(name: str) -> None:
     result = generate(target.model, prompt, drafter=drafter, max_new_tokens=64, eos_token_ids=())
     assert result.tokens == truth
     assert result.tau > 1.5  # a trained drafter accepts more than one token per step
+    ranked = SHIPPED_DIR / name / "draft_vocab.json"
+    if ranked.is_file():  # narrowed to its 2,048 most frequent answer tokens (FR-Spec)
+        options = {"draft_vocab": str(ranked), "draft_vocab_size": 2048}
+        narrow = build_drafter(spec_for(heads=SHIPPED_DIR / name, options=options), target)
+        assert 1800 < narrow.draft3.config.draft_vocab_size <= 2048
+        result = generate(target.model, prompt, drafter=narrow, max_new_tokens=64, eos_token_ids=())
+        assert result.tokens == truth and result.tau > 1.5
 
 
 def _corpus(root: Path, name: str, target: Any) -> Path:

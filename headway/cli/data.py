@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from headway.cli.common import add_target_flags, target_from_flags
 from headway.cli.data_server import add_server_flags, local_target, server_from_flags
+from headway.cli.data_vocab import add_vocab
 from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, layer_list, text
 from headway.errors import HeadwayError
 
@@ -327,7 +328,9 @@ def _add_loop_repeats(parser: argparse.ArgumentParser) -> None:
 
 
 def add_data(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("data", help="inspect, regenerate and cache training data")
+    parser = commands.add_parser(
+        "data", help="inspect, regenerate and cache training data; rank its tokens"
+    )
     actions = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     inspect = actions.add_parser(
         "inspect",
@@ -348,3 +351,4 @@ def add_data(commands: argparse._SubParsersAction) -> None:
     inspect.set_defaults(handler=run_inspect)
     _add_regenerate(actions)
     _add_cache_features(actions)
+    add_vocab(actions)

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from headway.decode.gemm import apply_gemm, gemm_choice
 from headway.decode.generate import Drafter
+from headway.drafters.draft_vocab import draft_vocabulary, narrow_eagle3
 from headway.drafters.eagle3_drafter import Eagle3Drafter, eagle3_model
 from headway.drafters.eagle_drafter import EagleDrafter, auto_total_tokens, eagle_model
 from headway.drafters.lookup import PromptLookupDrafter
@@ -156,14 +157,26 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
     static = spec.drafting == "static"
     try:
         if isinstance(config, Eagle3Config):
+            state = found.state_dict
+            if spec.draft_vocab:
+                keep = draft_vocabulary(
+                    Path(spec.draft_vocab), target.tokenizer, spec.draft_vocab_size
+                )
+                config, state = narrow_eagle3(config, state, keep)
+                logger.info("EAGLE-3 drafting over %d tokens", config.draft_vocab_size)
             return (StaticEagle3Drafter if static else Eagle3Drafter)(
-                _draft(eagle3_model(config, found.state_dict, model), spec, model),
+                _draft(eagle3_model(config, state, model), spec, model),
                 _head(model),
                 top_k=spec.top_k,
                 depth=spec.depth,
                 total_tokens=total_tokens,
             )
         if isinstance(config, EagleConfig):
+            if spec.draft_vocab:
+                raise HeadsError(
+                    f"{spec.heads}: draft_vocab narrows an EAGLE-3 drafter's own LM head; this "
+                    "EAGLE-1 drafter drafts with the target's: drop draft_vocab"
+                )
             layer = final_hidden_layer(model)
             check_final_hidden(model, layer)
             return (StaticEagleDrafter if static else EagleDrafter)(

@@ -15,18 +15,11 @@ touches exactness; it only decides how much verification work is spent, and on w
 
 from __future__ import annotations
 
-import json
-from collections import Counter
 from pathlib import Path
 
-import torch
-from torch import Tensor
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-
-from headway.atomic import write_text_atomic
-from headway.corpus.jsonl import read_jsonl
 from headway.decode.generate import Drafter
 from headway.drafters.confident_drafter import ConfidentMedusaDrafter
+from headway.drafters.draft_vocab import draft_vocabulary
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.merged import MergedDrafter
 from headway.drafters.specs import LookupMedusaSpec
@@ -36,12 +29,7 @@ from headway.heads.loading import FoundHeads
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.target import Target, resolve_dtype
 
-__all__ = [
-    "draft_vocabulary",
-    "frequent_answer_tokens",
-    "lookup_medusa_drafter",
-    "write_draft_vocabulary",
-]
+__all__ = ["lookup_medusa_drafter"]
 
 
 def lookup_medusa_drafter(
@@ -81,58 +69,3 @@ def lookup_medusa_drafter(
     )
     budget = (spec.lookup_tokens if spec.lookup else 0) + num_heads
     return MergedDrafter(drafters, max_nodes=budget)
-
-
-def frequent_answer_tokens(
-    data_dir: Path, tokenizer: PreTrainedTokenizerBase, size: int
-) -> list[int]:
-    """The ``size`` most frequent token ids of the assistant answers in regenerated data
-    (``data_dir/*.jsonl[.gz]`` with ``messages`` rows), most frequent first."""
-    counts: Counter[int] = Counter()
-    for path in sorted(data_dir.glob("*.jsonl*")):
-        for row in read_jsonl(path):
-            answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
-            for answer in answers:
-                counts.update(tokenizer(answer, add_special_tokens=False)["input_ids"])
-    if not counts:
-        raise HeadwayError(f"{data_dir} holds no assistant answers to build a draft vocabulary")
-    return [token for token, _ in counts.most_common(size)]
-
-
-def write_draft_vocabulary(path: Path, token_ids: list[int]) -> Path:
-    """Write ``token_ids`` (most frequent first) as a draft-vocabulary file that
-    ``draft_vocab=PATH`` reads back without tokenizing the data again; returns ``path``."""
-    write_text_atomic(path, json.dumps({"token_ids": token_ids}) + "\n")
-    return path
-
-
-def _read_vocabulary_file(path: Path, vocab_size: int) -> list[int]:
-    try:
-        ids = json.loads(path.read_text(encoding="utf-8"))["token_ids"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
-        raise HeadwayError(
-            f'{path}: not a draft-vocabulary file ({error}); expected {{"token_ids": [...]}}'
-        ) from error
-    valid = isinstance(ids, list) and all(
-        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids
-    )
-    if not valid or not ids or len(set(ids)) != len(ids):
-        raise HeadwayError(
-            f"{path}: token_ids must be distinct token ids in [0, {vocab_size}); fix or rewrite it"
-        )
-    return ids
-
-
-def draft_vocabulary(source: Path, tokenizer: PreTrainedTokenizerBase, size: int) -> Tensor:
-    """The draft vocabulary, sorted, as a LongTensor: the ``size`` most frequent answer tokens of
-    a chat-data folder, or the first ``size`` ids of a file written by
-    :func:`write_draft_vocabulary` (no tokenizing).
-
-    Raises:
-        HeadwayError: no answers in the folder, or a malformed or out-of-range file.
-    """
-    if source.is_file():
-        ids = _read_vocabulary_file(source, len(tokenizer))[:size]
-    else:
-        ids = frequent_answer_tokens(source, tokenizer, size)
-    return torch.tensor(sorted(ids), dtype=torch.long)

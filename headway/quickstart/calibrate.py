@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from headway.decode.bench import forward_seconds
 from headway.decode.gemm import gemm_route
 from headway.drafters.build import describe_spec
-from headway.drafters.lookup_medusa import (
+from headway.drafters.draft_vocab import (
     draft_vocabulary,
     frequent_answer_tokens,
     write_draft_vocabulary,

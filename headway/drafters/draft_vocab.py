@@ -1,0 +1,140 @@
+"""Draft vocabularies of a drafter's most frequent answer tokens (FR-Spec).
+
+A drafter's LM head scores every token it may propose: a ``[V, H]`` projection per drafted row,
+the largest share of a small draft model's work on a CPU. Zhao et al. 2025, "FR-Spec:
+Accelerating Large-Vocabulary Language Models via Frequency-Ranked Speculative Sampling"
+(arXiv:2502.14856), draft over the most frequent tokens only; SGLang loads such a list as
+``--speculative-token-map``. Drafts never change what is committed (the target verifies every
+token): a narrower head only trades acceptance for cheaper drafting.
+
+- :func:`frequent_answer_tokens` ranks the tokens of the assistant answers in a chat-data folder;
+  :func:`write_draft_vocabulary` stores the ranking as ``{"token_ids": [...]}`` (most frequent
+  first) and :func:`draft_vocabulary` reads either back, cut to a size.
+- :func:`narrow_eagle3` keeps, of an EAGLE-3 drafter's own draft vocabulary (``d2t`` / ``t2d``),
+  only the tokens of such a list: its LM head loses the other rows before the model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from headway.atomic import write_text_atomic
+from headway.corpus.jsonl import read_jsonl
+from headway.errors import HeadwayError
+from headway.heads.eagle3 import Eagle3Config
+from headway.heads.vocab import DraftVocab
+
+__all__ = [
+    "answer_token_counts",
+    "draft_vocabulary",
+    "frequent_answer_tokens",
+    "narrow_eagle3",
+    "write_draft_vocabulary",
+]
+
+
+def answer_token_counts(
+    data_dirs: Path | Sequence[Path], tokenizer: PreTrainedTokenizerBase
+) -> Counter[int]:
+    """How often each token id occurs in the assistant answers of regenerated data
+    (``*.jsonl[.gz]`` files with ``messages`` rows in each folder of ``data_dirs``). The
+    tokenizer's EOS counts once per answer: a drafter must be able to draft an answer's end.
+
+    Raises:
+        HeadwayError: the folders hold no assistant answers.
+    """
+    counts: Counter[int] = Counter()
+    folders = [data_dirs] if isinstance(data_dirs, Path) else list(data_dirs)
+    eos = tokenizer.eos_token_id
+    for folder in folders:
+        for path in sorted(folder.glob("*.jsonl*")):
+            for row in read_jsonl(path):
+                answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+                for answer in answers:
+                    counts.update(tokenizer(answer, add_special_tokens=False)["input_ids"])
+                    if isinstance(eos, int):
+                        counts[eos] += 1
+    if not counts:
+        names = ", ".join(str(folder) for folder in folders)
+        raise HeadwayError(f"{names}: no assistant answers to build a draft vocabulary from")
+    return counts
+
+
+def frequent_answer_tokens(
+    data_dirs: Path | Sequence[Path], tokenizer: PreTrainedTokenizerBase, size: int
+) -> list[int]:
+    """The ``size`` most frequent token ids of :func:`answer_token_counts`, most frequent
+    first."""
+    return [token for token, _ in answer_token_counts(data_dirs, tokenizer).most_common(size)]
+
+
+def write_draft_vocabulary(path: Path, token_ids: list[int]) -> Path:
+    """Write ``token_ids`` (most frequent first) as a draft-vocabulary file that
+    ``draft_vocab=PATH`` reads back without tokenizing the data again; returns ``path``."""
+    write_text_atomic(path, json.dumps({"token_ids": token_ids}) + "\n")
+    return path
+
+
+def _read_vocabulary_file(path: Path, vocab_size: int) -> list[int]:
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8"))["token_ids"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise HeadwayError(
+            f'{path}: not a draft-vocabulary file ({error}); expected {{"token_ids": [...]}}'
+        ) from error
+    valid = isinstance(ids, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids
+    )
+    if not valid or not ids or len(set(ids)) != len(ids):
+        raise HeadwayError(
+            f"{path}: token_ids must be distinct token ids in [0, {vocab_size}); fix or rewrite it"
+        )
+    return ids
+
+
+def draft_vocabulary(source: Path, tokenizer: PreTrainedTokenizerBase, size: int) -> Tensor:
+    """The draft vocabulary, sorted, as a LongTensor: the ``size`` most frequent answer tokens of
+    a chat-data folder, or the first ``size`` ids of a file written by
+    :func:`write_draft_vocabulary` (no tokenizing).
+
+    Raises:
+        HeadwayError: no answers in the folder, or a malformed or out-of-range file.
+    """
+    if source.is_file():
+        ids = _read_vocabulary_file(source, len(tokenizer))[:size]
+    else:
+        ids = frequent_answer_tokens(source, tokenizer, size)
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def narrow_eagle3(
+    config: Eagle3Config, state_dict: dict[str, Tensor], keep: Tensor
+) -> tuple[Eagle3Config, dict[str, Tensor]]:
+    """An EAGLE-3 drafter (``config``, its ``state_dict``) drafting only the tokens of its draft
+    vocabulary that are in ``keep`` (target ids, any order): ``lm_head.weight`` ``[N, H]`` ->
+    ``[N', H]``, ``d2t`` / ``t2d`` rebuilt for the N' kept tokens, in draft-id order.
+
+    Raises:
+        HeadwayError: no token of ``keep`` is in the drafter's vocabulary.
+    """
+    vocab = DraftVocab.from_tensors(state_dict["d2t"], state_dict["t2d"])
+    targets = vocab.target_ids
+    kept = torch.isin(targets, keep.to(targets.device)).nonzero().flatten()
+    if kept.numel() == 0:
+        raise HeadwayError(
+            "none of the draft-vocabulary file's tokens is in the EAGLE-3 drafter's vocabulary; "
+            "is it a list for another tokenizer?"
+        )
+    narrowed = DraftVocab.from_target_ids(targets[kept], vocab.vocab_size)
+    state = dict(state_dict)
+    state["lm_head.weight"] = state_dict["lm_head.weight"][kept].contiguous()
+    state["d2t"], state["t2d"] = narrowed.d2t, narrowed.t2d
+    return dataclasses.replace(config, draft_vocab_size=narrowed.size), state

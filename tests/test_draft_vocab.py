@@ -1,0 +1,115 @@
+"""An EAGLE-3 drafter narrowed to its most frequent tokens (FR-Spec, ``EagleSpec.draft_vocab``):
+its LM head keeps the rows of the kept tokens and nothing else changes; decoding stays exact."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from headway.decode.generate import generate
+from headway.drafters.draft_vocab import narrow_eagle3
+from headway.drafters.eagle3_drafter import Eagle3Drafter
+from headway.errors import HeadwayError
+from headway.heads.eagle import TargetHead
+from headway.heads.eagle3 import Eagle3Model
+from headway.heads.vocab import DraftVocab
+from tests.test_eagle3 import NEW_TOKENS, PROMPT, TREE, random_draft, target_and_truth, trained
+from tests.tiny import TINY_VOCAB
+
+
+def narrowed(draft: Eagle3Model, keep: torch.Tensor) -> Eagle3Model:
+    config, state = narrow_eagle3(draft.config, draft.state_dict(), keep)
+    model = Eagle3Model(config)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def test_the_narrowed_head_scores_the_kept_tokens_as_the_whole_one_did() -> None:
+    """Vocabulary 20..83; keep every third target id (and ids outside it, which are ignored):
+    the narrowed drafter's logits are the whole one's columns of the kept tokens, mapped to the
+    same target ids, and the rest of the model is untouched."""
+    model, _ = target_and_truth("llama")
+    draft = random_draft(model, DraftVocab.from_target_ids(range(20, 84), TINY_VOCAB)).eval()
+    keep = torch.tensor([*range(20, 84, 3), 0, 1, 2, 90])
+    small = narrowed(draft, keep)
+    kept = torch.arange(0, 64, 3)  # draft ids of target ids 20, 23, ..., 83
+    assert small.config.draft_vocab_size == kept.numel()
+    assert small.vocab.target_ids.tolist() == list(range(20, 84, 3))
+    assert int(small.t2d.sum()) == kept.numel() and bool(small.t2d[23]) and not small.t2d[21]
+    states = torch.randn(5, draft.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(small.logits(states), draft.logits(states)[:, kept])
+    whole = draft.state_dict()
+    for name, tensor in small.state_dict().items():
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(tensor, whole[name]), name
+
+
+@pytest.mark.parametrize("share", [2, 4])
+def test_a_narrowed_drafter_decodes_exactly(share: int) -> None:
+    """A trained drafter narrowed to a share of the tokens of the answer it learned: the output
+    is still the target's greedy one (drafts of the dropped tokens are simply never made)."""
+    model, truth = target_and_truth("llama")
+    draft = trained("llama")
+    answer = torch.tensor(truth).unique()
+    small = narrowed(draft, answer[: max(1, answer.numel() // share)])
+    drafter = Eagle3Drafter(small, TargetHead.of(model), **TREE)
+    result = generate(model, PROMPT, drafter=drafter, max_new_tokens=NEW_TOKENS, eos_token_ids=())
+    assert result.tokens == truth
+    assert all(int(small.t2d[token]) for token in drafter_tokens(drafter, truth))
+
+
+def drafter_tokens(drafter: Eagle3Drafter, truth: list[int]) -> list[int]:
+    """Tokens of one tree proposed after the prompt and half the answer."""
+    from tests.test_eagle3_decode import fed
+
+    sequence = torch.cat([PROMPT, torch.tensor(truth[: NEW_TOKENS // 2])])
+    model, _ = target_and_truth("llama")
+    tree = fed(drafter, model, sequence).propose(sequence)
+    return [int(token) for token in tree.tokens]
+
+
+def test_a_list_with_none_of_the_drafters_tokens_is_refused() -> None:
+    model, _ = target_and_truth("llama")
+    draft = random_draft(model, DraftVocab.from_target_ids(range(20, 84), TINY_VOCAB))
+    with pytest.raises(HeadwayError, match="another tokenizer"):
+        narrow_eagle3(draft.config, draft.state_dict(), torch.tensor([0, 1, 90]))
+
+
+def test_headway_data_vocab_ranks_answer_tokens_with_one_eos_per_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command writes the answers' tokens most frequent first, the EOS counted once per
+    answer and the user's turns not at all, and prints the coverage table; a missing folder is
+    a one-line error."""
+    from headway.cli import main
+    from headway.drafters.draft_vocab import draft_vocabulary
+    from headway.target import load_target
+
+    tokenizer = load_target("smollm2-135m").tokenizer
+    data = tmp_path / "data"
+    data.mkdir()
+    turns = [("the the the cat", "dog"), ("zebra zebra zebra zebra", "the end")]
+    rows = [
+        {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": said}]}
+        for said, user in turns
+    ]
+    with gzip.open(data / "part-00000.jsonl.gz", "wt") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in rows)
+    out = tmp_path / "draft_vocab.json"
+    assert main(["data", "vocab", str(data), "--out", str(out), "--size", "3"]) == 0
+    ids = json.loads(out.read_text())["token_ids"]
+    zebra, the = (
+        tokenizer(word, add_special_tokens=False)["input_ids"][-1] for word in (" zebra", " the")
+    )
+    # " zebra" 3 times, " the" twice, the EOS once per answer (a tie goes to the one seen first)
+    assert ids == [zebra, the, tokenizer.eos_token_id]
+    assert tokenizer("dog", add_special_tokens=False)["input_ids"][0] not in ids
+    assert draft_vocabulary(out, tokenizer, 2).tolist() == sorted(ids[:2])
+    assert "| most frequent | share of answer tokens |" in capsys.readouterr().out
+    assert main(["data", "vocab", str(tmp_path / "nowhere"), "--out", str(out)]) != 0
+    assert "not a folder of regenerated data" in capsys.readouterr().err
