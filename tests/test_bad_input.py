@@ -21,12 +21,13 @@ import pytest
 from transformers import PreTrainedModel
 
 from headway.config import load_config
+from headway.drafters.build import build_drafter, spec_for
 from headway.errors import ConfigError, DataError, HeadwayError
 from headway.heads.eagle import EagleConfig, EagleModel
 from headway.heads.io import HeadsError, load_heads, save_heads
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.run_config import RunConfig
-from headway.target import fingerprint
+from headway.target import Target, fingerprint
 from headway.train.data import build_dataset
 from headway.train.features import CachedFeatureDataset, cache_features
 from tests.drafting import heads_drafter as load_drafter
@@ -172,11 +173,13 @@ def eagle_depth_zero(tmp: Path) -> None:
     load_drafter(run, model, depth=0)
 
 
-def eagle1_draft_vocab(tmp: Path) -> None:
-    """A draft vocabulary for an EAGLE-1 drafter, which drafts with the target's own head."""
+def eagle1_foreign_draft_vocab(tmp: Path) -> None:
+    """A draft-vocabulary list of another tokenizer's ids for an EAGLE-1 drafter."""
     run, model = tiny_run(tmp, "eagle1")
-    (tmp / "draft_vocab.json").write_text(json.dumps({"token_ids": [1, 2, 3]}))
-    load_drafter(run, model, draft_vocab=str(tmp / "draft_vocab.json"))
+    (tmp / "draft_vocab.json").write_text(json.dumps({"token_ids": [1, 2, 399]}))
+    target = Target(model=model, tokenizer=smollm2_tokenizer(), source="test")
+    options = {"draft_vocab": str(tmp / "draft_vocab.json")}
+    build_drafter(spec_for(heads=str(run), options=options), target)
 
 
 def medusa_rank_beyond_vocab(tmp: Path) -> None:
@@ -257,8 +260,8 @@ CASES = {
         overriding("eagle.ce_loss_weight=inf"), ConfigError, "eagle.ce_loss_weight", "finite"
     ),
     "EAGLE tree of depth 0": Case(eagle_depth_zero, ConfigError, "depth=0", r"must be >= 1"),
-    "draft vocabulary for an EAGLE-1 drafter": Case(
-        eagle1_draft_vocab, HeadsError, "eagle1", "drop draft_vocab", is_path=True
+    "draft vocabulary of another tokenizer": Case(
+        eagle1_foreign_draft_vocab, HeadwayError, "399", "another tokenizer"
     ),
     "Medusa tree top-k beyond the vocabulary": Case(
         medusa_rank_beyond_vocab, HeadsError, f"rank {TINY_VOCAB}", r"change the tree"

@@ -113,3 +113,36 @@ def test_headway_data_vocab_ranks_answer_tokens_with_one_eos_per_answer(
     assert "| most frequent | share of answer tokens |" in capsys.readouterr().out
     assert main(["data", "vocab", str(tmp_path / "nowhere"), "--out", str(out)]) != 0
     assert "not a folder of regenerated data" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_an_eagle1_drafter_over_a_narrowed_head_drafts_only_its_tokens(
+    family: str, static: bool
+) -> None:
+    """EAGLE-1 drafts with the target's whole LM head; narrowed, it scores only the listed
+    tokens (a copy of their rows, the target's head untouched) and maps its choices back to
+    target ids: every proposal is a listed token, and decoding is still exact."""
+    from headway.drafters.draft_vocab import narrow_head
+    from headway.drafters.eagle_drafter import EagleDrafter
+    from headway.drafters.static_eagle import StaticEagleDrafter
+    from tests.test_eagle_drafter import LAST, Recorder
+    from tests.test_eagle_drafter import target_and_truth as eagle1_target
+    from tests.test_eagle_drafter import trained as eagle1_trained
+
+    model, truth = eagle1_target(family)
+    answer = torch.tensor(truth).unique()
+    keep = answer[: max(1, answer.numel() // 2)].sort().values
+    whole = TargetHead.of(model)
+    head = narrow_head(whole, keep)
+    states = torch.randn(3, model.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(head.logits(states), whole.logits(states)[:, keep])
+    kind = StaticEagleDrafter if static else EagleDrafter
+    drafter = kind(eagle1_trained(family), head, hidden_layer=LAST, vocab=keep, **TREE)
+    recorder = Recorder(drafter)
+    result = generate(model, PROMPT, drafter=recorder, max_new_tokens=NEW_TOKENS, eos_token_ids=())
+    assert result.tokens == truth
+    drafted = {int(token) for _, tree in recorder.proposals for token in tree.tokens}
+    assert drafted and drafted <= set(keep.tolist())
+    assert model.get_output_embeddings().weight.shape[0] == TINY_VOCAB  # the target's own head

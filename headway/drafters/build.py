@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from headway.decode.gemm import apply_gemm, gemm_choice
 from headway.decode.generate import Drafter
-from headway.drafters.draft_vocab import draft_vocabulary, narrow_eagle3
+from headway.drafters.draft_vocab import draft_vocabulary, narrow_eagle3, narrow_head
 from headway.drafters.eagle3_drafter import Eagle3Drafter, eagle3_model
 from headway.drafters.eagle_drafter import EagleDrafter, auto_total_tokens, eagle_model
 from headway.drafters.lookup import PromptLookupDrafter
@@ -172,20 +172,23 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
                 total_tokens=total_tokens,
             )
         if isinstance(config, EagleConfig):
-            if spec.draft_vocab:
-                raise HeadsError(
-                    f"{spec.heads}: draft_vocab narrows an EAGLE-3 drafter's own LM head; this "
-                    "EAGLE-1 drafter drafts with the target's: drop draft_vocab"
-                )
             layer = final_hidden_layer(model)
             check_final_hidden(model, layer)
+            head, vocab = _head(model), None
+            if spec.draft_vocab:
+                vocab = draft_vocabulary(
+                    Path(spec.draft_vocab), target.tokenizer, spec.draft_vocab_size
+                )
+                head = narrow_head(head, vocab)
+                apply_gemm(head.lm_head, gemm_choice(model))
             return (StaticEagleDrafter if static else EagleDrafter)(
                 _draft(eagle_model(config, found.state_dict, model), spec, model),
-                _head(model),
+                head,
                 hidden_layer=layer,
                 top_k=spec.top_k,
                 depth=spec.depth,
                 total_tokens=total_tokens,
+                vocab=vocab,
             )
     except ValueError as error:
         raise HeadsError(f"{spec.heads}: {error}") from error

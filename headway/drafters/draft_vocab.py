@@ -12,6 +12,9 @@ token): a narrower head only trades acceptance for cheaper drafting.
   first) and :func:`draft_vocabulary` reads either back, cut to a size.
 - :func:`narrow_eagle3` keeps, of an EAGLE-3 drafter's own draft vocabulary (``d2t`` / ``t2d``),
   only the tokens of such a list: its LM head loses the other rows before the model is built.
+- :func:`narrow_head` gives an EAGLE-1 drafter, which drafts with the target's whole LM head,
+  a copy of only the listed rows (:class:`~headway.drafters.eagle_drafter.EagleDrafter`'s
+  ``vocab`` maps its choices back to target ids).
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from headway.atomic import write_text_atomic
 from headway.corpus.jsonl import read_jsonl
 from headway.errors import HeadwayError
+from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config
 from headway.heads.vocab import DraftVocab
 
@@ -37,6 +41,7 @@ __all__ = [
     "draft_vocabulary",
     "frequent_answer_tokens",
     "narrow_eagle3",
+    "narrow_head",
     "write_draft_vocabulary",
 ]
 
@@ -138,3 +143,28 @@ def narrow_eagle3(
     state["lm_head.weight"] = state_dict["lm_head.weight"][kept].contiguous()
     state["d2t"], state["t2d"] = narrowed.d2t, narrowed.t2d
     return dataclasses.replace(config, draft_vocab_size=narrowed.size), state
+
+
+def narrow_head(head: TargetHead, keep: Tensor) -> TargetHead:
+    """``head`` with an LM head of only the rows (and bias entries) of the target ids ``keep``
+    (int64 ``[N]``, sorted, distinct): a copy ``[N, H]`` on the same device and dtype; the
+    embedding is still the target's own.
+
+    Raises:
+        HeadwayError: an id beyond the LM head's rows (a list for another tokenizer).
+    """
+    weight = head.lm_head.weight
+    assert isinstance(weight, Tensor)
+    if keep.numel() and int(keep.max()) >= weight.shape[0]:
+        raise HeadwayError(
+            f"the draft-vocabulary list holds token id {int(keep.max())}, beyond the target's "
+            f"{weight.shape[0]} output tokens; is it a list for another tokenizer?"
+        )
+    bias = getattr(head.lm_head, "bias", None)
+    rows = keep.to(weight.device)
+    narrow = nn.Linear(weight.shape[1], rows.numel(), bias=bias is not None)
+    narrow = narrow.to(device=weight.device, dtype=weight.dtype).requires_grad_(False)
+    narrow.weight.copy_(weight.detach()[rows])
+    if bias is not None:
+        narrow.bias.copy_(bias.detach()[rows])
+    return TargetHead(embed=head.embed, lm_head=narrow)

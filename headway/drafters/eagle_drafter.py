@@ -159,6 +159,9 @@ class EagleDrafter:
         top_k: children per expanded node and frontier width (1 = chain drafting).
         depth: deepest tree level (tokens on the longest drafted path).
         total_tokens: N, the tree budget counting the root: at most N - 1 drafted nodes.
+        vocab: EAGLE-1 drafting over these target ids only (int64 ``[N]``, sorted; FR-Spec),
+            ``head``'s LM head then holding only their rows (``[N, H]``,
+            :func:`~headway.drafters.draft_vocab.narrow_head`); ``None``: every token.
 
     When the decoding loop sizes trees by cost (``propose`` gets a ``floor``), every node is
     scored by its cumulative draft probability and the loop sends the best that pay for their
@@ -176,6 +179,7 @@ class EagleDrafter:
         top_k: int = DEFAULT_TOP_K,
         depth: int = DEFAULT_DEPTH,
         total_tokens: int = DEFAULT_TOTAL_TOKENS,
+        vocab: Tensor | None = None,
     ) -> None:
         if top_k < 1 or depth < 1 or total_tokens < 2:
             raise ValueError(
@@ -184,6 +188,7 @@ class EagleDrafter:
             )
         self.model = model.eval()
         self.head = head
+        self._vocab = None if vocab is None else vocab.to(model.fc.weight.device)
         layers = (hidden_layer,) if isinstance(hidden_layer, int) else tuple(hidden_layer)
         self.hidden_layers: tuple[int, ...] = layers
         self.top_k = min(top_k, self._vocabulary_size())
@@ -202,8 +207,9 @@ class EagleDrafter:
         self.begin(torch.empty(0, dtype=torch.long))
 
     def _vocabulary_size(self) -> int:
-        """How many tokens the draft head chooses from (the target's whole vocabulary)."""
-        return int(self.model.config.vocab_size)
+        """How many tokens the draft head chooses from (the target's whole vocabulary, or the
+        narrowed one)."""
+        return int(self.model.config.vocab_size if self._vocab is None else self._vocab.numel())
 
     def _pair_features(self, hidden: tuple[Tensor, ...]) -> Tensor:
         """Features ``[k, H]`` of newly committed pairs from the target states ``hidden``
@@ -214,7 +220,7 @@ class EagleDrafter:
         """The ``k`` best next tokens after each of ``states`` ``[n, H]``: (fp32 draft
         log-probabilities, target token ids), each ``[n, k]``, best first."""
         best = self._log_probs(states).topk(k, dim=-1)
-        return best.values, best.indices
+        return best.values, best.indices if self._vocab is None else self._vocab[best.indices]
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget the previous sequence: empty draft cache, no root feature."""
@@ -249,7 +255,8 @@ class EagleDrafter:
         self._root_feature = predicted[0, -1]
 
     def _log_probs(self, features: Tensor) -> Tensor:
-        """Draft log-probabilities ``[n, V]`` (fp32) of features ``[n, H]``."""
+        """Draft log-probabilities ``[n, V]`` (fp32; ``[n, N]`` over a narrowed vocabulary) of
+        features ``[n, H]``."""
         return torch.log_softmax(self.head.logits(features).float(), dim=-1)
 
     def _forward_frontier(

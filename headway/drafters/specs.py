@@ -161,9 +161,10 @@ class EagleSpec:
     draft_vocab: str = field(
         default="",
         metadata=_help(
-            "EAGLE-3: draft only the tokens of its own vocabulary among the draft_vocab_size most "
-            "frequent answer tokens of this chat-data folder or draft-vocabulary file (FR-Spec: "
-            "a narrower LM head drafts for less, a little less is accepted)"
+            "draft only over the draft_vocab_size most frequent answer tokens of this chat-data "
+            "folder or draft-vocabulary file (`headway data vocab`; FR-Spec: a narrower LM head "
+            "drafts for less, a little less is accepted); EAGLE-3 keeps those of its own "
+            "vocabulary, EAGLE-1 a copy of the target head's rows"
         ),
     )
     draft_vocab_size: int = field(default=4096, metadata=_help("size of that vocabulary"))
