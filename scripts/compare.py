@@ -10,14 +10,14 @@ Configurations (batch 1, greedy, interleaved prompt by prompt after a warm-up of
 - ``prompt lookup``: headway's prompt-lookup drafter, with its adaptive draft length and sized
   per step by the measured verify cost (``sizing="cost"``);
 - with ``--retrieval-data``: the retrieval drafter (prompt lookup, then that corpus);
-- with ``--fallback``: each run's drafter behind the cheap guesses, cost-sized: prompt lookup's
-  exact matches, then the corpus (with ``--retrieval-data``), and the trained drafter only on
-  steps where they have nothing (``FirstDrafter``);
+- with ``--fallback``: each run's drafter, cost-sized, only where prompt lookup's exact matches
+  and the corpus (with ``--retrieval-data``) have nothing (``FirstDrafter``);
 - for each run directory given: Medusa-1 heads with their default tree; EAGLE-1 and EAGLE-3 as a
   chain (``top_k=1``), as an EAGLE-2 dynamic tree of fixed size, and as the same tree sized per
-  step by the target's measured verify cost (``sizing="cost"``). The method is read from the
-  run's ``config.json``. Medusa-2 runs are refused: their adapter is merged into the target,
-  which would change every other row; ``headway eval --heads RUN`` measures them.
+  step by the target's measured verify cost (``sizing="cost"``), with ``--draft-vocab`` also
+  cost-sized over the most frequent tokens only. The method is read from the run's
+  ``config.json``. Medusa-2 runs are refused (their adapter is merged into the target, which
+  would change every other row); ``headway eval --heads RUN`` measures them.
 
 Prints a Markdown table (tau, tokens/s, speedup vs HF greedy as a ratio measured in this run,
 whether each output equals HF greedy, and each headway drafter's own cost per step -- the seconds
@@ -35,16 +35,14 @@ import json
 import platform
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from headway.api import prompt_ids
 from headway.cli.common import add_gemm_flag
-from headway.decode.bench import timed
 from headway.decode.gemm import apply_gemm
 from headway.decode.generate import Decoder, Drafter
 from headway.decode.options import DecodeOptions, VerifyPath
@@ -53,27 +51,13 @@ from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.merged import FirstDrafter
 from headway.drafters.resolve import resolve_drafter
 from headway.drafters.specs import EagleSpec, MedusaSpec, PromptLookupSpec, RetrievalSpec
-from headway.eval.acceptance import acceptance_stats
 from headway.eval.baselines import Runner, hf_runner
 from headway.eval.cost_tables import CostTables
 from headway.eval.dispatch_decoding import count_decoding, dispatch_table
+from headway.eval.paired import Row, measure, table
 from headway.eval.speed import EvalSettings, TimedDrafter, drafter_runner
 from headway.evalsets import load_prompts
 from headway.target import Target, eos_token_ids, load_target
-
-
-@dataclass
-class Row:
-    """One configuration's totals over the prompts."""
-
-    name: str
-    make: Runner
-    tokens: int = 0
-    seconds: float = 0.0
-    traces: list[list[int]] = field(default_factory=list)
-    outputs: list[list[int]] = field(default_factory=list)
-    drafter: TimedDrafter | None = None
-    decoder: Decoder | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "static (fixed shapes over a static draft cache, one CUDA graph per step on CUDA)",
     )
     parser.add_argument(
+        "--draft-vocab",
+        type=_draft_vocab,
+        metavar="FILE:N[,N...]",
+        help="each EAGLE run also drafts, cost-sized, over the N most frequent tokens of this "
+        "draft-vocabulary file (`headway data vocab`; FR-Spec), e.g. draft_vocab.json:4096,8192",
+    )
+    parser.add_argument(
         "--retrieval-data",
         help="also run the retrieval drafter (prompt lookup, then this corpus of the target's "
         "answers, e.g. data/regenerated/smollm2-v2/data)",
@@ -148,11 +139,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "and print, per verify step of each headway row, the kernels a GPU would launch one by "
         "one, the ops it would replay from CUDA graphs (with --verify captured and static "
         "drafting), host-only ops, the host reads that wait for the GPU, and the graph faults "
-        "(what inside a region a GPU captures would break the capture or go stale on replay; "
-        "'none' is the aim) (headway.eval.dispatch: the CPU proxy for GPU decoding cost)",
+        "(what a GPU capture would break on or replay stale; 'none' is the aim) "
+        "(headway.eval.dispatch: the CPU proxy for GPU decoding cost)",
     )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     return parser.parse_args(argv)
+
+
+def _draft_vocab(text: str) -> tuple[str, list[int]]:
+    """``FILE:N[,N...]`` -> the file and the sizes."""
+    path, _, sizes = text.rpartition(":")
+    try:
+        parsed = [int(size) for size in sizes.split(",")]
+    except ValueError:
+        parsed = []
+    if not path or not parsed or min(parsed) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FILE:N[,N...], sizes >= 1")
+    return path, parsed
 
 
 def headway_row(
@@ -274,6 +277,14 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
                 how = ", static drafting" if drafting == "static" else ""
                 add(f"{method} dynamic tree ({shape}{how}) {name}", spec)
                 add(f"{method} dynamic tree, cost-sized{how} {name}", spec, "cost")
+            path, sizes = args.draft_vocab or ("", [])
+            for size in sizes:
+                narrow = replace(spec, draft_vocab=path, draft_vocab_size=size)
+                add(
+                    f"{method} dynamic tree, cost-sized, {size} most frequent {name}",
+                    narrow,
+                    "cost",
+                )
         if args.fallback:
             first = "prompt lookup, corpus" if args.retrieval_data else "prompt lookup"
             add(f"{first}, then {method} cost-sized {name}", spec, "cost", fallback=True)
@@ -288,51 +299,6 @@ def behind_cheap_guesses(drafter: Drafter, target: Target, corpus: str | None) -
         assert isinstance(retrieval, FirstDrafter)
         return FirstDrafter([*retrieval.drafters, drafter], self_sized=1)
     return FirstDrafter([PromptLookupDrafter(), drafter], self_sized=1)
-
-
-def measure(rows: list[Row], target: Target, encoded: list[torch.Tensor], new: int) -> None:
-    """Warm up every configuration, then run them all on each prompt in turn (order rotating)."""
-    device = target.model.device
-    for row in rows:
-        row.make(target, encoded[0], 8)[0]()
-        if row.drafter is not None:
-            row.drafter.reset()  # the warm-up is not counted
-    for index, ids in enumerate(tqdm(encoded, desc="compare", unit="prompt")):
-        shift = index % len(rows)
-        for row in rows[shift:] + rows[:shift]:
-            run, results = row.make(target, ids, new)
-            output, seconds = timed(run, device)
-            row.tokens += len(output)
-            row.seconds += seconds
-            row.outputs.append(output)
-            if results:
-                row.traces.append(list(results[0].accept_lengths))
-
-
-def table(rows: list[Row]) -> list[dict[str, Any]]:
-    baseline = rows[0]
-    rate_0 = baseline.tokens / baseline.seconds
-    result = []
-    for row in rows:
-        # HF generate exposes no acceptance counts: its rows have no tau.
-        stats = acceptance_stats(row.traces) if row.traces else None
-        rate = row.tokens / row.seconds
-        same = sum(a == b for a, b in zip(row.outputs, baseline.outputs, strict=True))
-        timed_drafter = row.drafter
-        cost = None
-        if timed_drafter is not None and timed_drafter.steps:
-            cost = timed_drafter.seconds / timed_drafter.steps * rate_0  # forward = 1 / rate_0
-        result.append(
-            {
-                "drafter": row.name,
-                "tau": stats.tau if stats else None,
-                "tokens_per_s": rate,
-                "speedup": rate / rate_0,
-                "identical": f"{same}/{len(row.outputs)}",
-                "draft_cost_per_step": cost,
-            }
-        )
-    return result
 
 
 def _tau(value: float | None) -> str:

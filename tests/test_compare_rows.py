@@ -1,0 +1,50 @@
+"""``scripts/compare.py --draft-vocab FILE:N,...`` adds, for each EAGLE run, a cost-sized row
+drafting over the N most frequent tokens of the file (FR-Spec); a bad value is a usage error."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from headway.target import load_target
+from tests.test_eagle3 import tiny4
+from tests.test_formats import random_run
+from tests.tokenizers_fixture import smollm2_tokenizer
+
+
+def _compare(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "scripts" / "compare.py"
+    spec = importlib.util.spec_from_file_location("compare_script", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look it up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+def test_draft_vocab_rows_narrow_each_eagle_run(
+    method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compare = _compare(monkeypatch)
+    folder = tmp_path / "target"  # four layers, as EAGLE-3 needs; the tokenizer's 400 ids
+    tiny4("llama", vocab_size=400).save_pretrained(folder)
+    smollm2_tokenizer().save_pretrained(folder)
+    target = load_target(folder, device="cpu")
+    run = random_run(tmp_path / method, method, target.model)
+    ranked = tmp_path / "draft_vocab.json"
+    ranked.write_text(json.dumps({"token_ids": list(range(399, -1, -1))}))
+    args = compare.parse_args([str(run), "--draft-vocab", f"{ranked}:8,32"])
+    rows = {row.name: row for row in compare.configurations(args, target)}
+    narrowed = [name for name in rows if "most frequent" in name]
+    assert [name.split(", ")[-1].split()[0] for name in narrowed] == ["8", "32"]
+    sizes = [rows[name].drafter.inner._vocabulary_size() for name in narrowed]
+    assert sizes[0] <= 8 < sizes[1] <= 32  # EAGLE-3: those of its own draft vocabulary
+    for bad in ("x.json", "x.json:0", "x.json:a,4"):
+        with pytest.raises(SystemExit):
+            compare.parse_args(["--draft-vocab", bad])
