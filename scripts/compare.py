@@ -14,8 +14,8 @@ Configurations (batch 1, greedy, interleaved prompt by prompt after a warm-up of
   and the corpus (with ``--retrieval-data``) have nothing (``FirstDrafter``);
 - for each run directory given: Medusa-1 heads with their default tree; EAGLE-1 and EAGLE-3 as a
   chain (``top_k=1``), as an EAGLE-2 dynamic tree of fixed size, and as the same tree sized per
-  step by the target's measured verify cost (``sizing="cost"``), with ``--draft-vocab`` also
-  cost-sized over the most frequent tokens only. The method is read from the run's
+  step by the target's measured verify cost (``sizing="cost"``); with ``--draft-vocab`` each
+  run also cost-sized over the most frequent tokens only. The method is read from the run's
   ``config.json``. Medusa-2 runs are refused (their adapter is merged into the target, which
   would change every other row); ``headway eval --heads RUN`` measures them.
 
@@ -101,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--draft-vocab",
         type=_draft_vocab,
         metavar="FILE:N[,N...]",
-        help="each EAGLE run also drafts, cost-sized, over the N most frequent tokens of this "
+        help="each EAGLE or Medusa run also drafts, cost-sized, over the N most frequent tokens of "
+        "this "
         "draft-vocabulary file (`headway data vocab`; FR-Spec), e.g. draft_vocab.json:4096,8192",
     )
     parser.add_argument(
@@ -277,14 +278,11 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
                 how = ", static drafting" if drafting == "static" else ""
                 add(f"{method} dynamic tree ({shape}{how}) {name}", spec)
                 add(f"{method} dynamic tree, cost-sized{how} {name}", spec, "cost")
-            path, sizes = args.draft_vocab or ("", [])
-            for size in sizes:
+        if args.draft_vocab and isinstance(spec, MedusaSpec | EagleSpec):
+            path, sizes = args.draft_vocab
+            for size in sizes:  # FR-Spec: the same drafter over its most frequent tokens
                 narrow = replace(spec, draft_vocab=path, draft_vocab_size=size)
-                add(
-                    f"{method} dynamic tree, cost-sized, {size} most frequent {name}",
-                    narrow,
-                    "cost",
-                )
+                add(f"{method} cost-sized, {size} most frequent {name}", narrow, "cost")
         if args.fallback:
             first = "prompt lookup, corpus" if args.retrieval_data else "prompt lookup"
             add(f"{first}, then {method} cost-sized {name}", spec, "cost", fallback=True)

@@ -1,5 +1,6 @@
-"""``scripts/compare.py --draft-vocab FILE:N,...`` adds, for each EAGLE run, a cost-sized row
-drafting over the N most frequent tokens of the file (FR-Spec); a bad value is a usage error."""
+"""``scripts/compare.py --draft-vocab FILE:N,...`` adds, for each EAGLE or Medusa run, a
+cost-sized row drafting over the N most frequent tokens of the file (FR-Spec); a bad value is a
+usage error."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _compare(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize("method", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle1", "eagle3", "medusa1"])
 def test_draft_vocab_rows_narrow_each_eagle_run(
     method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -43,7 +44,11 @@ def test_draft_vocab_rows_narrow_each_eagle_run(
     rows = {row.name: row for row in compare.configurations(args, target)}
     narrowed = [name for name in rows if "most frequent" in name]
     assert [name.split(", ")[-1].split()[0] for name in narrowed] == ["8", "32"]
-    sizes = [rows[name].drafter.inner._vocabulary_size() for name in narrowed]
+    drafters = [rows[name].drafter.inner for name in narrowed]
+    if method == "medusa1":
+        sizes = [drafter.heads.config.vocab_size for drafter in drafters]
+    else:
+        sizes = [drafter._vocabulary_size() for drafter in drafters]
     assert sizes[0] <= 8 < sizes[1] <= 32  # EAGLE-3: those of its own draft vocabulary
     for bad in ("x.json", "x.json:0", "x.json:a,4"):
         with pytest.raises(SystemExit):

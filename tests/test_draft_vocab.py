@@ -146,3 +146,57 @@ def test_an_eagle1_drafter_over_a_narrowed_head_drafts_only_its_tokens(
     drafted = {int(token) for _, tree in recorder.proposals for token in tree.tokens}
     assert drafted and drafted <= set(keep.tolist())
     assert model.get_output_embeddings().weight.shape[0] == TINY_VOCAB  # the target's own head
+
+
+@pytest.mark.parametrize("sized", [False, True], ids=["tree", "cost-sized"])
+def test_narrowed_medusa_heads_propose_their_top_k_among_the_listed_tokens(sized: bool) -> None:
+    """Every head's LM head cut to the listed rows: the static tree holds, rank for rank, the
+    whole heads' best tokens among the listed ones (scores as the narrowed softmax gives them),
+    and decoding with the narrowed heads is still exact."""
+    from headway.drafters.draft_vocab import narrow_medusa
+    from headway.drafters.medusa_drafter import MedusaDrafter
+    from headway.heads.medusa import MedusaConfig, MedusaHeads
+
+    torch.manual_seed(0)
+    whole = MedusaHeads(MedusaConfig(2, 1, 8, 40), torch.randn(40, 8)).eval()
+    keep = torch.arange(3, 40, 2)  # 19 odd ids
+    config, state = narrow_medusa(whole.config, whole.state_dict(), keep)
+    narrow = MedusaHeads(config)
+    narrow.load_state_dict(state)
+    choices = [[0], [1], [0, 0], [0, 1], [1, 0]]
+    drafter = MedusaDrafter(narrow.eval(), hidden_layer=2, choices=choices, vocab=keep)
+    hidden = torch.randn(3, 8)
+    drafter.begin(PROMPT)
+    drafter.observe(torch.tensor([4, 5, 6]), (hidden,))
+    tree = drafter.propose(PROMPT, 0.0 if sized else None)
+    with torch.no_grad():
+        ranked = whole(hidden[-1])[:, keep].argsort(dim=-1, descending=True)  # [2, 19]
+    best = keep[ranked]
+    assert tree.tokens.tolist() == [
+        int(t) for t in (best[0, 0], best[0, 1], best[1, 0], best[1, 1], best[1, 0])
+    ]
+    assert (tree.scores is not None) == sized
+    with pytest.raises(HeadwayError, match="another tokenizer"):
+        narrow_medusa(whole.config, whole.state_dict(), torch.tensor([1, 40]))
+
+
+def test_narrowed_medusa_heads_decode_exactly() -> None:
+    from headway.drafters.draft_vocab import narrow_medusa
+    from headway.drafters.medusa_drafter import MedusaDrafter
+    from headway.heads.hidden_states import final_hidden_layer
+    from headway.heads.medusa import MedusaConfig, MedusaHeads
+    from tests.test_medusa import train_heads
+
+    model, truth = target_and_truth("llama")
+    torch.manual_seed(0)
+    lm_head = model.get_output_embeddings().weight.detach()
+    heads = MedusaHeads(MedusaConfig(3, 1, model.config.hidden_size, TINY_VOCAB), lm_head)
+    train_heads(model, heads, torch.cat([PROMPT, torch.tensor(truth)]), steps=60)
+    keep = torch.arange(0, TINY_VOCAB, 2)  # the even ids: some of the answer's tokens
+    config, state = narrow_medusa(heads.config, heads.state_dict(), keep)
+    narrow = MedusaHeads(config)
+    narrow.load_state_dict(state)
+    layer = final_hidden_layer(model)
+    drafter = MedusaDrafter(narrow.eval(), hidden_layer=layer, vocab=keep)
+    result = generate(model, PROMPT, drafter=drafter, max_new_tokens=NEW_TOKENS, eos_token_ids=())
+    assert result.tokens == truth

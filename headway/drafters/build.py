@@ -19,7 +19,12 @@ from transformers import PreTrainedModel
 
 from headway.decode.gemm import apply_gemm, gemm_choice
 from headway.decode.generate import Drafter
-from headway.drafters.draft_vocab import draft_vocabulary, narrow_eagle3, narrow_head
+from headway.drafters.draft_vocab import (
+    draft_vocabulary,
+    narrow_eagle3,
+    narrow_head,
+    narrow_medusa,
+)
 from headway.drafters.eagle3_drafter import Eagle3Drafter, eagle3_model
 from headway.drafters.eagle_drafter import EagleDrafter, auto_total_tokens, eagle_model
 from headway.drafters.lookup import PromptLookupDrafter
@@ -135,9 +140,11 @@ def _medusa(found: FoundHeads, target: Target, spec: MedusaSpec) -> Drafter:
             f"heads of hidden size {config.hidden_size} and vocabulary {config.vocab_size} cannot "
             f"run on a target whose LM head is {list(lm_head.shape)}, not even with force"
         )
-    heads = MedusaHeads.trained(
-        config, found.state_dict, device=lm_head.device, dtype=lm_head.dtype
-    )
+    state, vocab = found.state_dict, None
+    if spec.draft_vocab:
+        vocab = draft_vocabulary(Path(spec.draft_vocab), target.tokenizer, spec.draft_vocab_size)
+        config, state = narrow_medusa(config, state, vocab)
+    heads = MedusaHeads.trained(config, state, device=lm_head.device, dtype=lm_head.dtype)
     layer = final_hidden_layer(model)
     check_final_hidden(model, layer)
     try:
@@ -145,7 +152,7 @@ def _medusa(found: FoundHeads, target: Target, spec: MedusaSpec) -> Drafter:
     except ValueError as error:  # a tree these heads or this vocabulary cannot fill
         raise HeadsError(f"Medusa drafter: {error}; change the tree (--tree)") from error
     apply_gemm(heads, gemm_choice(model))  # the target's choice
-    return MedusaDrafter(heads, hidden_layer=layer, choices=tree.choices)
+    return MedusaDrafter(heads, hidden_layer=layer, choices=tree.choices, vocab=vocab)
 
 
 def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:

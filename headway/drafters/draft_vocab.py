@@ -14,7 +14,9 @@ token): a narrower head only trades acceptance for cheaper drafting.
   only the tokens of such a list: its LM head loses the other rows before the model is built.
 - :func:`narrow_head` gives an EAGLE-1 drafter, which drafts with the target's whole LM head,
   a copy of only the listed rows (:class:`~headway.drafters.eagle_drafter.EagleDrafter`'s
-  ``vocab`` maps its choices back to target ids).
+  ``vocab`` maps its choices back to target ids); :func:`narrow_medusa` cuts every Medusa
+  head's own LM head the same way (:class:`~headway.drafters.medusa_drafter.MedusaDrafter`'s
+  ``vocab``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from headway.corpus.jsonl import read_jsonl
 from headway.errors import HeadwayError
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config
+from headway.heads.medusa import MedusaConfig
 from headway.heads.vocab import DraftVocab
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "frequent_answer_tokens",
     "narrow_eagle3",
     "narrow_head",
+    "narrow_medusa",
     "write_draft_vocabulary",
 ]
 
@@ -155,11 +159,7 @@ def narrow_head(head: TargetHead, keep: Tensor) -> TargetHead:
     """
     weight = head.lm_head.weight
     assert isinstance(weight, Tensor)
-    if keep.numel() and int(keep.max()) >= weight.shape[0]:
-        raise HeadwayError(
-            f"the draft-vocabulary list holds token id {int(keep.max())}, beyond the target's "
-            f"{weight.shape[0]} output tokens; is it a list for another tokenizer?"
-        )
+    _check_ids(keep, weight.shape[0])
     bias = getattr(head.lm_head, "bias", None)
     rows = keep.to(weight.device)
     narrow = nn.Linear(weight.shape[1], rows.numel(), bias=bias is not None)
@@ -168,3 +168,31 @@ def narrow_head(head: TargetHead, keep: Tensor) -> TargetHead:
     if bias is not None:
         narrow.bias.copy_(bias.detach()[rows])
     return TargetHead(embed=head.embed, lm_head=narrow)
+
+
+def narrow_medusa(
+    config: MedusaConfig, state_dict: dict[str, Tensor], keep: Tensor
+) -> tuple[MedusaConfig, dict[str, Tensor]]:
+    """Medusa heads (``config``, their ``state_dict``) drafting only the target ids ``keep``
+    (int64 ``[N]``, sorted, distinct): every head's ``lm_head.weight`` ``[V, H]`` -> ``[N, H]``.
+
+    Raises:
+        HeadwayError: an id beyond the heads' vocabulary (a list for another tokenizer).
+    """
+    _check_ids(keep, config.vocab_size)
+    rows = keep.cpu()
+    state = {
+        name: tensor[rows.to(tensor.device)].contiguous()
+        if name.endswith("lm_head.weight")
+        else tensor
+        for name, tensor in state_dict.items()
+    }
+    return dataclasses.replace(config, vocab_size=rows.numel()), state
+
+
+def _check_ids(keep: Tensor, vocab_size: int) -> None:
+    if keep.numel() and int(keep.max()) >= vocab_size:
+        raise HeadwayError(
+            f"the draft-vocabulary list holds token id {int(keep.max())}, beyond the target's "
+            f"{vocab_size} output tokens; is it a list for another tokenizer?"
+        )

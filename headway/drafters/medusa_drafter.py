@@ -120,6 +120,9 @@ class MedusaDrafter:
             see :func:`~headway.heads.hidden_states.final_hidden_layer`.
         choices: a Medusa choices list (e.g. the reference's ``mc_sim_7b_63``) or the name of one
             in :data:`MEDUSA_CHOICES`; paths deeper than the number of heads are dropped.
+        vocab: heads narrowed to these target ids (int64 ``[N]``, sorted; FR-Spec,
+            :func:`~headway.drafters.draft_vocab.narrow_medusa`): their choices are mapped back
+            to target ids; ``None``: heads over the whole vocabulary.
 
     The heads multiply their one-row inputs on the route applied to them
     (:func:`~headway.decode.gemm.apply_gemm`; ``"auto"`` where none was), decided here.
@@ -131,8 +134,10 @@ class MedusaDrafter:
         *,
         hidden_layer: int,
         choices: str | Sequence[Sequence[int]] = "default",
+        vocab: Tensor | None = None,
     ) -> None:
         self.heads = heads.eval()
+        self._vocab = None if vocab is None else vocab.to(next(heads.parameters()).device)
         self.hidden_layers: tuple[int, ...] = (hidden_layer,)
         self.tree = medusa_tree(choices, heads.config)
         self.max_nodes = len(self.tree.choices)
@@ -163,7 +168,11 @@ class MedusaDrafter:
         head d + 1, best first)."""
         if self._last_hidden is None:
             raise RuntimeError("MedusaDrafter.candidates() called before observe()")
-        return self._head_logits(self._last_hidden).topk(self.tree.width, dim=-1).indices
+        return self._to_target(self._head_logits(self._last_hidden).topk(self.tree.width).indices)
+
+    def _to_target(self, indices: Tensor) -> Tensor:
+        """The heads' output indices as target token ids (the same unless narrowed)."""
+        return indices if self._vocab is None else self._vocab[indices]
 
     @property
     def depth(self) -> int:
@@ -206,8 +215,8 @@ class MedusaDrafter:
         if floor is None:
             return self.tree.instantiate(self.candidates())
         logits = self._head_logits(self._last_hidden)
-        candidates = logits.topk(self.tree.width, dim=-1).indices  # the same as candidates()
+        candidates = logits.topk(self.tree.width, dim=-1).indices  # as candidates(), unmapped
         probabilities = torch.softmax(logits.float(), dim=-1).gather(-1, candidates)
-        full = self.tree.instantiate(candidates)
+        full = self.tree.instantiate(self._to_target(candidates))
         scores = self.tree.path_products(probabilities)  # [n], never above the parent's
         return DraftTree(full.tokens, full.parents, scores=scores)

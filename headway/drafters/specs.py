@@ -120,11 +120,21 @@ class MedusaSpec:
         default="default",
         metadata=_help("static tree: a name (default, mc_sim_7b_63) or rank paths [[0],[0,0]]"),
     )
+    draft_vocab: str = field(
+        default="",
+        metadata=_help(
+            "draft only over the draft_vocab_size most frequent answer tokens of this chat-data "
+            "folder or draft-vocabulary file (`headway data vocab`; FR-Spec: every head's LM "
+            "head cut to their rows)"
+        ),
+    )
+    draft_vocab_size: int = field(default=4096, metadata=_help("size of that vocabulary"))
     force: bool = field(default=False, metadata=_help("accept heads trained for another target"))
 
     def __post_init__(self) -> None:
         if not self.heads:
             raise ConfigError("MedusaSpec needs heads=FOLDER")
+        _at_least(self, 1, "draft_vocab_size")
 
 
 @dataclass(frozen=True)
