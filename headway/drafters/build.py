@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from headway.decode.gemm import apply_gemm, gemm_choice
@@ -140,9 +140,8 @@ def _medusa(found: FoundHeads, target: Target, spec: MedusaSpec) -> Drafter:
             f"heads of hidden size {config.hidden_size} and vocabulary {config.vocab_size} cannot "
             f"run on a target whose LM head is {list(lm_head.shape)}, not even with force"
         )
-    state, vocab = found.state_dict, None
-    if spec.draft_vocab:
-        vocab = draft_vocabulary(Path(spec.draft_vocab), target.tokenizer, spec.draft_vocab_size)
+    state, vocab = found.state_dict, _draft_vocab(spec, target)
+    if vocab is not None:
         config, state = narrow_medusa(config, state, vocab)
     heads = MedusaHeads.trained(config, state, device=lm_head.device, dtype=lm_head.dtype)
     layer = final_hidden_layer(model)
@@ -164,13 +163,9 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
     static = spec.drafting == "static"
     try:
         if isinstance(config, Eagle3Config):
-            state = found.state_dict
-            if spec.draft_vocab:
-                keep = draft_vocabulary(
-                    Path(spec.draft_vocab), target.tokenizer, spec.draft_vocab_size
-                )
+            state, keep = found.state_dict, _draft_vocab(spec, target)
+            if keep is not None:
                 config, state = narrow_eagle3(config, state, keep)
-                logger.info("EAGLE-3 drafting over %d tokens", config.draft_vocab_size)
             return (StaticEagle3Drafter if static else Eagle3Drafter)(
                 _draft(eagle3_model(config, state, model), spec, model),
                 _head(model),
@@ -181,11 +176,8 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
         if isinstance(config, EagleConfig):
             layer = final_hidden_layer(model)
             check_final_hidden(model, layer)
-            head, vocab = _head(model), None
-            if spec.draft_vocab:
-                vocab = draft_vocabulary(
-                    Path(spec.draft_vocab), target.tokenizer, spec.draft_vocab_size
-                )
+            head, vocab = _head(model), _draft_vocab(spec, target)
+            if vocab is not None:
                 head = narrow_head(head, vocab)
                 apply_gemm(head.lm_head, gemm_choice(model))
             return (StaticEagleDrafter if static else EagleDrafter)(
@@ -200,6 +192,15 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
     except ValueError as error:
         raise HeadsError(f"{spec.heads}: {error}") from error
     raise HeadsError(f"{spec.heads} holds {found.method} weights, not an EAGLE drafter")
+
+
+def _draft_vocab(spec: MedusaSpec | EagleSpec, target: Target) -> Tensor | None:
+    """The sorted target ids ``spec.draft_vocab`` names (FR-Spec), or ``None`` for all."""
+    if not spec.draft_vocab:
+        return None
+    ids = draft_vocabulary(Path(spec.draft_vocab), target.tokenizer, spec.draft_vocab_size)
+    logger.info("drafting over the %d most frequent tokens of %s", ids.numel(), spec.draft_vocab)
+    return ids
 
 
 DraftModel = TypeVar("DraftModel", bound=nn.Module)
