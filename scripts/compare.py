@@ -101,9 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--draft-vocab",
         type=_draft_vocab,
         metavar="FILE:N[,N...]",
-        help="each EAGLE or Medusa run also drafts, cost-sized, over the N most frequent tokens of "
-        "this "
-        "draft-vocabulary file (`headway data vocab`; FR-Spec), e.g. draft_vocab.json:4096,8192",
+        help="each EAGLE or Medusa run also drafts, cost-sized, over the N most frequent tokens "
+        "of this draft-vocabulary file (`headway data vocab`; FR-Spec), e.g. "
+        "draft_vocab.json:4096,8192",
     )
     parser.add_argument(
         "--retrieval-data",

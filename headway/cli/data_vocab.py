@@ -1,5 +1,6 @@
 """``headway data vocab``: rank the tokens of a target's answers and write a draft-vocabulary
-file (FR-Spec), read by ``EagleSpec.draft_vocab`` and ``lookup-medusa``'s ``draft_vocab``."""
+file (FR-Spec), read by the ``draft_vocab`` option of the EAGLE, Medusa and lookup-medusa
+drafters."""
 
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def add_vocab(actions: argparse._SubParsersAction) -> None:
         help="rank the answer tokens of regenerated data into a draft-vocabulary file",
         description="Count the tokens of the assistant answers in regenerated chat-data folders "
         '(the tokenizer\'s EOS once per answer) and write {"token_ids": [...]}, most frequent '
-        "first. A drafter given the file (--draft-option draft_vocab=FILE with an EAGLE-3 "
-        "drafter or lookup-medusa) drafts only over its draft_vocab_size first tokens "
+        "first. A drafter given the file (--draft-option draft_vocab=FILE with EAGLE, Medusa or "
+        "lookup-medusa heads) drafts only over its draft_vocab_size first tokens "
         "(FR-Spec): a narrower LM head costs less per drafted row. Prints how much of the "
         "answers the most frequent 1k-16k tokens cover.",
     )
