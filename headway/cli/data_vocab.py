@@ -22,23 +22,20 @@ def run_vocab(args: argparse.Namespace) -> int:
         if not folder.is_dir():
             raise HeadwayError(f"{folder}: not a folder of regenerated data (*.jsonl[.gz] files)")
     target = target_from_flags(args)
-    counts = answer_token_counts(folders, target.tokenizer)
-    ranked = counts.most_common(args.size)
-    total = sum(counts.values())
-    write_draft_vocabulary(Path(args.out), [token for token, _ in ranked])
+    ranked = answer_token_counts(folders, target.tokenizer).most_common()
+    kept = ranked[: args.size]
+    total = sum(count for _, count in ranked)
+    write_draft_vocabulary(Path(args.out), [token for token, _ in kept])
     print(
-        f"{args.out}: {len(ranked)} token ids, most frequent first ({total:,} answer tokens, "
-        f"{len(counts):,} distinct)"
+        f"{args.out}: {len(kept)} token ids, most frequent first ({total:,} answer tokens, "
+        f"{len(ranked):,} distinct)"
     )
     print("| most frequent | share of answer tokens |\n|---|---|")
     running = 0
-    shares = {}
-    for rank, (_, count) in enumerate(counts.most_common(), start=1):
+    for rank, (_, count) in enumerate(ranked, start=1):
         running += count
-        if rank in COVERAGE_SIZES or rank == len(counts):
-            shares[rank] = running / total
-    for rank, share in shares.items():
-        print(f"| {rank:,} | {share:.1%} |")
+        if rank in COVERAGE_SIZES or rank == len(ranked):
+            print(f"| {rank:,} | {running / total:.1%} |")
     return 0
 
 

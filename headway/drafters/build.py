@@ -176,13 +176,10 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
         if isinstance(config, EagleConfig):
             layer = final_hidden_layer(model)
             check_final_hidden(model, layer)
-            head, vocab = _head(model), _draft_vocab(spec, target)
-            if vocab is not None:
-                head = narrow_head(head, vocab)
-                apply_gemm(head.lm_head, gemm_choice(model))
+            vocab = _draft_vocab(spec, target)
             return (StaticEagleDrafter if static else EagleDrafter)(
                 _draft(eagle_model(config, found.state_dict, model), spec, model),
-                head,
+                _head(model, vocab),
                 hidden_layer=layer,
                 top_k=spec.top_k,
                 depth=spec.depth,
@@ -213,9 +210,12 @@ def _draft(draft: DraftModel, spec: EagleSpec, target_model: nn.Module) -> Draft
     return draft
 
 
-def _head(target_model: PreTrainedModel) -> TargetHead:
-    """The target's embedding and LM head, the head on the target's GEMM choice."""
+def _head(target_model: PreTrainedModel, vocab: Tensor | None = None) -> TargetHead:
+    """The target's embedding and LM head (only the rows of ``vocab`` if given, a copy:
+    :func:`~headway.drafters.draft_vocab.narrow_head`), the head on the target's GEMM choice."""
     head = TargetHead.of(target_model)
+    if vocab is not None:
+        head = narrow_head(head, vocab)
     apply_gemm(head.lm_head, gemm_choice(target_model))
     return head
 
