@@ -47,7 +47,7 @@ def test_verify_cost_table_times_a_grid_and_interpolates() -> None:
         return 0.001 * size * size
 
     table = verify_cost_table(None, 10, seconds=seconds)  # type: ignore[arg-type]
-    assert timed == [1, 2, 3, 4, 6, 8, 10]
+    assert timed == [1, 2, 3, 4, 6, 8, 10] * 4  # a warm-up pass, then three passes in turn
     assert len(table) == 10
     assert table[3] == pytest.approx(0.016) and table[4] == pytest.approx((0.016 + 0.036) / 2)
     assert table[8] == pytest.approx((0.064 + 0.100) / 2) and table[9] == pytest.approx(0.1)
@@ -61,6 +61,23 @@ def test_a_size_timed_slower_than_a_larger_one_takes_the_larger_ones_time() -> N
     assert all(a <= b for a, b in itertools.pairwise(table))
     assert table[3] == pytest.approx(1.3)  # size 4 takes size 6's time
     assert [table[m - 1] for m in (1, 2, 3, 6, 8, 10)] == [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]
+
+
+def test_a_slow_stretch_slows_every_size_alike() -> None:
+    """Sizes are timed in turn and each takes the median of its passes: a slow stretch of
+    the machine (here the whole second pass, 3x slower) moves no size, where timing each size
+    three times before the next would have tripled a few sizes' times against the rest."""
+    calls: list[int] = []
+
+    def seconds(size: int) -> float:
+        calls.append(size)
+        slow = 7 < len(calls) <= 14  # the first timed pass (after the warm-up pass of 7)
+        return size * (3.0 if slow else 1.0)
+
+    table = verify_cost_table(None, 10, seconds=seconds)  # type: ignore[arg-type]
+    assert table == pytest.approx([float(m) for m in range(1, 11)])
+    with pytest.raises(ValueError, match="rounds"):
+        verify_cost_table(None, 10, seconds=seconds, rounds=0)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

@@ -90,11 +90,14 @@ def target_seconds(
     repeats: int = 5,
     tree: bool = False,
     prefilled: bool = False,
+    warmup: bool = True,
 ) -> float:
     """:func:`forward_seconds` through ``target``, however it runs the model (eager, or a
     static cache with captured graphs); starts a generation of its own on ``target`` unless
     ``prefilled`` says its cache already holds exactly ``prefix`` (an earlier call's: each timed
-    forward is truncated back to it)."""
+    forward is truncated back to it). ``warmup``: run one untimed forward first (a caller that
+    warms every size up itself, as :func:`~headway.decode.costs.verify_cost_table` does, times
+    single forwards with ``repeats=1, warmup=False``)."""
     prefix_len = prefix.numel()
     if not prefilled:
         target.begin(prefix_len + new_tokens)
@@ -105,11 +108,11 @@ def target_seconds(
     else:
         parents = torch.arange(-1, new_tokens - 2, device=prefix.device)
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats + int(warmup)):
         start = time.perf_counter()
         target.verify(tokens, parents, prefix_len, ())
         if prefix.device.type == "cuda":
             torch.cuda.synchronize(prefix.device)
         times.append(time.perf_counter() - start)
         target.truncate(prefix_len)
-    return statistics.median(times[1:])
+    return statistics.median(times[int(warmup) :])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "TreeSizer",
     "best_prefix",
     "monotone_scores",
+    "time_in_turn",
     "verify_cost_table",
     "verify_timer",
     "worth_threshold",
@@ -42,15 +44,20 @@ def verify_timer(
     prefix_tokens: int,
     *,
     forward: TargetForward | None = None,
+    repeats: int = 3,
+    warmup: bool = True,
 ) -> Callable[[int], float]:
     """``N -> seconds`` of one verify forward of ``target_model`` over N block tokens (a
-    one-level tree, :func:`~headway.decode.bench.forward_seconds`, median of 3) after a random
-    committed prefix of ``prefix_tokens`` tokens, multiplied as real verify forwards will be
-    (the route applied to the model, :mod:`headway.decode.gemm`), or run by ``forward`` (e.g.
-    the decoding loop's own :class:`~headway.decode.forwards.TargetForward`, whose cache it resets).
+    one-level tree, :func:`~headway.decode.bench.forward_seconds`: the median of ``repeats``
+    forwards, after an untimed one with ``warmup``) after a random committed prefix of
+    ``prefix_tokens`` tokens, multiplied as real verify forwards will be (the route applied to
+    the model, :mod:`headway.decode.gemm`), or run by ``forward`` (e.g. the decoding loop's own
+    :class:`~headway.decode.forwards.TargetForward`, whose cache it resets).
 
     The first call prefills the prefix and later calls reuse it (a prefill of 128 tokens costs
-    several verify forwards), so ``forward`` must serve nothing else between calls."""
+    several verify forwards), so ``forward`` must serve nothing else between calls.
+    :func:`verify_cost_table` wants single forwards (``repeats=1, warmup=False``): it warms up
+    and repeats over all sizes in turn itself."""
     runner = forward if forward is not None else EagerForward(target_model)
     weight = target_model.get_output_embeddings().weight
     generator = torch.Generator().manual_seed(0)
@@ -61,7 +68,9 @@ def verify_timer(
     def seconds(size: int) -> float:
         nonlocal calls
         calls += 1
-        return target_seconds(runner, prefix, size, repeats=3, tree=True, prefilled=calls > 1)
+        return target_seconds(
+            runner, prefix, size, repeats=repeats, tree=True, prefilled=calls > 1, warmup=warmup
+        )
 
     return seconds
 
@@ -72,19 +81,27 @@ def verify_cost_table(
     *,
     prefix_tokens: int = 128,
     seconds: Callable[[int], float] | None = None,
+    rounds: int = 3,
 ) -> list[float]:
     """Seconds of one verify forward over m block tokens (the root and m - 1 tree nodes), for
     m = 1 .. ``max_tokens`` (entry m - 1): timed at m = 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to
-    ``max_tokens`` (with :func:`~headway.decode.bench.forward_seconds` on a one-level tree,
-    the model's route as the loop will run it, or ``seconds`` if given), made non-decreasing (a
-    size takes the least time of itself and every larger size) and linearly interpolated in
-    between."""
-    if seconds is None:
-        seconds = verify_timer(target_model, prefix_tokens)
+    ``max_tokens`` (single forwards on a one-level tree, :func:`verify_timer` with ``repeats=1,
+    warmup=False``, the model's route as the loop will run it, or ``seconds`` if given), made
+    non-decreasing (a size takes the least time of itself and every larger size) and linearly
+    interpolated in between.
 
+    The sizes are timed in turn: one untimed pass over all of them (warm-up), then ``rounds``
+    passes, each size taking the median of its passes. A slow stretch of the machine then slows
+    every size alike instead of the few timed during it, and the ratios the sizer decides by
+    (t(m) / t(1)) hold: over 8 tables on a 2-core Xeon beside a regeneration, the standard
+    deviation of t(4)/t(1), t(8)/t(1), t(16)/t(1) fell from 0.20 / 0.39 / 0.29 with each size
+    timed 3 times before the next to 0.09 / 0.16 / 0.11, with the same forwards
+    (``scripts/cost_table_spread.py``; docs/benchmarks.md, 2026-11-27)."""
+    if seconds is None:
+        seconds = verify_timer(target_model, prefix_tokens, repeats=1, warmup=False)
     grid = [m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if m < max_tokens]
     grid.append(max_tokens)
-    measured = {m: seconds(m) for m in grid}
+    measured = time_in_turn(seconds, grid, rounds)
     # A forward over more tokens does not cost less: a size timed above a larger one was slowed
     # by something else on the machine (one such spike made cost sizing verify 3-token trees
     # beside a regeneration), so each size keeps the least of its and every larger size's time.
@@ -104,6 +121,21 @@ def verify_cost_table(
         ),
     )
     return table
+
+
+def time_in_turn(
+    seconds: Callable[[int], float], sizes: list[int], rounds: int
+) -> dict[int, float]:
+    """``size -> seconds``: one untimed pass of ``seconds`` over ``sizes`` (each shape's first
+    forward), then ``rounds`` passes over them in turn, each size's median (see
+    :func:`verify_cost_table`)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    for size in sizes:
+        seconds(size)
+    passes = [[seconds(size) for size in sizes] for _ in range(rounds)]
+    columns = zip(*passes, strict=True)  # each size's times, one per pass
+    return {size: statistics.median(times) for size, times in zip(sizes, columns, strict=True)}
 
 
 def best_prefix(probabilities: Tensor, costs: list[float]) -> int:

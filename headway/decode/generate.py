@@ -243,7 +243,9 @@ class Decoder:
         if self.sizer is None:
             nodes = self.drafter.max_nodes
             costs = self._costs or verify_cost_table(
-                self.model, nodes + 1, seconds=verify_timer(self.model, 128, forward=self.target)
+                self.model,
+                nodes + 1,
+                seconds=verify_timer(self.model, 128, forward=self.target, repeats=1, warmup=False),
             )
             self.sizer = TreeSizer(costs, nodes, budget=f"a drafter of max_nodes={nodes}")
         self.sizer.forget()  # a tree the last generation stopped after is never verified
