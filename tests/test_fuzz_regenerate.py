@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from headway.corpus.sources import load_conversations
@@ -86,6 +86,7 @@ def test_any_shard(data: bytes) -> None:
 
 @FUZZ
 @given(st.lists(json_values, max_size=4).map(gz) | st.binary(max_size=32))
+@example(gz([{"\n": None}]))  # a key with a line break once made a two-line error
 def test_any_prompt_list(data: bytes) -> None:
     name = prompts_path(finished_folder()).relative_to(finished_folder())
     resume_with({str(name): data})

@@ -218,7 +218,8 @@ def _load_or_write_prompts(out_dir: Path, items: Sequence[PromptItem]) -> list[P
         try:
             return [PromptItem(**row) for row in read_jsonl(path)]
         except TypeError as error:  # a key PromptItem does not take, or one it needs missing
-            raise DataError(f"{path}: a row is not a prompt ({error}); {_DAMAGED}") from None
+            reason = str(error).encode("unicode_escape").decode("ascii")  # a key may hold "\n"
+            raise DataError(f"{path}: a row is not a prompt ({reason}); {_DAMAGED}") from None
     text = _jsonl([asdict(item) for item in items])
     write_bytes_atomic(path, gzip.compress(text.encode(), mtime=0))
     return list(items)
