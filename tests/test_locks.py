@@ -180,7 +180,7 @@ def test_a_killed_conversion_is_removed_by_the_next_conversion_of_any_gguf(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from headway.errors import TargetError
-    from headway.target import convert_gguf
+    from headway.gguf_target import convert_gguf
 
     monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
     targets = tmp_path / "cache" / "targets"

@@ -13,14 +13,14 @@ from transformers import AutoModelForCausalLM
 
 from headway import target as target_module
 from headway.errors import TargetError
+from headway.gguf_target import convert_gguf, converted_folder
 from headway.locks import exclusive_output
 from headway.target import (
     Target,
     check_fingerprint,
-    convert_gguf,
-    converted_folder,
     fingerprint,
     load_target,
+    load_tokenizer,
     resolve_device,
     resolve_dtype,
 )
@@ -43,6 +43,24 @@ def test_load_folder_is_frozen_eval_and_typed(saved_target: Path) -> None:
     assert not target.model.training
     assert not any(p.requires_grad for p in target.model.parameters())
     assert target.tokenizer.chat_template
+
+
+def test_the_tokenizer_loads_without_the_weights(
+    saved_target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``headway data vocab`` needs only the tokenizer: ``load_tokenizer`` reads no weights and
+    gives the tokenizer ``load_target`` gives; an unknown model id is the same one-line error."""
+    whole = load_target(saved_target, device="cpu").tokenizer
+
+    def no_weights(*args: object, **kwargs: object) -> None:
+        raise AssertionError("weights loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    alone = load_tokenizer(saved_target)
+    assert alone.get_vocab() == whole.get_vocab() and alone.chat_template == whole.chat_template
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TargetError, match="never downloads"):
+        load_tokenizer("no-such-org/no-such-model-xyz")
 
 
 def test_fingerprint_is_dtype_independent_but_weight_sensitive(saved_target: Path) -> None:

@@ -26,9 +26,12 @@ output is exact), ``generate`` (bfloat16 on a CPU with AMX too, where it is fast
 machine computes it natively)."""
 
 
-def add_target_flags(parser: argparse.ArgumentParser, *, use: DtypeUse = "decode") -> None:
+def add_target_flags(
+    parser: argparse.ArgumentParser, *, use: DtypeUse = "decode", weights: bool = True
+) -> None:
     """``--target``, ``--dtype``, ``--device``, ``--trust-remote-code``; ``--dtype auto`` is
-    resolved for ``use`` by :func:`dtype_for`."""
+    resolved for ``use`` by :func:`dtype_for`. Without ``weights`` (a command that reads only
+    the tokenizer), ``--target`` and ``--trust-remote-code``."""
     exactness = (
         "greedy output is identical to plain decoding in float32, and in bfloat16 equal up to "
         "the rounding of a batched forward (pass --dtype float32 for identical text)"
@@ -50,6 +53,16 @@ def add_target_flags(parser: argparse.ArgumentParser, *, use: DtypeUse = "decode
         help="target model: HF folder, model id in the local HF cache, .gguf file, or the "
         "embedded 'smollm2-135m' (default)",
     )
+    if weights:
+        _add_weight_flags(parser, auto)
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow the target repository's own Python code to run (off by default)",
+    )
+
+
+def _add_weight_flags(parser: argparse.ArgumentParser, auto: str) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -58,11 +71,6 @@ def add_target_flags(parser: argparse.ArgumentParser, *, use: DtypeUse = "decode
     )
     parser.add_argument(
         "--device", default="auto", help="'auto' (CUDA if present, else CPU), 'cpu', 'cuda:0'"
-    )
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow the target repository's own Python code to run (off by default)",
     )
 
 

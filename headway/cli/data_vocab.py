@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from headway.cli.common import add_target_flags, target_from_flags
+from headway.cli.common import add_target_flags
 from headway.cli.values import POSITIVE, text
 from headway.errors import HeadwayError
 
@@ -16,13 +16,14 @@ COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384)
 
 def run_vocab(args: argparse.Namespace) -> int:
     from headway.drafters.draft_vocab import answer_token_counts, write_draft_vocabulary
+    from headway.target import load_tokenizer
 
     folders = [Path(folder) for folder in args.data]
     for folder in folders:
         if not folder.is_dir():
             raise HeadwayError(f"{folder}: not a folder of regenerated data (*.jsonl[.gz] files)")
-    target = target_from_flags(args)
-    ranked = answer_token_counts(folders, target.tokenizer).most_common()
+    tokenizer = load_tokenizer(args.target, trust_remote_code=args.trust_remote_code)
+    ranked = answer_token_counts(folders, tokenizer).most_common()
     kept = ranked[: args.size]
     total = sum(count for _, count in ranked)
     write_draft_vocabulary(Path(args.out), [token for token, _ in kept])
@@ -60,5 +61,5 @@ def add_vocab(actions: argparse._SubParsersAction) -> None:
         default=None,
         help="keep only the N most frequent tokens (default: every token that occurs)",
     )
-    add_target_flags(parser)
+    add_target_flags(parser, weights=False)  # the tokenizer only: no weights are loaded
     parser.set_defaults(handler=run_vocab)

@@ -24,7 +24,8 @@ from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.merged import FirstDrafter
 from headway.drafters.specs import RetrievalSpec
 from headway.errors import HeadwayError
-from headway.target import Target, cache_dir, eos_token_ids
+from headway.gguf_target import cache_dir
+from headway.target import Target, eos_token_ids
 
 __all__ = ["answer_texts", "answer_token_ids", "corpus_index", "retrieval_drafter"]
 
