@@ -45,6 +45,7 @@ from headway.train.features import Batch, FeatureSource
 from headway.train.held_out import evaluate, first_samples
 from headway.train.loop_data import feature_source, training_data
 from headway.train.methods import build_method, feature_layers
+from headway.train.ranks import end_training
 from headway.train.sharding import shard_target, should_shard, take_fsdp_launch
 
 logger = logging.getLogger(__name__)
@@ -275,7 +276,8 @@ def _train(config: RunConfig, run_dir: Path, *, resume: bool) -> Path:
         if save_extra is not None:
             save_extra(run_dir)
     accelerator.wait_for_everyone()  # every rank leaves together, after the heads are saved
-    accelerator.end_training()
+    del method, optimizer, scheduler, train_loader, eval_loader, prepared  # see end_training
+    end_training(accelerator)
     return run_dir
 
 
