@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel
 
-from headway.decode.costs import verify_timer
+from headway.decode.costs import time_in_turn, verify_timer
 from headway.decode.gemm import gemm_route, routed_linears
 from headway.decode.kv import crop_cache
 from headway.decode.tree import DraftTree, empty_tree, subtree
@@ -96,14 +96,16 @@ def auto_total_tokens(
     Args:
         target_model: the target the trees will be verified on.
         prefix_tokens: length of the random committed prefix the forwards are timed after.
-        seconds: ``N -> seconds`` of one verify forward over N tree tokens; default: measured
-            with :func:`headway.decode.bench.forward_seconds` on a one-level tree, multiplied as
-            the loop will (the route applied to the target, :mod:`headway.decode.gemm`).
+        seconds: ``N -> seconds`` of one verify forward over N tree tokens, called for the
+            candidates in turn, a warm-up pass then three, as cost tables are timed
+            (:func:`~headway.decode.costs.time_in_turn`); default: one forward on a one-level
+            tree, multiplied as the loop will (the route applied to the target,
+            :mod:`headway.decode.gemm`).
     """
     if seconds is None:
-        seconds = verify_timer(target_model, prefix_tokens)
-
-    costs = [seconds(size) / gain for size, gain in zip(AUTO_CANDIDATES, AUTO_GAIN, strict=True)]
+        seconds = verify_timer(target_model, prefix_tokens, repeats=1, warmup=False)
+    timed = time_in_turn(seconds, list(AUTO_CANDIDATES), 3)
+    costs = [timed[size] / gain for size, gain in zip(AUTO_CANDIDATES, AUTO_GAIN, strict=True)]
     best = AUTO_CANDIDATES[min(range(len(costs)), key=costs.__getitem__)]
     logger.info(
         "total_tokens=auto: %d (verify ms per assumed gain: %s)",
