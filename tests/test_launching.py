@@ -15,7 +15,7 @@ import pytest
 from tests.launching import ENV, descendants, stop_tree
 
 # A parent that starts a worker in a session of its own (out of reach of killpg), both waiting
-# forever on a lock, as a worker stuck in a collective would.
+# forever on an event, as a worker stuck in a collective would.
 HUNG = """
 import subprocess, sys, threading
 worker = "import threading; threading.Event().wait()"
