@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     runner = EagerForward(model)
     in_order = verify_timer(model, 128, forward=runner)  # median of 3 after a warm-up forward
     single = verify_timer(model, 128, forward=runner, repeats=1, warmup=False)
-    in_order(1)  # the prefill, shared by both timers (each call cuts the cache back to it)
+    in_order(1)  # its prefill (the other timer prefills the same prefix in its warm-up pass)
     ways: dict[str, Callable[[], dict[int, float]]] = {
         "one size after another": lambda: {m: in_order(m) for m in SIZES},
         "in turn": lambda: time_in_turn(single, SIZES, 3),
