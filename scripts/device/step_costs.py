@@ -46,7 +46,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from headway.decode.captured import StaticForward
-from headway.decode.costs import verify_timer
+from headway.decode.costs import time_in_turn, verify_timer
 from headway.decode.generate import Decoder, GenerationResult
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import GREEDY, SamplingParams
@@ -172,8 +172,10 @@ def main(argv: list[str] | None = None) -> None:
 
     base = new / median_seconds(plain, device, repeats)
     report.add("plain_captured_tok_s", base, f"headway, no drafter, captured: {base:.1f} tok/s")
-    timer = verify_timer(model, args.prompt_tokens, forward=StaticForward(model))
-    verify = {size: timer(size) for size in (1, 4, 8, 16)}
+    timer = verify_timer(
+        model, args.prompt_tokens, forward=StaticForward(model), repeats=1, warmup=False
+    )
+    verify = time_in_turn(timer, [1, 4, 8, 16], max(repeats, 1))  # as cost tables are timed
     shown = ", ".join(f"{n}: {s * 1000:.2f}" for n, s in verify.items())
     report.add("verify_ms", {n: s * 1000 for n, s in verify.items()}, f"verify ms: {shown}")
     for label, (top_k, depth, total) in SHAPES.items():
