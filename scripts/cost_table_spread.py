@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         decode_runs(target, args.tables, args.decode)
         return
     runner = EagerForward(model)
-    in_order = verify_timer(model, 128, forward=runner)  # median of 3 after a warm-up forward
-    single = verify_timer(model, 128, forward=runner, repeats=1, warmup=False)
+    in_order = verify_timer(model, 128, forward=runner, repeats=3, warmup=True)  # the old way
+    single = verify_timer(model, 128, forward=runner)  # one forward a call
     in_order(1)  # its prefill (the other timer prefills the same prefix in its warm-up pass)
     ways: dict[str, Callable[[], dict[int, float]]] = {
         "one size after another": lambda: {m: in_order(m) for m in SIZES},
@@ -105,7 +105,7 @@ def decode_runs(target: Target, runs: int, prompts: int) -> None:
     eos, size = eos_token_ids(target), drafter.max_nodes + 1
 
     def one_after_another() -> list[float]:
-        timer = verify_timer(model, 128, forward=EagerForward(model))  # median of 3, warmed up
+        timer = verify_timer(model, 128, forward=EagerForward(model), repeats=3, warmup=True)
         timed: dict[int, float] = {}
 
         def once(m: int) -> float:  # timed on the first call only: the warm-up pass
@@ -116,7 +116,7 @@ def decode_runs(target: Target, runs: int, prompts: int) -> None:
         return verify_cost_table(model, size, seconds=once, rounds=1)
 
     def in_turn() -> list[float]:
-        timer = verify_timer(model, 128, forward=EagerForward(model), repeats=1, warmup=False)
+        timer = verify_timer(model, 128, forward=EagerForward(model))
         return verify_cost_table(model, size, seconds=timer)
 
     ways = {"one size after another": one_after_another, "in turn": in_turn}

@@ -44,8 +44,8 @@ def verify_timer(
     prefix_tokens: int,
     *,
     forward: TargetForward | None = None,
-    repeats: int = 3,
-    warmup: bool = True,
+    repeats: int = 1,
+    warmup: bool = False,
 ) -> Callable[[int], float]:
     """``N -> seconds`` of one verify forward of ``target_model`` over N block tokens (a
     one-level tree, :func:`~headway.decode.bench.forward_seconds`: the median of ``repeats``
@@ -55,9 +55,9 @@ def verify_timer(
     :class:`~headway.decode.forwards.TargetForward`, whose cache it resets).
 
     The first call prefills the prefix and later calls reuse it (a prefill of 128 tokens costs
-    several verify forwards), so ``forward`` must serve nothing else between calls.
-    :func:`verify_cost_table` wants single forwards (``repeats=1, warmup=False``): it warms up
-    and repeats over all sizes in turn itself."""
+    several verify forwards), so ``forward`` must serve nothing else between calls. By default
+    a call times a single forward: its callers warm up and repeat over all sizes in turn
+    (:func:`time_in_turn`)."""
     runner = forward if forward is not None else EagerForward(target_model)
     weight = target_model.get_output_embeddings().weight
     generator = torch.Generator().manual_seed(0)
@@ -85,8 +85,8 @@ def verify_cost_table(
 ) -> list[float]:
     """Seconds of one verify forward over m block tokens (the root and m - 1 tree nodes), for
     m = 1 .. ``max_tokens`` (entry m - 1): timed at m = 1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to
-    ``max_tokens`` (single forwards on a one-level tree, :func:`verify_timer` with ``repeats=1,
-    warmup=False``, the model's route as the loop will run it, or ``seconds`` if given), made
+    ``max_tokens`` (single forwards on a one-level tree, :func:`verify_timer`, the model's route
+    as the loop will run it, or ``seconds`` if given), made
     non-decreasing (a size takes the least time of itself and every larger size) and linearly
     interpolated in between.
 
@@ -98,7 +98,7 @@ def verify_cost_table(
     timed 3 times before the next to 0.09 / 0.16 / 0.11, with the same forwards
     (``scripts/cost_table_spread.py``; docs/benchmarks.md, 2026-11-27)."""
     if seconds is None:
-        seconds = verify_timer(target_model, prefix_tokens, repeats=1, warmup=False)
+        seconds = verify_timer(target_model, prefix_tokens)
     grid = [m for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if m < max_tokens]
     grid.append(max_tokens)
     measured = time_in_turn(seconds, grid, rounds)

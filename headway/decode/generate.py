@@ -245,7 +245,7 @@ class Decoder:
             costs = self._costs or verify_cost_table(
                 self.model,
                 nodes + 1,
-                seconds=verify_timer(self.model, 128, forward=self.target, repeats=1, warmup=False),
+                seconds=verify_timer(self.model, 128, forward=self.target),
             )
             self.sizer = TreeSizer(costs, nodes, budget=f"a drafter of max_nodes={nodes}")
         self.sizer.forget()  # a tree the last generation stopped after is never verified

@@ -103,7 +103,7 @@ def auto_total_tokens(
             :mod:`headway.decode.gemm`).
     """
     if seconds is None:
-        seconds = verify_timer(target_model, prefix_tokens, repeats=1, warmup=False)
+        seconds = verify_timer(target_model, prefix_tokens)
     timed = time_in_turn(seconds, list(AUTO_CANDIDATES), 3)
     costs = [timed[size] / gain for size, gain in zip(AUTO_CANDIDATES, AUTO_GAIN, strict=True)]
     best = AUTO_CANDIDATES[min(range(len(costs)), key=costs.__getitem__)]

@@ -172,9 +172,7 @@ def main(argv: list[str] | None = None) -> None:
 
     base = new / median_seconds(plain, device, repeats)
     report.add("plain_captured_tok_s", base, f"headway, no drafter, captured: {base:.1f} tok/s")
-    timer = verify_timer(
-        model, args.prompt_tokens, forward=StaticForward(model), repeats=1, warmup=False
-    )
+    timer = verify_timer(model, args.prompt_tokens, forward=StaticForward(model))
     verify = time_in_turn(timer, [1, 4, 8, 16], max(repeats, 1))  # as cost tables are timed
     shown = ", ".join(f"{n}: {s * 1000:.2f}" for n, s in verify.items())
     report.add("verify_ms", {n: s * 1000 for n, s in verify.items()}, f"verify ms: {shown}")
