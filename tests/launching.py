@@ -75,15 +75,22 @@ def accelerate_launch(
     assert launcher.returncode == 0, stderr[-4000:]
 
 
+def process_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state, parent, ...), or None
+    for a process that is gone (or ended while being read)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid``, children first (Linux ``/proc``; none found elsewhere)."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # a process that ended while being read
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
+    for folder in Path("/proc").glob("[0-9]*"):
+        fields = process_stat(int(folder.name))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(folder.name))
     found: list[int] = []
     frontier = [pid]
     while frontier:

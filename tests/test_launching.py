@@ -8,11 +8,10 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.launching import ENV, descendants, stop_tree
+from tests.launching import ENV, descendants, process_stat, stop_tree
 
 # A parent that starts a worker in a session of its own (out of reach of killpg), both waiting
 # forever on an event, as a worker stuck in a collective would.
@@ -26,11 +25,8 @@ threading.Event().wait()
 
 def running(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie (an orphan waits for init to reap it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
+    fields = process_stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
