@@ -1,0 +1,240 @@
+"""Issue #32's decoding figures with the real target, in ONE device call.
+
+The rows the issue asks for, and no others (each eager row costs tens of seconds of scarce
+device time): HF greedy with a static cache (transformers compiles its decoding forward on
+CUDA), headway's plain captured decoding, and the shipped EAGLE-3 drafter through the device
+step (static drafting and the captured verify, each one CUDA graph, one host read a step; what
+``headway generate`` runs on a GPU) for each tree of ``--trees``; the cost-sized host step for
+comparison. Rows are interleaved prompt by prompt (``headway.eval.paired.measure``) and tau is
+pooled over the prompts (accepted tokens over verify steps). Every speedup is against both best
+plain decoders of the same run. Sections, each printed and written to ``OUT/decode_figures.md``
+(and ``.json``) as soon as it is measured, the later ones skipped once ``--budget-s`` is spent:
+
+1. bfloat16, greedy: the trees of ``--trees``, the cost-sized host step;
+2. float32, greedy: HF greedy (eager; the reference every row must equal), the default tree and
+   the largest tree;
+3. bfloat16, temperature 1.0: plain captured sampling against the sampled device step;
+4. bfloat16, ``--verify compiled`` (``torch.compile`` first: a minute or more per block size).
+
+On the machine (``scripts/device/README.md``; the prompts as a JSONL written here, since the
+MT-bench package does not travel):
+
+    PYTHONPATH=. python3 scripts/device/decode_figures.py --prompts P.jsonl --out "$OUT"
+
+Here (CPU, uncaptured: a smoke test, ``tests/test_device_scripts.py``): ``--device cpu
+--num-prompts 1 --max-new-tokens 8 --trees 16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headway.api import prompt_ids
+from headway.decode.generate import Decoder
+from headway.decode.options import DecodeOptions
+from headway.drafters.build import build_drafter
+from headway.drafters.specs import EagleSpec
+from headway.eval.baselines import Runner, hf_runner
+from headway.eval.cost_tables import CostTables
+from headway.eval.paired import Row, measure, table
+from headway.eval.speed import EvalSettings, drafter_runner
+from headway.evalsets import load_prompts
+from headway.target import Target, load_target
+
+ROOT = Path(__file__).resolve().parents[2]
+DRAFTER = ROOT / "drafters" / "smollm2-135m-eagle3"
+TREE_TAUS = Path(__file__).with_name("tree_taus.json")
+HF_STATIC, PLAIN = "hf greedy, static cache", "headway, no drafter, captured"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", default="smollm2-135m", help="target model (default embedded)")
+    parser.add_argument("--drafter", default=str(DRAFTER), help="the EAGLE drafter folder")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
+    parser.add_argument("--prompts", default="mt-bench", help="mt-bench, humaneval or a .jsonl")
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts, spread over the set")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
+    parser.add_argument(
+        "--trees",
+        default="16,24,32,48,64",
+        help="tree budgets (total_tokens) of the bfloat16 rows, each with its top_k and depth "
+        f"from {TREE_TAUS.name}; the first is the default tree",
+    )
+    parser.add_argument(
+        "--sections",
+        default="bfloat16,float32,sampled,compiled",
+        help="what to measure, in order: bfloat16, float32, sampled, compiled",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="seconds after which no further section starts (a call killed at its limit brings "
+        "nothing back)",
+    )
+    parser.add_argument("--out", default=".", help="folder for decode_figures.md and .json")
+    return parser.parse_args(argv)
+
+
+def tree_shapes(budgets: str) -> list[tuple[int, int, int]]:
+    """``(top_k, depth, total_tokens)`` of each budget in ``budgets``, from ``tree_taus.json``."""
+    known = {
+        tree["total_tokens"]: (tree["top_k"], tree["depth"], tree["total_tokens"])
+        for tree in json.loads(TREE_TAUS.read_text(encoding="utf-8"))["trees"]
+    }
+    shapes = []
+    for budget in (int(text) for text in budgets.split(",") if text):
+        if budget not in known:
+            raise SystemExit(f"--trees: {budget} is none of {sorted(known)} ({TREE_TAUS.name})")
+        shapes.append(known[budget])
+    return shapes
+
+
+def runner(decoder: Decoder, temperature: float = 0.0) -> Runner:
+    """Generations of one prompt through ``decoder`` (seeded per call alike in every row)."""
+    settings = EvalSettings(temperature=temperature)
+
+    def make(target: Target, ids: torch.Tensor, new: int) -> tuple[Callable[[], list[int]], Any]:
+        return drafter_runner(target, ids, decoder, settings, 0, new)
+
+    return make
+
+
+class Figures:
+    """The tables measured so far, written out after each one."""
+
+    def __init__(self, out: Path, header: str) -> None:
+        self.out, self.lines, self.data = out, [header], {}  # type: ignore[var-annotated]
+        out.mkdir(parents=True, exist_ok=True)
+        print(header, flush=True)
+
+    def add(self, title: str, rows: list[Row]) -> None:
+        results = table(rows)
+        rates = {row["drafter"]: row["tokens_per_s"] for row in results}
+        lines = [
+            f"\n### {title}\n",
+            "| row | tau | tokens/s | x HF static | x plain captured | identical to first row |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in results:
+            tau = "n/a" if row["tau"] is None else f"{row['tau']:.2f}"
+            rate = row["tokens_per_s"]
+            ratio = [f"{rate / rates[b]:.2f}x" if b in rates else "n/a" for b in (HF_STATIC, PLAIN)]
+            lines.append(
+                f"| {row['drafter']} | {tau} | {rate:.1f} | {ratio[0]} | {ratio[1]} | "
+                f"{row['identical']} |"
+            )
+        print("\n".join(lines), flush=True)
+        self.lines += lines
+        self.data[title] = results
+        (self.out / "decode_figures.md").write_text("\n".join(self.lines) + "\n", "utf-8")
+        (self.out / "decode_figures.json").write_text(json.dumps(self.data, indent=2), "utf-8")
+
+    def note(self, text: str) -> None:
+        print(text, flush=True)
+        self.lines.append(text)
+        (self.out / "decode_figures.md").write_text("\n".join(self.lines) + "\n", "utf-8")
+
+
+def eagle_row(
+    target: Target,
+    heads: str,
+    shape: tuple[int, int, int],
+    verify: str = "captured",
+    temperature: float = 0.0,
+) -> Row:
+    """The drafter with tree ``shape`` as ``headway generate`` runs it on a GPU: static drafting,
+    sized by the drafter, so each step runs on the device (``DecodeOptions.device_trees``)."""
+    top_k, depth, total = shape
+    spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total, drafting="static")
+    decoder = Decoder(target.model, build_drafter(spec, target), DecodeOptions(verify=verify))  # type: ignore[arg-type]
+    name = f"EAGLE-3, top_k {top_k}, depth {depth}, {total} tokens, device step"
+    return Row(name + ("" if verify == "captured" else f", {verify}"), runner(decoder, temperature))
+
+
+def plain_row(target: Target, verify: str = "captured", temperature: float = 0.0) -> Row:
+    decoder = Decoder(target.model, None, DecodeOptions(verify=verify))  # type: ignore[arg-type]
+    name = PLAIN if verify == "captured" else f"headway, no drafter, {verify}"
+    return Row(name, runner(decoder, temperature))
+
+
+def section_rows(args: argparse.Namespace, section: str, target: Target) -> list[Row]:
+    """The rows of one section, baseline first."""
+    shapes = tree_shapes(args.trees)
+    heads = args.drafter
+    if section == "bfloat16":
+        rows = [Row(HF_STATIC, hf_runner(None, static=True)), plain_row(target)]
+        rows += [eagle_row(target, heads, shape) for shape in shapes]
+        top_k, depth, total = shapes[0]
+        spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total)
+        options = DecodeOptions(sizing="cost", verify="captured")
+        decoder = CostTables().decoder(target.model, build_drafter(spec, target), options)
+        rows.append(Row("EAGLE-3, default tree, cost-sized, host step, captured", runner(decoder)))
+        return rows
+    if section == "float32":
+        rows = [Row("hf greedy (eager)", hf_runner(None))]
+        rows += [Row(HF_STATIC, hf_runner(None, static=True)), plain_row(target)]
+        ends = dict.fromkeys((shapes[0], shapes[-1]))  # the default and the largest tree
+        return rows + [eagle_row(target, heads, shape) for shape in ends]
+    if section == "sampled":
+        return [plain_row(target, temperature=1.0)] + [
+            eagle_row(target, heads, shape, temperature=1.0) for shape in (shapes[0], shapes[-1])
+        ]
+    if section == "compiled":
+        rows = [Row(HF_STATIC, hf_runner(None, static=True)), plain_row(target)]
+        rows.append(plain_row(target, "compiled"))
+        return [*rows, eagle_row(target, heads, shapes[0], "compiled")]
+    raise SystemExit(f"--sections: {section!r} is none of bfloat16, float32, sampled, compiled")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    header = (
+        f"# decoding figures: {name}, torch {torch.__version__}; {args.target} with "
+        f"{Path(args.drafter).name}; {args.prompts} x{args.num_prompts}, "
+        f"{args.max_new_tokens} new tokens, batch 1; tau pooled over prompts"
+    )
+    figures = Figures(Path(args.out), header)
+    prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    targets: dict[str, Target] = {}
+    for section in args.sections.split(","):
+        spent = time.perf_counter() - started
+        if spent > args.budget_s:
+            figures.note(f"\n{section}: skipped, {spent:.0f} s of the {args.budget_s:.0f} s spent")
+            continue
+        dtype = "float32" if section == "float32" else "bfloat16"
+        if dtype not in targets:
+            targets[dtype] = load_target(args.target, dtype=dtype, device=args.device)
+        target = targets[dtype]
+        encoded = [prompt_ids(target, p.text, chat=p.chat) for p in prompts]
+        begun = time.perf_counter()
+        try:
+            rows = section_rows(args, section, target)
+            measure(rows, target, encoded, args.max_new_tokens)
+        except Exception as error:  # report it, go on with the next section
+            figures.note(f"\n{section}: failed: {type(error).__name__}: {error}")
+            traceback.print_exc()
+            continue
+        greedy = "temperature 1.0" if section == "sampled" else "greedy"
+        figures.add(
+            f"{section} ({dtype}, {greedy}; {time.perf_counter() - begun:.0f} s)",
+            rows,
+        )
+
+
+if __name__ == "__main__":
+    main()
