@@ -92,8 +92,10 @@ def test_captured_plain_decoding_launches_little_beside_its_graph() -> None:
 
 
 def test_graph_faults_are_what_a_capture_would_break_on() -> None:
-    """Inside a replayed region: a host read, a host vector fed to a device op, a host-only op
-    and a random op are faults; device work, Python scalars and the same ops outside are not."""
+    """Inside a replayed region: a host read, a host vector fed to a device op, a copy from the
+    host (an indexed assignment of a Python scalar, ``torch.tensor(..., device=)``, ``.to``), a
+    host-only op and a random op are faults; device work, Python scalars a kernel takes as
+    arguments and the same ops outside are not."""
     weight = torch.nn.Parameter(torch.randn(3), requires_grad=False)
     host = torch.arange(3.0)
     with DispatchCounter([weight]) as counter, torch.inference_mode():
@@ -101,12 +103,21 @@ def test_graph_faults_are_what_a_capture_would_break_on() -> None:
         with counter.region("captured"):
             device = weight * 2 + torch.tensor(1.0)  # device work and a scalar constant
             torch.zeros(3, device=weight.device).add_(device)  # placed on the device
+            index = torch.arange(3, device=weight.device)
+            device.scatter(0, index, 1.0)  # a scalar a kernel takes as an argument
+            device[1:] = 0.0  # a fill: the same
             assert not counter.counts.graph_faults
+            device[index] = 1.0  # index_put_ copies its host scalar to the device
+            torch.tensor([1, 2], device=weight.device)  # Python values copied to the device
+            host.to(weight.device)  # a host tensor copied to the device
             device.tolist()  # a host read
             weight + host  # the host's values baked into the graph
             host + 1  # runs at capture, never on replay
             torch.rand(3, device=weight.device)  # a random op
     assert counter.counts.graph_faults == {
+        "host copy: aten.index_put_.default": 1,
+        "host copy: tensor": 1,
+        "host copy: to": 1,
         "sync: tolist": 1,
         "host input: aten.add.Tensor": 1,
         "host op: aten.add.Tensor": 1,

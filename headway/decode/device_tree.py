@@ -41,7 +41,7 @@ def tree_layout(parents: Tensor, max_depth: int) -> tuple[Tensor, Tensor]:
     ancestor = rows
     for _ in range(max_depth):
         ancestor = block_parent[ancestor]
-        mask[rows, ancestor] = True
+        mask = mask.scatter(1, ancestor[:, None], True)  # no host scalar: capturable
     return mask.sum(-1) - 1, mask
 
 

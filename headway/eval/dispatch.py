@@ -24,7 +24,9 @@ them where no GPU is (views, which launch nothing, are not counted):
 - **graph faults.** What inside a replayed region would break the capture or go stale on
   replay, found without a GPU: a host read (illegal while capturing), a device op fed a
   non-empty host tensor with dimensions (its values are baked into the graph at capture;
-  zero-dimensional ones pass as the Python constants they are), a host-only op (it runs once,
+  zero-dimensional ones pass as the Python constants they are, except as the values of an
+  indexed assignment or a copy, which CUDA copies to the device: ``mask[rows, cols] = True``
+  cannot be captured), a host-only op (it runs once,
   at capture, never on replay), a random op (the decoder draws its random numbers before a
   graph, so that replays follow the caller's generator).
 
@@ -77,6 +79,18 @@ _RANDOM = ("uniform", "normal", "exponential", "bernoulli", "multinomial", "rand
 
 _HOST_READS = frozenset({"tolist", "numpy", "cpu"})
 """Tensor methods that read device memory on the host (on a CPU they dispatch no op)."""
+
+_COPY_IN = frozenset(
+    {
+        "aten.index_put_.default",
+        "aten.index_put.default",
+        "aten._index_put_impl_.default",
+        "aten.copy_.default",
+    }
+)
+"""Device ops that copy a host tensor's values to the device even when it has no dimensions
+(``t[index] = 1.0`` hands ``index_put_`` a host scalar tensor): a host-to-device copy of pageable
+memory, which a CUDA graph capture refuses."""
 
 _FACTORIES = frozenset(
     (torch.arange, torch.empty, torch.eye, torch.full, torch.ones, torch.rand, torch.randint,
@@ -147,6 +161,8 @@ class _Factories(TorchFunctionMode):
             if name == "cpu":  # a copy on the host, as on a GPU (a CPU returns the tensor itself)
                 return self.counter.host_copy(args[0])
         placed = func in _FACTORIES and self.counter.on_device(kwargs.get("device"))
+        if (placed and func is torch.tensor) or (name == "to" and self._host_to_device(args)):
+            self.counter.fault("host copy", name)  # Python values / a host tensor copied in
         self.counter.placing += placed
         try:
             result = func(*args, **kwargs)
@@ -155,6 +171,15 @@ class _Factories(TorchFunctionMode):
         if isinstance(result, torch.device) and args and self.counter.resident(args[0]):
             self.counter.devices[id(result)] = result  # `tensor.device` of a device tensor
         return result
+
+    def _host_to_device(self, args: Sequence[Any]) -> bool:
+        """Whether ``Tensor.to(*args)`` copies a host tensor to the decoding device."""
+        devices = [a for a in args[1:] if isinstance(a, torch.device)]
+        return (
+            bool(args)
+            and not self.counter.resident(args[0])
+            and any(self.counter.on_device(device) for device in devices)
+        )
 
 
 class DispatchCounter(TorchDispatchMode):
@@ -228,9 +253,9 @@ class DispatchCounter(TorchDispatchMode):
         """Count one host read (``op``) of a device-resident tensor (not during a prefill)."""
         if "prefill" not in self._regions:
             self.counts.syncs += 1
-            self._fault("sync", op)
+            self.fault("sync", op)
 
-    def _fault(self, kind: str, op: str) -> None:
+    def fault(self, kind: str, op: str) -> None:
         """Record a graph fault of ``kind`` by ``op`` if a replayed region is running."""
         if "captured" in self._regions and "prefill" not in self._regions and not self._quiet:
             key = f"{kind}: {op}"
@@ -279,11 +304,13 @@ class DispatchCounter(TorchDispatchMode):
         if "captured" not in self._regions:
             return
         if not on_device:
-            self._fault("host op", op)
+            self.fault("host op", op)
         elif self.placing == 0 and any(_baked(x) and not self.resident(x) for x in inputs):
-            self._fault("host input", op)
+            self.fault("host input", op)
+        elif self.placing == 0 and op in _COPY_IN and not all(map(self.resident, inputs)):
+            self.fault("host copy", op)
         if any(word in op.split(".")[1] for word in _RANDOM):
-            self._fault("random", op)
+            self.fault("random", op)
 
     def __enter__(self) -> DispatchCounter:
         self._stack.enter_context(_Factories(self))
