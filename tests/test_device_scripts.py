@@ -112,3 +112,30 @@ def test_step_costs_runs_here_on_a_cpu(tmp_path: Path) -> None:
     assert {"plain_sampled_tok_s", "sampled_device_step_ms"} <= set(data)
     assert {"tree_tok_s[1,2,3]", "tree_tok_s[2,2,4]"} <= set(data)
     assert data["best_tree"] in ([1, 2, 3], [2, 2, 4])
+
+
+@pytest.mark.slow
+def test_decode_figures_runs_here_on_a_cpu(tmp_path: Path) -> None:
+    """The real-target device script of issue #32 runs on a CPU (uncaptured there): in float32
+    every row, the device step's trees among them, gives HF greedy's output, each table is
+    written as measured, and a section past the budget is skipped, not started."""
+    import importlib.util
+    import json
+
+    path = SCRIPTS[0].parent / "decode_figures.py"
+    spec = importlib.util.spec_from_file_location("decode_figures", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--device", "cpu", "--num-prompts", "1", "--max-new-tokens", "4", "--trees", "16,32"]
+    module.main([*argv, "--sections", "float32,sampled", "--budget-s", "0", "--out", str(tmp_path)])
+    skipped = (tmp_path / "decode_figures.md").read_text()
+    assert "float32: skipped" in skipped and "sampled: skipped" in skipped  # budget spent
+    assert not (tmp_path / "decode_figures.json").exists()
+    module.main([*argv, "--sections", "float32", "--out", str(tmp_path)])
+    (rows,) = json.loads((tmp_path / "decode_figures.json").read_text()).values()
+    names = [row["drafter"] for row in rows]
+    assert names[:3] == ["hf greedy (eager)", "hf greedy, static cache", module.PLAIN]
+    assert sum("device step" in name for name in names) == 2  # the default and largest tree
+    assert all(row["identical"] == "1/1" for row in rows)
+    assert "x plain captured" in (tmp_path / "decode_figures.md").read_text()

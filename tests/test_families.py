@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from headway.decode.generate import Drafter, generate
+from headway.decode.generate import Decoder, Drafter, generate
 from headway.decode.kv import sliding_window
+from headway.decode.options import DecodeOptions
 from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.medusa_drafter import MedusaDrafter
@@ -46,6 +47,19 @@ def test_greedy_output_equals_transformers(family: str) -> None:
         )
         assert result.tokens == truth, name
     assert result.tau > 4  # the oracle tree was verified several tokens at a time
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_static_verify_path_is_exact_for_every_family(family: str) -> None:
+    """``--verify auto`` takes the static path (captured) on CUDA for any target: plain decoding
+    and an oracle tree over the static cache (uncaptured here, the same buffers and masks a CUDA
+    graph replays) give transformers' greedy output for every family."""
+    model = family_model(family)
+    truth = hf_greedy(model, PROMPT, NEW_TOKENS, eos=None)
+    for drafter in (None, OracleDrafter(truth, 4, width=3)):
+        decoder = Decoder(model, drafter, DecodeOptions(verify="captured"))
+        result = decoder.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, eos_token_ids=())
+        assert result.tokens == truth, drafter
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -8,21 +8,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from headway.api import _choice
 from headway.cli import build_parser
-from headway.cli.common import decode_options, drafter_from_flags
+from headway.cli.common import decode_options, drafter_from_flags, verify_path
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
 from headway.drafters import resolve
 from headway.drafters.build import build_drafter
-from headway.drafters.resolve import resolve_drafter
+from headway.drafters.resolve import STATIC_TREE, resolve_drafter
 from headway.drafters.specs import EagleSpec, PromptLookupSpec, RetrievalSpec
 from headway.errors import HeadwayError
 from headway.target import Target
 from tests.test_eagle3 import tiny4
 from tests.test_formats import random_run
+
+CPU = torch.device("cpu")
 
 
 @pytest.fixture
@@ -48,12 +51,20 @@ def test_a_static_verify_path_keeps_the_shipped_drafters_trees_on_the_device(
     shipped: tuple[Any, Path],
 ) -> None:
     """With --verify captured/compiled the default drafter drafts in fixed shapes, sized by
-    itself, which is what the device step takes; a named drafting or sizing still wins."""
+    itself, which is what the device step takes, over the tree measured best on a GPU; a named
+    drafting, sizing or tree option still wins."""
     model, _ = shipped
     for verify in ("captured", "compiled"):
         choice = resolve_drafter(model, verify=verify)
         assert isinstance(choice.spec, EagleSpec) and choice.spec.drafting == "static"
         assert choice.sizing == "drafter" and verify in choice.reason
+        tree = {name: getattr(choice.spec, name) for name in STATIC_TREE}
+        assert tree == STATIC_TREE  # the tree measured best on a GPU
+    eager = resolve_drafter(model)  # the CPU's tree is the drafter's own
+    assert isinstance(eager.spec, EagleSpec) and eager.spec.total_tokens != 32
+    deeper = resolve_drafter(model, verify="captured", options={"depth": 3})
+    assert isinstance(deeper.spec, EagleSpec)  # a named tree option keeps the drafter's tree
+    assert (deeper.spec.depth, deeper.spec.total_tokens) == (3, eager.spec.total_tokens)
     named = resolve_drafter(model, verify="captured", options={"drafting": "eager"}, sizing="cost")
     assert isinstance(named.spec, EagleSpec) and named.spec.drafting == "eager"
     assert named.sizing == "cost"
@@ -100,6 +111,17 @@ def test_the_cli_and_the_api_run_the_default_drafter_alike(shipped: tuple[Any, P
     drafter, choice = drafter_from_flags(args, target)
     assert vars(args) == before  # nothing written back into the flags
     assert drafter is not None and choice == _choice("default", target)
-    assert decode_options(args, choice).sizing == "cost"
+    assert decode_options(args, CPU, choice).sizing == "cost"
     explicit = build_parser().parse_args(["generate", "--sizing", "drafter", "hi"])
-    assert decode_options(explicit, drafter_from_flags(explicit, target)[1]).sizing == "drafter"
+    named = drafter_from_flags(explicit, target)[1]
+    assert decode_options(explicit, CPU, named).sizing == "drafter"
+
+
+def test_verify_auto_is_captured_on_cuda_and_eager_elsewhere() -> None:
+    """``--verify auto`` (the default) picks by the target's device: CUDA graphs only pay, and
+    only exist, on CUDA; a named path is kept; a wrong name is refused in one line."""
+    assert verify_path("auto", torch.device("cuda")) == "captured"
+    assert verify_path("auto", CPU) == "eager"
+    assert verify_path("compiled", CPU) == "compiled"
+    with pytest.raises(HeadwayError, match="choose auto, eager"):
+        verify_path("graphs", CPU)

@@ -28,6 +28,8 @@ from headway.target import fingerprint
 from tests.test_eagle3 import tiny4
 from tests.test_formats import random_run
 
+CPU = torch.device("cpu")
+
 
 @pytest.fixture(scope="module")
 def target() -> Any:
@@ -178,9 +180,9 @@ def test_a_default_drafter_runs_cost_sized_unless_sizing_is_given(
     _, choice = drafter_from_flags(args, wrapped)
     assert isinstance(choice.spec, EagleSpec)
     assert Path(choice.spec.heads) == tmp_path / "shipped" / "tiny-eagle3"
-    assert decode_options(args, choice).sizing == shipped.DEFAULT_SIZING
+    assert decode_options(args, CPU, choice).sizing == shipped.DEFAULT_SIZING
     assert args.sizing is None  # nothing written back
     args = flags(sizing="drafter")
-    assert decode_options(args, drafter_from_flags(args, wrapped)[1]).sizing == "drafter"
+    assert decode_options(args, CPU, drafter_from_flags(args, wrapped)[1]).sizing == "drafter"
     args = flags(drafter="prompt-lookup")
-    assert decode_options(args, drafter_from_flags(args, wrapped)[1]).sizing == "drafter"
+    assert decode_options(args, CPU, drafter_from_flags(args, wrapped)[1]).sizing == "drafter"

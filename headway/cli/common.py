@@ -8,9 +8,11 @@ import logging
 import typing
 from typing import Any, Literal
 
+import torch
+
 from headway.decode.gemm import GemmChoice, apply_gemm
 from headway.decode.generate import Drafter
-from headway.decode.options import DecodeOptions
+from headway.decode.options import DecodeOptions, VerifyPath
 from headway.drafters.resolve import DrafterChoice
 from headway.drafters.specs import describe_specs
 from headway.errors import HeadwayError
@@ -146,27 +148,45 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--verify",
-        default="eager",
-        choices=["eager", "captured", "compiled"],
-        help="eager (default): the target's own forward over a growing KV cache. captured: a "
+        default="auto",
+        choices=["auto", "eager", "captured", "compiled"],
+        help="auto (default): captured on CUDA, eager elsewhere (on an H200 in bf16 plain "
+        "decoding ran 221 tokens/s captured against 48 eager; on a CPU nothing is captured and "
+        "the static path is slower). eager: the target's own forward over a growing KV cache. "
+        "captured: a "
         "static KV cache, and on CUDA each verify forward replayed from a CUDA graph captured "
         "once per block size (1, 2, 4, ... tokens; a tree is padded to the next), which removes "
         "the kernel-launch cost of a small target; with greedy decoding and a static EAGLE "
-        "drafter or Medusa heads the tree then stays on the GPU (one host read a step). "
+        "drafter or Medusa heads the tree then stays on the GPU (one host read a step; with "
+        "nothing named, the shipped EAGLE drafter drafts a 32-token tree, top_k 8, depth 6, "
+        "the fastest on an H100 in bf16: 355 tokens/s at tau 3.06). "
         "compiled: as captured, the verify forward compiled by torch.compile first (fused "
         "kernels; compiling takes a while the first time). Same tokens either way; off CUDA "
         "both run uncaptured and are slower than eager",
     )
 
 
-def decode_options(args: argparse.Namespace, choice: DrafterChoice | None = None) -> DecodeOptions:
-    """The :class:`DecodeOptions` of :func:`add_decode_flags`, sized as ``choice`` (from
-    :func:`drafter_from_flags`) resolved it, else as ``--sizing`` says (default ``drafter``)."""
+def decode_options(
+    args: argparse.Namespace, device: torch.device, choice: DrafterChoice | None = None
+) -> DecodeOptions:
+    """The :class:`DecodeOptions` of :func:`add_decode_flags` for a target on ``device``, sized
+    as ``choice`` (from :func:`drafter_from_flags`) resolved it, else as ``--sizing`` says
+    (default ``drafter``)."""
     return DecodeOptions(
         sizing=choice.sizing if choice is not None else args.sizing or "drafter",
         acceptance=args.acceptance,
-        verify=args.verify,
+        verify=verify_path(args.verify, device),
     )
+
+
+def verify_path(name: str, device: torch.device) -> VerifyPath:
+    """``--verify NAME`` on ``device``: ``auto`` is ``captured`` on CUDA (CUDA graphs remove a
+    small target's kernel-launch cost) and ``eager`` elsewhere (nothing is captured off CUDA)."""
+    if name == "auto":
+        return "captured" if device.type == "cuda" else "eager"
+    if name not in typing.get_args(VerifyPath):
+        raise HeadwayError(f"--verify {name}: choose auto, eager, captured or compiled")
+    return typing.cast(VerifyPath, name)
 
 
 def option_value(text: str) -> Any:
@@ -267,7 +287,7 @@ def drafter_from_flags(
         options=options,
         sizing=getattr(args, "sizing", None),
         fallback=default,
-        verify=getattr(args, "verify", "eager"),
+        verify=verify_path(getattr(args, "verify", "eager"), target.model.device),
     )
     logger.info("drafter: %s, sizing %s", choice.reason, choice.sizing)
     if choice.spec is None:

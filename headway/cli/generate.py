@@ -70,7 +70,8 @@ def run_generate(args: argparse.Namespace) -> int:
         preset["num_draft_tokens"] = args.draft_length
     drafter, choice = drafter_from_flags(args, target, preset=preset)
     # one decoder for every prompt: cost sizing times the target and calibrates only once
-    decoder = Decoder(target.model, drafter, decode_options(args, choice))
+    options = decode_options(args, target.model.device, choice)
+    decoder = Decoder(target.model, drafter, options)
     decoder.prepare()  # the printed tokens/s leave the one-off timing out
     for prompt in args.prompts:
         stream = None if args.json else (lambda text: print(text, end="", flush=True))

@@ -12,8 +12,8 @@ What was named, in order:
 - nothing: the drafter shipped for this target (:func:`~headway.drafters.shipped.default_heads`),
   sized as it was measured (:data:`~headway.drafters.shipped.DEFAULT_SIZING`, cost), or with a
   static verify path (``verify`` captured or compiled, a GPU's) drafting in fixed shapes and
-  sized by the drafter, so its trees stay on the device (:mod:`headway.decode.device_step`;
-  not yet measured on a GPU); else, where
+  sized by the drafter, so its trees stay on the device (:mod:`headway.decode.device_step`),
+  with the tree :data:`STATIC_TREE` unless one is named; else, where
   a fallback is allowed, retrieval over a corpus this target regenerated that the checkout
   ships; else the fallback (prompt lookup); else an error.
 
@@ -33,10 +33,19 @@ from headway.drafters.shipped import DEFAULT_SIZING, default_corpus, default_hea
 from headway.drafters.specs import DrafterSpec, EagleSpec
 from headway.errors import HeadwayError
 
-__all__ = ["NO_DRAFTER", "DrafterChoice", "resolve_drafter"]
+__all__ = ["NO_DRAFTER", "STATIC_TREE", "DrafterChoice", "resolve_drafter"]
 
 NO_DRAFTER = "none"
 """The drafter name that means plain decoding."""
+
+STATIC_TREE = {"top_k": 8, "depth": 6, "total_tokens": 32}
+"""The shipped EAGLE drafter's tree on a static verify path (a GPU's), unless a tree option is
+named. Measured on an H100 (bf16, MT-bench x8, 128 tokens, the device step,
+``scripts/device/decode_figures.py``, 2026-11-27): trees of 16/24/32/48/64 tokens ran 343 / 341
+/ 355 / 347 / 345 tokens/s at tau 2.70 / 2.92 / 3.06 / 3.27 / 3.40; a verify forward of 16
+tokens costs ~1.1x a one-token one there, so a deeper tree costs little more a step. On a CPU
+the eager path's cost-sized default stays (a block of 8 costs ~2x one token there)."""
+TREE_OPTIONS = frozenset(STATIC_TREE)
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,11 @@ def resolve_drafter(
         # so the tree stays on the device (headway.decode.device_step)
         if isinstance(spec, EagleSpec) and "drafting" not in values:
             spec = replace(spec, drafting="static")
+        if isinstance(spec, EagleSpec) and not TREE_OPTIONS & values.keys():
+            tree = STATIC_TREE
+            spec = replace(
+                spec, top_k=tree["top_k"], depth=tree["depth"], total_tokens=tree["total_tokens"]
+            )
         return DrafterChoice(spec, sizing or "drafter", f"{reason}, for the {verify} verify path")
     corpus = default_corpus(model) if fallback else None
     if corpus is not None:
