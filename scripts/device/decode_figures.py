@@ -7,7 +7,8 @@ step (static drafting and the captured verify, each one CUDA graph, one host rea
 ``headway generate`` runs on a GPU) for each tree of ``--trees``; the cost-sized host step for
 comparison. Rows are interleaved prompt by prompt (``headway.eval.paired.measure``) and tau is
 pooled over the prompts (accepted tokens over verify steps). Every speedup is against both best
-plain decoders of the same run. Sections, each printed and written to ``OUT/decode_figures.md``
+plain decoders of the same run; each row also says how many CUDA graphs it captured (a row that
+captures again and again is slow for it). Sections, each printed and written to ``OUT/decode_figures.md``
 (and ``.json``) as soon as it is measured, the later ones skipped once ``--budget-s`` is spent:
 
 1. bfloat16, greedy: the trees of ``--trees``, the cost-sized host step;
@@ -31,6 +32,7 @@ import argparse
 import json
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,8 +40,11 @@ from typing import Any
 import torch
 
 from headway.api import prompt_ids
+from headway.decode import captured, device_step
+from headway.decode.captured import record_graph
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
+from headway.drafters import static_eagle
 from headway.drafters.build import build_drafter
 from headway.drafters.specs import EagleSpec
 from headway.eval.baselines import Runner, hf_runner
@@ -101,12 +106,35 @@ def tree_shapes(budgets: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def runner(decoder: Decoder, temperature: float = 0.0) -> Runner:
+CAPTURES: Counter[str] = Counter()
+"""CUDA graphs captured per row (a row that captures again and again is slow for it)."""
+_RUNNING = [""]
+
+
+def count_captures() -> None:
+    """Count every CUDA graph capture (verify forwards, drafting steps, device steps) against
+    the row running it."""
+
+    def counted(body: Callable[[], None], device: torch.device, pool: Any) -> Any:
+        CAPTURES[_RUNNING[0]] += 1
+        return record_graph(body, device, pool)
+
+    for module in (captured, device_step, static_eagle):
+        module.record_graph = counted  # type: ignore[attr-defined]
+
+
+def runner(decoder: Decoder, name: str, temperature: float = 0.0) -> Runner:
     """Generations of one prompt through ``decoder`` (seeded per call alike in every row)."""
     settings = EvalSettings(temperature=temperature)
 
     def make(target: Target, ids: torch.Tensor, new: int) -> tuple[Callable[[], list[int]], Any]:
-        return drafter_runner(target, ids, decoder, settings, 0, new)
+        run, results = drafter_runner(target, ids, decoder, settings, 0, new)
+
+        def named() -> list[int]:
+            _RUNNING[0] = name
+            return run()
+
+        return named, results
 
     return make
 
@@ -124,8 +152,9 @@ class Figures:
         rates = {row["drafter"]: row["tokens_per_s"] for row in results}
         lines = [
             f"\n### {title}\n",
-            "| row | tau | tokens/s | x HF static | x plain captured | identical to first row |",
-            "|---|---|---|---|---|---|",
+            "| row | tau | tokens/s | x HF static | x plain captured | identical to first row "
+            "| graphs captured |",
+            "|---|---|---|---|---|---|---|",
         ]
         for row in results:
             tau = "n/a" if row["tau"] is None else f"{row['tau']:.2f}"
@@ -133,7 +162,7 @@ class Figures:
             ratio = [f"{rate / rates[b]:.2f}x" if b in rates else "n/a" for b in (HF_STATIC, PLAIN)]
             lines.append(
                 f"| {row['drafter']} | {tau} | {rate:.1f} | {ratio[0]} | {ratio[1]} | "
-                f"{row['identical']} |"
+                f"{row['identical']} | {CAPTURES[row['drafter']]} |"
             )
         print("\n".join(lines), flush=True)
         self.lines += lines
@@ -160,13 +189,14 @@ def eagle_row(
     spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total, drafting="static")
     decoder = Decoder(target.model, build_drafter(spec, target), DecodeOptions(verify=verify))  # type: ignore[arg-type]
     name = f"EAGLE-3, top_k {top_k}, depth {depth}, {total} tokens, device step"
-    return Row(name + ("" if verify == "captured" else f", {verify}"), runner(decoder, temperature))
+    name += "" if verify == "captured" else f", {verify}"
+    return Row(name, runner(decoder, name, temperature))
 
 
 def plain_row(target: Target, verify: str = "captured", temperature: float = 0.0) -> Row:
     decoder = Decoder(target.model, None, DecodeOptions(verify=verify))  # type: ignore[arg-type]
     name = PLAIN if verify == "captured" else f"headway, no drafter, {verify}"
-    return Row(name, runner(decoder, temperature))
+    return Row(name, runner(decoder, name, temperature))
 
 
 def section_rows(args: argparse.Namespace, section: str, target: Target) -> list[Row]:
@@ -180,7 +210,8 @@ def section_rows(args: argparse.Namespace, section: str, target: Target) -> list
         spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total)
         options = DecodeOptions(sizing="cost", verify="captured")
         decoder = CostTables().decoder(target.model, build_drafter(spec, target), options)
-        rows.append(Row("EAGLE-3, default tree, cost-sized, host step, captured", runner(decoder)))
+        name = "EAGLE-3, default tree, cost-sized, host step, captured"
+        rows.append(Row(name, runner(decoder, name)))
         return rows
     if section == "float32":
         rows = [Row("hf greedy (eager)", hf_runner(None))]
@@ -201,6 +232,7 @@ def section_rows(args: argparse.Namespace, section: str, target: Target) -> list
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
+    count_captures()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     header = (
