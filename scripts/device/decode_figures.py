@@ -8,14 +8,17 @@ step (static drafting and the captured verify, each one CUDA graph, one host rea
 comparison. Rows are interleaved prompt by prompt (``headway.eval.paired.measure``) and tau is
 pooled over the prompts (accepted tokens over verify steps). Every speedup is against both best
 plain decoders of the same run; each row also says how many CUDA graphs it captured (a row that
-captures again and again is slow for it). Sections, each printed and written to ``OUT/decode_figures.md``
-(and ``.json``) as soon as it is measured, the later ones skipped once ``--budget-s`` is spent:
+captures again and again is slow for it). Sections, each printed and written to
+``OUT/decode_figures.md`` (and ``.json``) as soon as it is measured, the later ones skipped once
+``--budget-s`` is spent:
 
 1. bfloat16, greedy: the trees of ``--trees``, the cost-sized host step;
 2. float32, greedy: HF greedy (eager; the reference every row must equal), the default tree and
    the largest tree;
 3. bfloat16, temperature 1.0: plain captured sampling against the sampled device step;
-4. bfloat16, ``--verify compiled`` (``torch.compile`` first: a minute or more per block size).
+4. profile: one answer of plain captured decoding and of the device step (bf16) under
+   ``torch.profiler``: wall and GPU-busy time a step, the operator tables as files;
+5. bfloat16, ``--verify compiled`` (``torch.compile`` first: a minute or more per block size).
 
 On the machine (``scripts/device/README.md``; the prompts as a JSONL written here, since the
 MT-bench package does not travel):
@@ -46,6 +49,7 @@ from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
 from headway.drafters import static_eagle
 from headway.drafters.build import build_drafter
+from headway.drafters.resolve import STATIC_TREE
 from headway.drafters.specs import EagleSpec
 from headway.eval.baselines import Runner, hf_runner
 from headway.eval.cost_tables import CostTables
@@ -72,14 +76,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
     parser.add_argument(
         "--trees",
-        default="16,24,32,48,64",
+        default=f"{STATIC_TREE['total_tokens']},16,64",
         help="tree budgets (total_tokens) of the bfloat16 rows, each with its top_k and depth "
-        f"from {TREE_TAUS.name}; the first is the default tree",
+        f"from {TREE_TAUS.name}; the first (default: the GPU's default tree, STATIC_TREE) is "
+        "also the tree of the float32, sampled, profile and compiled rows, beside the last",
     )
     parser.add_argument(
         "--sections",
-        default="bfloat16,float32,sampled,compiled",
-        help="what to measure, in order: bfloat16, float32, sampled, compiled",
+        default="bfloat16,float32,sampled,profile,compiled",
+        help="what to measure, in order: bfloat16, float32, sampled, profile (one answer of "
+        "plain captured decoding and of the device step under torch.profiler), compiled",
     )
     parser.add_argument(
         "--budget-s",
@@ -210,23 +216,63 @@ def section_rows(args: argparse.Namespace, section: str, target: Target) -> list
         spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total)
         options = DecodeOptions(sizing="cost", verify="captured")
         decoder = CostTables().decoder(target.model, build_drafter(spec, target), options)
-        name = "EAGLE-3, default tree, cost-sized, host step, captured"
+        name = f"EAGLE-3, {total} tokens, cost-sized, host step, captured"
         rows.append(Row(name, runner(decoder, name)))
         return rows
     if section == "float32":
         rows = [Row("hf greedy (eager)", hf_runner(None))]
         rows += [Row(HF_STATIC, hf_runner(None, static=True)), plain_row(target)]
-        ends = dict.fromkeys((shapes[0], shapes[-1]))  # the default and the largest tree
+        ends = dict.fromkeys((shapes[0], shapes[-1]))  # the first (default) and the last tree
         return rows + [eagle_row(target, heads, shape) for shape in ends]
     if section == "sampled":
         return [plain_row(target, temperature=1.0)] + [
-            eagle_row(target, heads, shape, temperature=1.0) for shape in (shapes[0], shapes[-1])
+            eagle_row(target, heads, shape, temperature=1.0)
+            for shape in dict.fromkeys((shapes[0], shapes[-1]))
         ]
     if section == "compiled":
         rows = [Row(HF_STATIC, hf_runner(None, static=True)), plain_row(target)]
         rows.append(plain_row(target, "compiled"))
         return [*rows, eagle_row(target, heads, shapes[0], "compiled")]
     raise SystemExit(f"--sections: {section!r} is none of bfloat16, float32, sampled, compiled")
+
+
+def profile(args: argparse.Namespace, target: Target, ids: torch.Tensor, figures: Figures) -> None:
+    """Profile one answer of plain captured decoding and of the default tree's device step
+    (bf16): per step, the wall time, the time the GPU was busy and the kernels it ran; the
+    operator table (by device time) goes to ``OUT/profile-<row>.txt``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU]
+    if target.model.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    shape = tree_shapes(args.trees)[0]
+    for row in (plain_row(target), eagle_row(target, args.drafter, shape)):
+        run, results = row.make(target, ids, args.max_new_tokens)
+        run()  # warm-up: captures
+        results.clear()
+        with profiler(activities=activities) as prof:
+            begun = time.perf_counter()
+            run()
+            if target.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - begun
+        steps = len(results[0].accept_lengths)
+        events = prof.key_averages()
+        busy = sum(getattr(event, "self_device_time_total", 0.0) for event in events) / 1000
+        kernels = sum(
+            event.count
+            for event in events
+            if getattr(event, "device_type", None) and str(event.device_type).endswith("CUDA")
+        )
+        slug = "plain" if row.name == PLAIN else "device-step"
+        table = events.table(sort_by="self_device_time_total", row_limit=40)
+        (figures.out / f"profile-{slug}.txt").write_text(table, "utf-8")
+        figures.note(
+            f"\nprofile, {row.name}: {steps} steps, {wall / steps * 1000:.2f} ms a step wall, "
+            f"the GPU busy {busy / steps:.2f} ms a step, {kernels / steps:.0f} device events a "
+            f"step (profile-{slug}.txt)"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,12 +294,15 @@ def main(argv: list[str] | None = None) -> None:
         if spent > args.budget_s:
             figures.note(f"\n{section}: skipped, {spent:.0f} s of the {args.budget_s:.0f} s spent")
             continue
-        dtype = "float32" if section == "float32" else "bfloat16"
+        dtype = "float32" if section == "float32" else "bfloat16"  # profile: bf16, as served
         if dtype not in targets:
             targets[dtype] = load_target(args.target, dtype=dtype, device=args.device)
         target = targets[dtype]
         encoded = [prompt_ids(target, p.text, chat=p.chat) for p in prompts]
         begun = time.perf_counter()
+        if section == "profile":
+            profile(args, target, encoded[0], figures)
+            continue
         try:
             rows = section_rows(args, section, target)
             measure(rows, target, encoded, args.max_new_tokens)
