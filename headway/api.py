@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from headway.decode.generate import Decoder, Drafter
-from headway.decode.options import DecodeOptions
+from headway.decode.options import DecodeOptions, VerifyPath, verify_path
 from headway.decode.probe import check_tree_mask
 from headway.decode.sampling import SamplingParams
 from headway.drafters.build import build_drafter
@@ -94,15 +94,18 @@ def load_drafter(
 
 
 def _choice(
-    name: str, target: Target, options: Mapping[str, object] | None = None
+    name: str,
+    target: Target,
+    options: Mapping[str, object] | None = None,
+    verify: VerifyPath = "eager",
 ) -> DrafterChoice:
     """:func:`resolve_drafter` for a name the API was given (``"default"``, a drafter name or
-    a heads folder)."""
+    a heads folder), for the ``verify`` path the generation takes."""
     if name == DEFAULT_DRAFTER:
-        return resolve_drafter(target.model, options=options)
+        return resolve_drafter(target.model, options=options, verify=verify)
     if name in DRAFTER_NAMES or name == NO_DRAFTER:
-        return resolve_drafter(target.model, drafter=name, options=options)
-    return resolve_drafter(target.model, heads=name, options=options)
+        return resolve_drafter(target.model, drafter=name, options=options, verify=verify)
+    return resolve_drafter(target.model, heads=name, options=options, verify=verify)
 
 
 def prompt_ids(
@@ -148,20 +151,24 @@ def generate(
     Pass a :class:`~headway.decode.generate.Decoder` as ``drafter`` (it carries its own options)
     to keep one cost calibration over many prompts. ``drafter`` as a string is resolved as
     the command line resolves ``--drafter``/``--heads`` (``"default"``: the shipped drafter,
-    cost-sized, unless ``options`` say otherwise); ``None`` decodes without a drafter.
+    cost-sized, unless ``options`` say otherwise); ``None`` decodes without a drafter. Without
+    ``options`` the verify path is the command line's ``--verify auto``
+    (:func:`~headway.decode.options.verify_path`: captured on CUDA, where the default drafter
+    drafts in fixed shapes over a 32-token tree, eager elsewhere).
     """
-    if isinstance(drafter, str):
-        choice = _choice(drafter, target)
-        built = None if choice.spec is None else build_drafter(choice.spec, target)
-        options = options or DecodeOptions(sizing=choice.sizing)
-        drafter = built
     model = target.model
+    verify = options.verify if options is not None else verify_path("auto", model.device)
+    if isinstance(drafter, str):
+        choice = _choice(drafter, target, verify=verify)
+        built = None if choice.spec is None else build_drafter(choice.spec, target)
+        options = options or DecodeOptions(sizing=choice.sizing, verify=verify)
+        drafter = built
     if isinstance(drafter, Decoder):
         if options is not None:
             raise HeadwayError("a Decoder carries its own DecodeOptions; pass options to it")
         decoder = drafter
     else:
-        decoder = Decoder(model, drafter, options or DecodeOptions())
+        decoder = Decoder(model, drafter, options or DecodeOptions(verify=verify))
     check_tree_mask(model)  # once per model: refuses one that ignores the 4-D tree mask
     ids = prompt_ids(target, prompt, chat=chat).to(model.device)
     generator = torch.Generator(device=model.device).manual_seed(seed)

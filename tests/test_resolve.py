@@ -12,9 +12,9 @@ import torch
 
 from headway.api import _choice
 from headway.cli import build_parser
-from headway.cli.common import decode_options, drafter_from_flags, verify_path
+from headway.cli.common import decode_options, drafter_from_flags
 from headway.decode.generate import Decoder
-from headway.decode.options import DecodeOptions
+from headway.decode.options import DecodeOptions, verify_path
 from headway.decode.sampling import SamplingParams
 from headway.drafters import resolve
 from headway.drafters.build import build_drafter
@@ -119,9 +119,10 @@ def test_the_cli_and_the_api_run_the_default_drafter_alike(shipped: tuple[Any, P
 
 def test_verify_auto_is_captured_on_cuda_and_eager_elsewhere() -> None:
     """``--verify auto`` (the default) picks by the target's device: CUDA graphs only pay, and
-    only exist, on CUDA; a named path is kept; a wrong name is refused in one line."""
+    only exist, on CUDA; a named path is kept; a wrong name is refused in one line. The API
+    takes the same path when given no options."""
     assert verify_path("auto", torch.device("cuda")) == "captured"
     assert verify_path("auto", CPU) == "eager"
     assert verify_path("compiled", CPU) == "compiled"
-    with pytest.raises(HeadwayError, match="choose auto, eager"):
+    with pytest.raises(ValueError, match="choose 'auto' or one of 'eager'"):
         verify_path("graphs", CPU)

@@ -12,7 +12,7 @@ import torch
 
 from headway.decode.gemm import GemmChoice, apply_gemm
 from headway.decode.generate import Drafter
-from headway.decode.options import DecodeOptions, VerifyPath
+from headway.decode.options import DecodeOptions, verify_path
 from headway.drafters.resolve import DrafterChoice
 from headway.drafters.specs import describe_specs
 from headway.errors import HeadwayError
@@ -177,16 +177,6 @@ def decode_options(
         acceptance=args.acceptance,
         verify=verify_path(args.verify, device),
     )
-
-
-def verify_path(name: str, device: torch.device) -> VerifyPath:
-    """``--verify NAME`` on ``device``: ``auto`` is ``captured`` on CUDA (CUDA graphs remove a
-    small target's kernel-launch cost) and ``eager`` elsewhere (nothing is captured off CUDA)."""
-    if name == "auto":
-        return "captured" if device.type == "cuda" else "eager"
-    if name not in typing.get_args(VerifyPath):
-        raise HeadwayError(f"--verify {name}: choose auto, eager, captured or compiled")
-    return typing.cast(VerifyPath, name)
 
 
 def option_value(text: str) -> Any:

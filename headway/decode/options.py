@@ -14,9 +14,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from headway.decode.verify import AcceptanceRule
 
-__all__ = ["DecodeOptions", "Sizing", "VerifyPath"]
+__all__ = ["DecodeOptions", "Sizing", "VerifyPath", "verify_path"]
 
 Sizing = Literal["drafter", "cost"]
 VerifyPath = Literal["eager", "captured", "compiled"]
@@ -62,3 +64,21 @@ class DecodeOptions:
                 raise ValueError(
                     f"{name}={getattr(self, name)!r}: choose one of {', '.join(map(repr, valid))}"
                 )
+
+
+def verify_path(name: str, device: torch.device) -> VerifyPath:
+    """The verify path ``name`` means on ``device``: ``"auto"`` (the command line's and the
+    API's default) is ``"captured"`` on CUDA, where CUDA graphs remove a small target's
+    kernel-launch cost (plain decoding of SmolLM2-135M in bf16 on an H200: 221 tokens/s captured,
+    48 eager), and ``"eager"`` elsewhere (nothing is captured off CUDA, and the static path is a
+    few percent slower there); any other name is kept.
+
+    Raises:
+        ValueError: a name that is none of auto and the verify paths.
+    """
+    if name == "auto":
+        return "captured" if device.type == "cuda" else "eager"
+    valid = typing.get_args(VerifyPath)
+    if name not in valid:
+        raise ValueError(f"verify={name!r}: choose 'auto' or one of {', '.join(map(repr, valid))}")
+    return typing.cast(VerifyPath, name)
