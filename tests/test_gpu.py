@@ -20,11 +20,14 @@ from headway.decode.options import DecodeOptions
 from headway.decode.tree import root_to_leaf_paths
 from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.medusa_drafter import MedusaDrafter
 from headway.drafters.oracle import OracleDrafter
 from headway.drafters.static_eagle import StaticEagle3Drafter
 from headway.generation.batched_generation import ContinuousBatcher
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
+from headway.heads.hidden_states import final_hidden_layer
+from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.heads.vocab import DraftVocab
 from tests.test_device_step import sampled_device_steps
 from tests.test_eagle3 import CHAIN as EAGLE3_CHAIN
@@ -191,13 +194,28 @@ def long_tiny() -> Any:
     return model.eval().to(CUDA)
 
 
-@pytest.mark.parametrize("drafter_name", ["none", "prompt-lookup"])
+def cuda_medusa(model: Any) -> MedusaDrafter:
+    """Random Medusa heads on ``model`` (CUDA): some drafts right, most wrong; their tree stays
+    on the device (the device step)."""
+    torch.manual_seed(0)
+    lm_head = model.get_output_embeddings().weight.detach()
+    heads = MedusaHeads(MedusaConfig(3, 1, model.config.hidden_size, TINY_VOCAB), lm_head)
+    with torch.no_grad():
+        for parameter in heads.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    return MedusaDrafter(heads.to(CUDA).eval(), hidden_layer=final_hidden_layer(model))
+
+
+@pytest.mark.parametrize("drafter_name", ["none", "prompt-lookup", "medusa"])
 def test_a_longer_prompt_grows_the_captured_cache_without_a_crash(drafter_name: str) -> None:
     """One captured Decoder: a short prompt captures graphs, a long one then grows the static
-    cache (dropping them and their pool) and captures again; both equal transformers' greedy."""
+    cache (dropping them and their pool) and captures again, and a short one follows; each
+    equals transformers' greedy (plain decoding and Medusa heads run the device step; static
+    EAGLE drafting: the test after next)."""
     model = long_tiny()
-    decoder = Decoder(model, make_drafter(drafter_name, []), DecodeOptions(verify="captured"))
-    for prompt in (PROMPT, [(7 * i) % 90 + 3 for i in range(600)]):
+    drafter = cuda_medusa(model) if drafter_name == "medusa" else make_drafter(drafter_name, [])
+    decoder = Decoder(model, drafter, DecodeOptions(verify="captured"))
+    for prompt in (PROMPT, [(7 * i) % 90 + 3 for i in range(600)], PROMPT):
         result = decoder.generate(
             torch.tensor(prompt, device=CUDA), max_new_tokens=24, eos_token_ids=()
         )
