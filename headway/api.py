@@ -157,7 +157,7 @@ def generate(
     drafts in fixed shapes over a 32-token tree, eager elsewhere).
     """
     model = target.model
-    verify = options.verify if options is not None else verify_path("auto", model.device)
+    verify = options.verify if options is not None else verify_path("auto", model)
     if isinstance(drafter, str):
         choice = _choice(drafter, target, verify=verify)
         built = None if choice.spec is None else build_drafter(choice.spec, target)

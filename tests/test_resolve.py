@@ -4,7 +4,9 @@ changes nothing it is given."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -124,5 +126,20 @@ def test_verify_auto_is_captured_on_cuda_and_eager_elsewhere() -> None:
     assert verify_path("auto", torch.device("cuda")) == "captured"
     assert verify_path("auto", CPU) == "eager"
     assert verify_path("compiled", CPU) == "compiled"
+    assert verify_path("auto", torch.nn.Linear(2, 2)) == "eager"  # a model on the CPU
+    one, spread = _OnDevices("cuda:0", "cuda:0"), _OnDevices("cuda:0", "cuda:1")
+    assert verify_path("auto", one) == "captured"
+    assert verify_path("auto", spread) == "eager"  # device_map over two GPUs: never captured
     with pytest.raises(ValueError, match="choose 'auto' or one of 'eager'"):
         verify_path("graphs", CPU)
+
+
+class _OnDevices(torch.nn.Module):
+    """A model whose parameters say they live on ``devices`` (no CUDA needed to name them)."""
+
+    def __init__(self, *devices: str) -> None:
+        super().__init__()
+        self.devices = [torch.device(name) for name in devices]
+
+    def parameters(self, recurse: bool = True) -> Iterator[Any]:
+        return iter(SimpleNamespace(device=device) for device in self.devices)

@@ -167,15 +167,18 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def decode_options(
-    args: argparse.Namespace, device: torch.device, choice: DrafterChoice | None = None
+    args: argparse.Namespace,
+    target: torch.nn.Module | torch.device,
+    choice: DrafterChoice | None = None,
 ) -> DecodeOptions:
-    """The :class:`DecodeOptions` of :func:`add_decode_flags` for a target on ``device``, sized
+    """The :class:`DecodeOptions` of :func:`add_decode_flags` for the ``target`` model (or its
+    device; ``--verify auto`` is decided by it, :func:`~headway.decode.options.verify_path`), sized
     as ``choice`` (from :func:`drafter_from_flags`) resolved it, else as ``--sizing`` says
     (default ``drafter``)."""
     return DecodeOptions(
         sizing=choice.sizing if choice is not None else args.sizing or "drafter",
         acceptance=args.acceptance,
-        verify=verify_path(args.verify, device),
+        verify=verify_path(args.verify, target),
     )
 
 
@@ -277,7 +280,7 @@ def drafter_from_flags(
         options=options,
         sizing=getattr(args, "sizing", None),
         fallback=default,
-        verify=verify_path(getattr(args, "verify", "eager"), target.model.device),
+        verify=verify_path(getattr(args, "verify", "eager"), target.model),
     )
     logger.info("drafter: %s, sizing %s", choice.reason, choice.sizing)
     if choice.spec is None:

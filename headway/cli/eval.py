@@ -204,7 +204,7 @@ def run_eval(args: argparse.Namespace) -> int:
     apply_gemm(target.model, args.gemm)  # before the drafter: its layers take the same choice
     drafter, choice = drafter_from_flags(args, target, default=None)
     assert drafter is not None and choice.spec is not None  # eval has no --drafter none
-    options = decode_options(args, target.model.device, choice)
+    options = decode_options(args, target.model, choice)
     if args.write_gates:
         _check_gates_flags(args, choice.spec, options, str(target.model.dtype))
     report = evaluate(

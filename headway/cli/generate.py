@@ -70,7 +70,7 @@ def run_generate(args: argparse.Namespace) -> int:
         preset["num_draft_tokens"] = args.draft_length
     drafter, choice = drafter_from_flags(args, target, preset=preset)
     # one decoder for every prompt: cost sizing times the target and calibrates only once
-    options = decode_options(args, target.model.device, choice)
+    options = decode_options(args, target.model, choice)
     decoder = Decoder(target.model, drafter, options)
     decoder.prepare()  # the printed tokens/s leave the one-off timing out
     for prompt in args.prompts:

@@ -66,18 +66,24 @@ class DecodeOptions:
                 )
 
 
-def verify_path(name: str, device: torch.device) -> VerifyPath:
-    """The verify path ``name`` means on ``device``: ``"auto"`` (the command line's and the
-    API's default) is ``"captured"`` on CUDA, where CUDA graphs remove a small target's
-    kernel-launch cost (plain decoding of SmolLM2-135M in bf16 on an H200: 221 tokens/s captured,
-    48 eager), and ``"eager"`` elsewhere (nothing is captured off CUDA, and the static path is a
-    few percent slower there); any other name is kept.
+def verify_path(name: str, where: torch.device | torch.nn.Module) -> VerifyPath:
+    """The verify path ``name`` means for a target on ``where`` (a device, or the model):
+    ``"auto"`` (the command line's and the API's default) is ``"captured"`` on one CUDA device,
+    where CUDA graphs remove a small target's kernel-launch cost (plain decoding of
+    SmolLM2-135M in bf16 on an H200: 221 tokens/s captured, 48 eager), and ``"eager"`` elsewhere:
+    off CUDA nothing is captured and the static path is a few percent slower; a model spread
+    over several devices (``device_map``) is not captured. Any other name is kept.
 
     Raises:
         ValueError: a name that is none of auto and the verify paths.
     """
     if name == "auto":
-        return "captured" if device.type == "cuda" else "eager"
+        if isinstance(where, torch.device):
+            devices = {where}
+        else:
+            devices = {parameter.device for parameter in where.parameters()}
+        one_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
+        return "captured" if one_cuda else "eager"
     valid = typing.get_args(VerifyPath)
     if name not in valid:
         raise ValueError(f"verify={name!r}: choose 'auto' or one of {', '.join(map(repr, valid))}")

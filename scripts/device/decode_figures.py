@@ -300,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
         target = targets[dtype]
         encoded = [prompt_ids(target, p.text, chat=p.chat) for p in prompts]
         begun = time.perf_counter()
+        if target.model.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(target.model.device)
         if section == "profile":
             profile(args, target, encoded[0], figures)
             continue
@@ -311,8 +313,11 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
             continue
         greedy = "temperature 1.0" if section == "sampled" else "greedy"
+        peak = ""
+        if target.model.device.type == "cuda":
+            peak = f", peak {torch.cuda.max_memory_allocated(target.model.device) / 2**30:.2f} GiB"
         figures.add(
-            f"{section} ({dtype}, {greedy}; {time.perf_counter() - begun:.0f} s)",
+            f"{section} ({dtype}, {greedy}; {time.perf_counter() - begun:.0f} s{peak})",
             rows,
         )
 
