@@ -43,7 +43,7 @@ TREES = {
 }
 
 
-KINDS = ("eagle1", "random", "trained")
+KINDS = ("eagle1", "random", "trained", "eagle3.1")
 """The static drafters of tests/test_static_eagle.py's ``_pair``."""
 
 

@@ -4,6 +4,7 @@ no host read (what a CUDA graph needs); on CUDA, captured: tests/test_gpu.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,13 @@ from headway.drafters.static_eagle import StaticEagle3Drafter, StaticEagleDrafte
 from headway.eval.dispatch import DispatchCounter
 from headway.eval.dispatch_decoding import seeds_of
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead
+from headway.heads.eagle3 import Eagle3Model
+from headway.heads.vocab import DraftVocab
 from tests.drafting import heads_drafter
 from tests.test_eagle3 import CHAIN, PROMPT, TREE, random_draft, target_and_truth, trained
 from tests.test_eagle_drafter import Recorder, save_run
 from tests.test_generate import hf_greedy
+from tests.tiny import TINY_VOCAB
 
 SHAPES = {"chain": CHAIN, "tree": TREE, "wide": {"top_k": 3, "depth": 3, "total_tokens": 30}}
 
@@ -39,11 +43,21 @@ def _pair(kind: str, model: Any, shape: dict[str, Any]) -> tuple[Any, Any]:
             StaticEagleDrafter(eagle1, head, hidden_layer=layer, **shape),
         )
     draft = trained("llama") if kind == "trained" else random_draft(model)
+    if kind == "eagle3.1":  # fc_norm and norm_output (EAGLE-3.1), norm weights off one
+        torch.manual_seed(5)
+        config = replace(draft.config, fc_norm=True, norm_output=True)
+        draft = Eagle3Model(config)
+        draft.set_vocab(DraftVocab.identity(64, TINY_VOCAB))
+        with torch.no_grad():
+            for name, parameter in draft.named_parameters():
+                if "norm" in name:
+                    parameter.add_(0.2 * torch.randn_like(parameter))
+        draft.eval()
     return Eagle3Drafter(draft, head, **shape), StaticEagle3Drafter(draft, head, **shape)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("kind", ["eagle1", "random", "trained"])
+@pytest.mark.parametrize("kind", ["eagle1", "random", "trained", "eagle3.1"])
 def test_static_drafting_proposes_the_eager_trees(kind: str, shape: str) -> None:
     model, truth = target_and_truth("llama")
     eager, static = (Recorder(d) for d in _pair(kind, model, SHAPES[shape]))
