@@ -110,6 +110,7 @@ def test_graph_faults_are_what_a_capture_would_break_on() -> None:
             device[index] = 1.0  # index_put_ copies its host scalar to the device
             torch.tensor([1, 2], device=weight.device)  # Python values copied to the device
             host.to(weight.device)  # a host tensor copied to the device
+            host.to(device=weight.device)  # the same
             device.tolist()  # a host read
             weight + host  # the host's values baked into the graph
             host + 1  # runs at capture, never on replay
@@ -117,7 +118,7 @@ def test_graph_faults_are_what_a_capture_would_break_on() -> None:
     assert counter.counts.graph_faults == {
         "host copy: aten.index_put_.default": 1,
         "host copy: tensor": 1,
-        "host copy: to": 1,
+        "host copy: to": 2,
         "sync: tolist": 1,
         "host input: aten.add.Tensor": 1,
         "host op: aten.add.Tensor": 1,

@@ -161,7 +161,8 @@ class _Factories(TorchFunctionMode):
             if name == "cpu":  # a copy on the host, as on a GPU (a CPU returns the tensor itself)
                 return self.counter.host_copy(args[0])
         placed = func in _FACTORIES and self.counter.on_device(kwargs.get("device"))
-        if (placed and func is torch.tensor) or (name == "to" and self._host_to_device(args)):
+        to_device = name == "to" and self._host_to_device(args, kwargs)
+        if (placed and func is torch.tensor) or to_device:
             self.counter.fault("host copy", name)  # Python values / a host tensor copied in
         self.counter.placing += placed
         try:
@@ -172,9 +173,9 @@ class _Factories(TorchFunctionMode):
             self.counter.devices[id(result)] = result  # `tensor.device` of a device tensor
         return result
 
-    def _host_to_device(self, args: Sequence[Any]) -> bool:
-        """Whether ``Tensor.to(*args)`` copies a host tensor to the decoding device."""
-        devices = [a for a in args[1:] if isinstance(a, torch.device)]
+    def _host_to_device(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Whether ``Tensor.to(*args, **kwargs)`` copies a host tensor to the decoding device."""
+        devices = [a for a in [*args[1:], kwargs.get("device")] if isinstance(a, torch.device)]
         return (
             bool(args)
             and not self.counter.resident(args[0])
