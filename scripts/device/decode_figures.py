@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         target = targets[dtype]
         encoded = [prompt_ids(target, p.text, chat=p.chat) for p in prompts]
         begun = time.perf_counter()
+        CAPTURES.clear()  # each section's rows count their own captures
         if target.model.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(target.model.device)
         if section == "profile":
