@@ -31,7 +31,12 @@ from headway.heads.eagle import TargetHead
 from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from tests.test_eagle3 import PROMPT, fit_method, target_and_truth, tiny4
-from tests.test_generate import chi_square, every_first_then_greedy, exact_two_token_probs
+from tests.test_generate import (
+    chi_square,
+    every_first_then_greedy,
+    exact_two_token_probs,
+    hf_greedy,
+)
 from tests.test_static_eagle import SHAPES, _pair
 from tests.test_verify import AFTER, ROOT_P, SMALL, block_probs, deterministic_tree
 from tests.tiny import TINY_VOCAB
@@ -207,7 +212,8 @@ def test_bodies_a_gpu_runs_three_times_before_replaying_give_the_same_output(
 
 def test_plain_captured_decoding_takes_the_device_step() -> None:
     model, _ = target_and_truth("llama")
-    host, device = _decoders(model, None)
+    host, _ = _decoders(model, None)
+    device = Decoder(model, None, DecodeOptions(verify="captured", chain=1))
     for prompt in (PROMPT, torch.arange(1, 30) % 90 + 3):
         mine, theirs = (
             run.generate(prompt, max_new_tokens=20, eos_token_ids=()) for run in (device, host)
@@ -219,6 +225,35 @@ def test_plain_captured_decoding_takes_the_device_step() -> None:
     )
     assert on_device.syncs == on_host.syncs == on_device.steps + 1  # one read a step already
     assert on_device.host_ops < on_host.host_ops / 2  # but it laid out and accepted empty trees
+
+
+@pytest.mark.parametrize("chain", [2, 5, 8])
+def test_chained_plain_decoding_is_plain_decoding(
+    chain: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several plain greedy tokens a run (``DecodeOptions.chain``, each token the next one's
+    input on the device): transformers' greedy output and one acceptance length a token, for
+    lengths that are and are not multiples of the chain, across a cache that grows mid-way,
+    with an EOS inside a chain (the tokens after it dropped, the cache cut back), and again
+    from the same decoder."""
+    monkeypatch.setattr(captured, "MIN_CAPACITY", 16)  # grows 16 -> 32 -> ... while decoding
+    model, _ = target_and_truth("llama")
+    decoder = Decoder(model, None, DecodeOptions(verify="captured", chain=chain))
+    one = Decoder(model, None, DecodeOptions(verify="captured", chain=1))
+    long_prompt = torch.arange(1, 90) % 90 + 3
+    for prompt, new in ((PROMPT, 21), (long_prompt, 60), (PROMPT, 2 * chain)):
+        mine = decoder.generate(prompt, max_new_tokens=new, eos_token_ids=())
+        assert mine.tokens == hf_greedy(model, prompt, new, eos=None)
+        assert mine.accept_lengths == [1] * new
+    truth = one.generate(PROMPT, max_new_tokens=24, eos_token_ids=()).tokens
+    eos = truth[chain + 2]  # inside the first chain after the first token (or at its end)
+    stopped = decoder.generate(PROMPT, max_new_tokens=24, eos_token_ids=(eos,))
+    expected = one.generate(PROMPT, max_new_tokens=24, eos_token_ids=(eos,))
+    assert stopped.tokens == expected.tokens and stopped.stop_reason == "eos"
+    assert isinstance(decoder.target, StaticForward)
+    assert decoder.target.cache.length == len(PROMPT) + len(stopped.tokens) - 1
+    again = decoder.generate(PROMPT, max_new_tokens=24, eos_token_ids=())
+    assert again.tokens == truth
 
 
 def test_medusa_heads_take_the_device_step() -> None:

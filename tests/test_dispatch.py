@@ -82,13 +82,18 @@ def test_a_drafter_adds_ops_outside_the_target_and_the_table_shows_them() -> Non
 
 def test_captured_plain_decoding_launches_little_beside_its_graph() -> None:
     """On a GPU the verify forward of ``verify="captured"`` is one graph replay: what is left
-    eager each step is the inputs' copies and the argmax, and one host read."""
+    eager each step is the inputs' copies and the argmax, and one host read; chained
+    (``DecodeOptions.chain``), one host read for several tokens."""
     model = tiny_model("llama")
-    captured = Decoder(model, None, DecodeOptions(verify="captured"))
+    captured = Decoder(model, None, DecodeOptions(verify="captured", chain=1))
     counts = count_decoding(captured, [PROMPT], max_new_tokens=12, eos_token_ids=())
     rates = counts.per_step()
     assert rates["replayed_per_step"] > 10 * rates["launches_per_step"] > 0
     assert counts.syncs == counts.steps + 1  # one read a step, and the first token's
+    chained = Decoder(model, None, DecodeOptions(verify="captured", chain=8))
+    counts = count_decoding(chained, [PROMPT], max_new_tokens=12, eos_token_ids=())
+    assert counts.syncs == 1 + 1 + 3  # the first token; 8 tokens in one run; 3 one by one
+    assert counts.graph_faults == {} and counts.tokens == 12
 
 
 def test_graph_faults_are_what_a_capture_would_break_on() -> None:

@@ -157,6 +157,15 @@ def device_step(session: Session) -> bool:
     step = session.device
     if step is None or session.context_limit - session.length < step.drafter.depth + 1:
         return False
+    steps = _chain_steps(session, step)
+    if steps > 1:  # plain greedy decoding: several tokens a run
+        root = int(session.sequence[session.length - 1])
+        for token in step.verify.chain(root, session.length - 1, steps):
+            commit(session, [token])
+            if session.stop_reason is not None:
+                break
+        step.verify.target.truncate(session.length - 1)  # the roots of the kept tokens
+        return True
     tree = step.drafter.propose_on_device()
     if tree is None:
         return False
@@ -168,6 +177,18 @@ def device_step(session: Session) -> bool:
     committed = commit(session, tokens)
     step.drafter.observe_on_device(padded, hidden, len(committed))
     return True
+
+
+def _chain_steps(session: Session, step: DeviceStep) -> int:
+    """How many plain greedy tokens the next device run decodes (``DecodeOptions.chain``
+    where the generation and the context have room for them all; else 1)."""
+    chain = session.options.chain
+    plain = step.drafter.depth == 0 and session.sampling.greedy
+    room = min(
+        session.max_new_tokens - len(session.generated),
+        session.context_limit - session.length,
+    )
+    return chain if plain and chain > 1 and room >= chain else 1
 
 
 def _prompt(prompt_ids: Tensor | Sequence[int]) -> Tensor:

@@ -46,14 +46,21 @@ class DecodeOptions:
         compaction run on the device and a step reads it once
         (:mod:`headway.decode.device_step`). Greedy: the same tokens either way (False is the
         reference); sampled: the same distribution, other random numbers.
+    chain: plain greedy decoding on the device step (no drafter): tokens decoded per run, each
+        token the next one's input on the device, so a GPU replays one graph and the host reads
+        it once per ``chain`` tokens instead of once a token (the last few tokens of a
+        generation one at a time; 1: always one). Same tokens either way.
     """
 
     sizing: Sizing = field(default="drafter")
     acceptance: AcceptanceRule = field(default="lossless")
     verify: VerifyPath = field(default="eager")
     device_trees: bool = field(default=True)
+    chain: int = field(default=8)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.chain, int) or self.chain < 1:
+            raise ValueError(f"chain={self.chain!r}: a whole number of tokens, at least 1")
         for name, kind in (
             ("sizing", Sizing),
             ("acceptance", AcceptanceRule),

@@ -12,7 +12,8 @@ captures again and again is slow for it). Sections, each printed and written to
 ``OUT/decode_figures.md`` (and ``.json``) as soon as it is measured, the later ones skipped once
 ``--budget-s`` is spent:
 
-1. bfloat16, greedy: the trees of ``--trees``, the cost-sized host step;
+1. bfloat16, greedy: plain captured decoding 8 tokens a run (the default) and one a run (the
+   per-step cost of the loop), the trees of ``--trees``, the cost-sized host step;
 2. float32, greedy: HF greedy (eager; the reference every row must equal), the default tree and
    the largest tree;
 3. bfloat16, temperature 1.0: plain captured sampling against the sampled device step;
@@ -199,9 +200,14 @@ def eagle_row(
     return Row(name, runner(decoder, name, temperature))
 
 
-def plain_row(target: Target, verify: str = "captured", temperature: float = 0.0) -> Row:
-    decoder = Decoder(target.model, None, DecodeOptions(verify=verify))  # type: ignore[arg-type]
+def plain_row(
+    target: Target, verify: str = "captured", temperature: float = 0.0, chain: int = 8
+) -> Row:
+    """headway without a drafter; greedy, ``chain`` tokens a run (``DecodeOptions.chain``)."""
+    options = DecodeOptions(verify=verify, chain=chain)  # type: ignore[arg-type]
+    decoder = Decoder(target.model, None, options)
     name = PLAIN if verify == "captured" else f"headway, no drafter, {verify}"
+    name += "" if chain == 8 else f", {chain} token(s) a run"
     return Row(name, runner(decoder, name, temperature))
 
 
@@ -211,6 +217,7 @@ def section_rows(args: argparse.Namespace, section: str, target: Target) -> list
     heads = args.drafter
     if section == "bfloat16":
         rows = [Row(HF_STATIC, hf_runner(None, static=True)), plain_row(target)]
+        rows.append(plain_row(target, chain=1))  # a host read a token: what a step costs
         rows += [eagle_row(target, heads, shape) for shape in shapes]
         top_k, depth, total = shapes[0]
         spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total)
