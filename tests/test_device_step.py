@@ -12,7 +12,8 @@ import torch
 
 from headway.decode import captured
 from headway.decode.captured import StaticForward
-from headway.decode.device_step import DeviceStep
+from headway.decode.device_chain import DeviceChain
+from headway.decode.device_step import DeviceStep, DeviceVerify
 from headway.decode.device_tree import (
     accept_greedy,
     accept_sampled,
@@ -142,18 +143,37 @@ def test_the_device_step_stops_where_the_host_step_must_take_over() -> None:
     assert mine.tokens == theirs.tokens and mine.stop_reason == theirs.stop_reason
 
 
-def test_a_device_step_reads_the_device_once() -> None:
+def test_a_device_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One host read a device step (the host step: two); chained, one read a run of up to
+    ``DecodeOptions.chain`` steps (the last steps of a generation one at a time)."""
     model, _ = target_and_truth("llama")
     _, static = _pair("random", model, SHAPES["tree"])
-    host, device = _decoders(model, static)
+    host, _ = _decoders(model, static)
+    device = Decoder(model, static, DecodeOptions(verify="captured", chain=1))
+    chained = Decoder(model, static, DecodeOptions(verify="captured", chain=4))
+    runs: list[str] = []
+    for owner, name in ((DeviceChain, "run"), (DeviceVerify, "run")):
+        method = getattr(owner, name)
+        monkeypatch.setattr(owner, name, _counted(method, runs, owner.__name__))
     counts = {
         name: count_decoding(run, [PROMPT], max_new_tokens=24, eos_token_ids=())
-        for name, run in (("host", host), ("device", device))
+        for name, run in (("host", host), ("device", device), ("chained", chained))
     }
     assert counts["device"].syncs == counts["device"].steps + 1  # and the first token's
     assert counts["host"].syncs == 2 * counts["host"].steps + 1
     assert counts["device"].host_ops < counts["host"].host_ops / 2
     assert isinstance(device._device_step(SamplingParams()), DeviceStep)
+    chained_runs = runs[-(len(runs) - runs.index("DeviceChain")) :]  # the chained decoder's
+    assert counts["chained"].syncs == len(chained_runs) + 1 < counts["device"].syncs / 2
+    assert chained_runs.count("DeviceChain") >= 2 and counts["chained"].graph_faults == {}
+
+
+def _counted(method: Any, calls: list[str], name: str) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return method(*args, **kwargs)
+
+    return run
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -181,14 +181,17 @@ def test_captured_verify_feeds_an_eagle3_drafter_on_cuda() -> None:
     assert result.tokens == truth
 
 
-def long_tiny() -> Any:
-    """tests/tiny.py's Llama with room for prompts of 1,500 tokens, on CUDA."""
+def long_tiny(layers: int | None = None) -> Any:
+    """tests/tiny.py's Llama (or one of ``layers`` layers) with room for prompts of 1,500
+    tokens, on CUDA."""
     from transformers import AutoModelForCausalLM
 
     from tests.tiny import tiny_config
 
     config = tiny_config("llama")
     config.max_position_embeddings = 2048
+    if layers is not None:
+        config.num_hidden_layers = layers
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     return model.eval().to(CUDA)
@@ -310,6 +313,26 @@ def test_device_steps_equal_host_steps_on_cuda(shape: str) -> None:
     for host, device in zip(*runs, strict=True):
         assert device.tokens == host.tokens == truth
         assert device.accept_lengths == host.accept_lengths
+
+
+def test_chained_device_steps_equal_single_steps_on_cuda() -> None:
+    """Several greedy device steps a graph replay (headway/decode/device_chain.py), one host
+    read a run: the single steps' tokens and acceptance lengths and transformers' greedy
+    output, a long prompt after a short one (both caches grow: the run's graph is captured
+    again), then a short one."""
+    model = long_tiny(layers=4)  # EAGLE-3 fuses three distinct layers
+    draft, head = cuda_eagle3(model), TargetHead.of(model)
+    decoders = [
+        Decoder(model, StaticEagle3Drafter(draft, head, **EAGLE3_TREE), DecodeOptions(
+            verify="captured", chain=chain))
+        for chain in (1, 4)
+    ]  # fmt: skip
+    for prompt in (PROMPT, [(7 * i) % 90 + 3 for i in range(600)], PROMPT):
+        ids = torch.tensor(prompt, device=CUDA)
+        one, many = (run.generate(ids, max_new_tokens=40, eos_token_ids=()) for run in decoders)
+        assert many.tokens == one.tokens == hf_greedy(model, prompt, 40)
+        assert many.accept_lengths == one.accept_lengths
+    assert decoders[1]._chain is not None and decoders[1]._chain._graph is not None
 
 
 def test_sampled_device_steps_follow_the_target_distribution_on_cuda() -> None:

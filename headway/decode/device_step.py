@@ -250,7 +250,9 @@ class DeviceVerify:
 
 @dataclass
 class DeviceStep:
-    """What a session needs to take device steps: the verifier and the drafter."""
+    """What a session needs to take device steps: the verifier and the drafter, and where its
+    greedy steps may run several to a run, the chain (:mod:`headway.decode.device_chain`)."""
 
     verify: DeviceVerify
     drafter: DeviceDrafter
+    chain: Any = None  # a DeviceChain (it imports this module)

@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 
 from headway.decode.captured import StaticForward, block_bucket
 from headway.decode.costs import TreeSizer, verify_cost_table, verify_timer
+from headway.decode.device_chain import ChainDrafter, DeviceChain, chained_step
 from headway.decode.device_step import DeviceDrafter, DeviceStep, DeviceVerify
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.gemm import gemm_route
@@ -157,14 +158,7 @@ def device_step(session: Session) -> bool:
     step = session.device
     if step is None or session.context_limit - session.length < step.drafter.depth + 1:
         return False
-    steps = _chain_steps(session, step)
-    if steps > 1:  # plain greedy decoding: several tokens a run
-        root = int(session.sequence[session.length - 1])
-        for token in step.verify.chain(root, session.length - 1, steps):
-            commit(session, [token])
-            if session.stop_reason is not None:
-                break
-        step.verify.target.truncate(session.length - 1)  # the roots of the kept tokens
+    if chained_step(session, step):  # several steps a run, one read (device_chain.py)
         return True
     tree = step.drafter.propose_on_device()
     if tree is None:
@@ -177,18 +171,6 @@ def device_step(session: Session) -> bool:
     committed = commit(session, tokens)
     step.drafter.observe_on_device(padded, hidden, len(committed))
     return True
-
-
-def _chain_steps(session: Session, step: DeviceStep) -> int:
-    """How many plain greedy tokens the next device run decodes (``DecodeOptions.chain``
-    where the generation and the context have room for them all; else 1)."""
-    chain = session.options.chain
-    plain = step.drafter.depth == 0 and session.sampling.greedy
-    room = min(
-        session.max_new_tokens - len(session.generated),
-        session.context_limit - session.length,
-    )
-    return chain if plain and chain > 1 and room >= chain else 1
 
 
 def _prompt(prompt_ids: Tensor | Sequence[int]) -> Tensor:
@@ -235,6 +217,7 @@ class Decoder:
         self.sizer: TreeSizer | None = None
         self._costs = None if verify_costs is None else list(verify_costs)
         self._verifier: DeviceVerify | None = None
+        self._chain: DeviceChain | None = None
 
     def _device_step(self, sampling: SamplingParams) -> DeviceStep | None:
         """What the device step needs, where it applies (:mod:`headway.decode.device_step`)."""
@@ -250,6 +233,11 @@ class Decoder:
             return None
         if self._verifier is None:
             self._verifier = DeviceVerify(target, drafter.depth)
+        own = hasattr(type(drafter), "chain_propose")  # not a wrapper (timing, recording)
+        if own and isinstance(drafter, ChainDrafter) and sampling.greedy and self.options.chain > 1:
+            if self._chain is None or self._chain.drafter is not drafter:
+                self._chain = DeviceChain(self._verifier, drafter, self.options.chain)
+            return DeviceStep(self._verifier, drafter, self._chain)
         return DeviceStep(self._verifier, drafter)
 
     def prepare(self) -> None:

@@ -33,6 +33,7 @@ trees on a CPU (a host read per level); the loop's sizer still sends only the no
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ class StaticDrafting(EagleDrafter):
     # Which proposal a step makes: the device step's subtree (:attr:`_kept`) or the host tree
     # (:attr:`_out`); a graph holds one of them, so a switch drops it.
     _on_device = False
+    _start: tuple[Tensor, ...] = ()  # a chained run's starting state (chain_stage)
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget the previous sequence; the buffers (and a captured graph) are kept."""
@@ -150,6 +152,68 @@ class StaticDrafting(EagleDrafter):
             return None
         self._draft(on_device=True)
         return self._kept
+
+    # ------------------------------------ chained device steps (headway.decode.device_chain)
+
+    def chain_nodes(self) -> int:
+        """Nodes of every tree a device proposal holds (the best ``total_tokens - 1`` of the
+        expanded ones)."""
+        return min(self.total_tokens - 1, self.top_k + (self.depth - 1) * self.top_k**2)
+
+    def chain_reserve(self, steps: int) -> None:
+        """Before a run of ``steps`` chained device steps: room for every pair they can add."""
+        self._reserve(self._committed + steps * self._rows + self._tree_columns)
+
+    def chain_buffers(self) -> tuple[object, ...]:
+        """The device buffers a chained run's graph reads and writes (a change recaptures it)."""
+        return (self._cache, self._columns, self._in_tokens, *self._in_hidden, *self._start)
+
+    def chain_stage(self) -> None:
+        """Before a run (outside its graph): keep the state it starts from, which
+        :meth:`chain_begin` restores, so the body can run again (a capture's warm-up) to the
+        same end."""
+        live = (self._n, self._before, self._in_tokens, *self._in_hidden)
+        if len(self._start) != len(live) or any(
+            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(self._start, live, strict=True)
+        ):
+            self._start = tuple(buffer.clone() for buffer in live)
+        for start, buffer in zip(self._start, live, strict=True):
+            start.copy_(buffer)
+
+    def chain_begin(self) -> None:
+        """The first work of a run's body: the state :meth:`chain_stage` kept."""
+        live = (self._n, self._before, self._in_tokens, *self._in_hidden)
+        for buffer, start in zip(live, self._start, strict=True):
+            buffer.copy_(start)
+
+    def chain_context(self) -> ExitStack:
+        """What a chained run runs inside: the draft layers' GEMM routing, as :meth:`_draft`."""
+        if not self._on_device:  # the chained steps make device proposals: a host-proposal
+            self._on_device = True  # graph of our own would replay the wrong one
+            self._drop_graph()
+        return self._routed()
+
+    def chain_propose(self) -> tuple[Tensor, Tensor]:
+        """:meth:`propose_on_device` inside a chained run (:meth:`chain_context`): the step
+        run eagerly, in the caller's graph (device work only)."""
+        self._step()
+        return self._kept
+
+    def chain_observe(self, tokens: Tensor, hidden: tuple[Tensor, ...], count: Tensor) -> None:
+        """:meth:`observe_on_device` inside a chained run, ``count`` a device scalar: the
+        committed count before these pairs moves on by the last step's on the device, and the
+        host learns it after the run (:meth:`chain_done`)."""
+        rows = tokens.numel()
+        for buffer, layer in zip(self._in_hidden, hidden, strict=True):
+            buffer[:rows].copy_(layer)
+        self._in_tokens[:rows].copy_(tokens)
+        self._before.add_(self._n)
+        self._n.copy_(count)
+
+    def chain_done(self, committed: int) -> None:
+        """After a chained run whose steps committed ``committed`` tokens in all."""
+        self._committed += committed
+        self._pending = True
 
     def _observe_eagerly(self, tokens: Tensor, features: Tensor) -> None:
         """Feed ``features [m, H]`` paired with ``tokens [m]`` causally after the committed

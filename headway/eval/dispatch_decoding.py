@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from headway.decode.captured import StaticForward
+from headway.decode.device_chain import DeviceChain
 from headway.decode.device_step import DeviceVerify
 from headway.decode.generate import Decoder
 from headway.decode.sampling import GREEDY, SamplingParams
@@ -29,6 +30,7 @@ CAPTURED_BODIES: tuple[tuple[type, str], ...] = (
     (StaticForward, "_body"),  # the captured verify forward
     (DeviceVerify, "_body"),  # the device step's verify
     (DeviceVerify, "_chain_body"),  # plain greedy decoding, several tokens a run
+    (DeviceChain, "_body"),  # a drafter's greedy device steps, several a run
     (StaticDrafting, "_step"),  # a static drafter's step
 )
 """(class, method) of every body a GPU records as a CUDA graph (through

@@ -1,0 +1,103 @@
+"""Chained device steps (headway/decode/device_chain.py): several greedy device steps of a static
+drafter run back to back on the device, one host read a run, and decode exactly what one device
+step at a time decodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headway.decode import captured
+from headway.decode.device_chain import DeviceChain
+from headway.decode.generate import Decoder
+from headway.decode.options import DecodeOptions
+from headway.decode.sampling import SamplingParams
+from headway.drafters import static_eagle
+from tests.test_eagle3 import PROMPT, target_and_truth
+from tests.test_generate import hf_greedy
+from tests.test_static_eagle import SHAPES, _pair
+
+LONG_PROMPT = torch.arange(1, 60) % 90 + 3
+
+
+@pytest.mark.parametrize(
+    ("kind", "shape"),
+    [*(("random", shape) for shape in sorted(SHAPES)), ("eagle1", "tree"), ("eagle3.1", "tree")],
+)
+def test_chained_steps_are_the_single_steps(
+    kind: str, shape: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokens and acceptance lengths equal one device step at a time's (and transformers'
+    greedy output) for runs of 2 and 5 steps, across target and draft caches that grow
+    mid-generation, for lengths that end inside a run, and again from the same decoder."""
+    monkeypatch.setattr(captured, "MIN_CAPACITY", 16)
+    monkeypatch.setattr(static_eagle, "MIN_CAPACITY", 16)
+    model, _ = target_and_truth("llama")
+    for chain in (2, 5):
+        _, single = _pair(kind, model, SHAPES[shape])
+        _, chained = _pair(kind, model, SHAPES[shape])
+        one = Decoder(model, single, DecodeOptions(verify="captured", chain=1))
+        many = Decoder(model, chained, DecodeOptions(verify="captured", chain=chain))
+        for prompt, new in ((PROMPT, 30), (LONG_PROMPT, 41), (PROMPT, 30)):
+            mine = many.generate(prompt, max_new_tokens=new, eos_token_ids=())
+            theirs = one.generate(prompt, max_new_tokens=new, eos_token_ids=())
+            assert mine.tokens == theirs.tokens == hf_greedy(model, prompt, new, eos=None)
+            assert mine.accept_lengths == theirs.accept_lengths
+        assert isinstance(many._chain, DeviceChain) and one._chain is None
+
+
+def test_a_stop_inside_a_run_drops_the_rest_and_cuts_the_cache_back() -> None:
+    """An EOS that a run commits in its middle step ends the generation there, as the single
+    steps do; the target's cache keeps exactly the kept tokens' entries; the next generation
+    from the same decoder is whole again."""
+    model, _ = target_and_truth("llama")
+    _, single = _pair("trained", model, SHAPES["tree"])
+    _, chained = _pair("trained", model, SHAPES["tree"])
+    one = Decoder(model, single, DecodeOptions(verify="captured", chain=1))
+    many = Decoder(model, chained, DecodeOptions(verify="captured", chain=4))
+    truth = one.generate(PROMPT, max_new_tokens=30, eos_token_ids=()).tokens
+    for eos in (truth[5], truth[12], truth[-1]):
+        mine = many.generate(PROMPT, max_new_tokens=30, eos_token_ids=(eos,))
+        theirs = one.generate(PROMPT, max_new_tokens=30, eos_token_ids=(eos,))
+        assert mine.tokens == theirs.tokens and mine.stop_reason == theirs.stop_reason
+        assert mine.accept_lengths == theirs.accept_lengths
+        assert isinstance(many.target, captured.StaticForward)
+        assert many.target.cache.length == len(PROMPT) + len(mine.tokens) - 1
+    assert many.generate(PROMPT, max_new_tokens=30, eos_token_ids=()).tokens == truth
+
+
+def test_sampling_takes_one_step_a_run() -> None:
+    """Sampled steps draw their uniforms on the host side before each step: no chain."""
+    model, _ = target_and_truth("llama")
+    _, static = _pair("random", model, SHAPES["tree"])
+    decoder = Decoder(model, static, DecodeOptions(verify="captured", chain=4))
+    step = decoder._device_step(SamplingParams(temperature=1.0))
+    assert step is not None and step.chain is None
+    greedy = decoder._device_step(SamplingParams())
+    assert greedy is not None and isinstance(greedy.chain, DeviceChain)
+
+
+def test_a_run_can_run_again_to_the_same_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a run's body runs twice eagerly before its graph is captured, then once more
+    from the graph: it must end where one run ends. With every body run three times, the
+    decoding and the drafter's state (its committed pairs on the device and on the host)
+    stay those of one run."""
+    model, _ = target_and_truth("llama")
+
+    def decode() -> tuple[list[int], list[int], tuple[int, int]]:
+        _, static = _pair("trained", model, SHAPES["tree"])
+        decoder = Decoder(model, static, DecodeOptions(verify="captured", chain=4))
+        result = decoder.generate(PROMPT, max_new_tokens=30, eos_token_ids=())
+        on_device = int(static._before + static._n)  # committed pairs, as the device has it
+        return result.tokens, result.accept_lengths, (on_device, static._committed)
+
+    once = decode()
+    body = DeviceChain._body
+
+    def thrice(self: DeviceChain, *args: object) -> None:
+        for _ in range(3):
+            body(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DeviceChain, "_body", thrice)
+    assert decode() == once
+    assert once[2][0] == once[2][1]  # the device and the host agree
