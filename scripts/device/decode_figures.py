@@ -13,7 +13,8 @@ captures again and again is slow for it). Sections, each printed and written to
 ``--budget-s`` is spent:
 
 1. bfloat16, greedy: plain captured decoding 8 tokens a run (the default) and one a run (the
-   per-step cost of the loop), the trees of ``--trees``, the cost-sized host step;
+   per-step cost of the loop), the trees of ``--trees`` (8 device steps a run, the default),
+   the first tree one step a run, the cost-sized host step;
 2. float32, greedy: HF greedy (eager; the reference every row must equal), the default tree and
    the largest tree;
 3. bfloat16, temperature 1.0: plain captured sampling against the sampled device step;
@@ -189,14 +190,18 @@ def eagle_row(
     shape: tuple[int, int, int],
     verify: str = "captured",
     temperature: float = 0.0,
+    chain: int = 8,
 ) -> Row:
     """The drafter with tree ``shape`` as ``headway generate`` runs it on a GPU: static drafting,
-    sized by the drafter, so each step runs on the device (``DecodeOptions.device_trees``)."""
+    sized by the drafter, so each step runs on the device (``DecodeOptions.device_trees``),
+    greedy steps ``chain`` to a run (``headway/decode/device_chain.py``)."""
     top_k, depth, total = shape
     spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total, drafting="static")
-    decoder = Decoder(target.model, build_drafter(spec, target), DecodeOptions(verify=verify))  # type: ignore[arg-type]
+    options = DecodeOptions(verify=verify, chain=chain)  # type: ignore[arg-type]
+    decoder = Decoder(target.model, build_drafter(spec, target), options)
     name = f"EAGLE-3, top_k {top_k}, depth {depth}, {total} tokens, device step"
     name += "" if verify == "captured" else f", {verify}"
+    name += "" if chain == 8 else f", {chain} step(s) a run"
     return Row(name, runner(decoder, name, temperature))
 
 
@@ -219,6 +224,7 @@ def section_rows(args: argparse.Namespace, section: str, target: Target) -> list
         rows = [Row(HF_STATIC, hf_runner(None, static=True)), plain_row(target)]
         rows.append(plain_row(target, chain=1))  # a host read a token: what a step costs
         rows += [eagle_row(target, heads, shape) for shape in shapes]
+        rows.append(eagle_row(target, heads, shapes[0], chain=1))  # a host read a step
         top_k, depth, total = shapes[0]
         spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total)
         options = DecodeOptions(sizing="cost", verify="captured")
