@@ -49,7 +49,7 @@ TREES = {
 }
 
 
-KINDS = ("eagle1", "random", "trained", "eagle3.1")
+KINDS = ("eagle1", "random", "trained")
 """The static drafters of tests/test_static_eagle.py's ``_pair``."""
 
 
