@@ -17,13 +17,14 @@ and keeps each step's count and committed tokens; the host reads them all once, 
 and commits them step by step (an EOS or the token limit inside the run drops the rest). On CUDA
 the run is one graph, captured on first use and again when a buffer it holds is replaced (a
 cache grown). Greedy only (sampling draws its uniforms per step on the host side: it takes one
-step a run); drafters with the ``chain_*`` methods (the static EAGLE drafters). The tokens and
-acceptance lengths are the single steps' (``tests/test_device_chain.py``).
+step a run); drafters with the ``chain_*`` methods (the static EAGLE drafters, and plain
+decoding's empty drafter, whose steps are a token each). The tokens and acceptance lengths are
+the single steps' (``tests/test_device_chain.py``, ``tests/test_device_step.py``).
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -34,7 +35,7 @@ from headway.decode.device_step import DeviceStep, DeviceVerify
 from headway.decode.sampling import GREEDY
 from headway.decode.session import Session, commit
 
-__all__ = ["ChainDrafter", "DeviceChain", "chained_step"]
+__all__ = ["ChainDrafter", "DeviceChain", "EmptyChain", "chained_step"]
 
 
 @runtime_checkable
@@ -60,6 +61,43 @@ class ChainDrafter(Protocol):
     def chain_observe(self, tokens: Tensor, hidden: tuple[Tensor, ...], count: Tensor) -> None: ...
 
     def chain_done(self, committed: int) -> None: ...
+
+
+class EmptyChain:
+    """The chain methods of a drafter that drafts nothing (plain decoding: each step the empty
+    tree from ``propose_on_device``, a token a step, nothing kept between steps)."""
+
+    def propose_on_device(self) -> tuple[Tensor, Tensor] | None:
+        raise NotImplementedError
+
+    def chain_context(self) -> AbstractContextManager[object]:
+        return nullcontext()
+
+    def chain_nodes(self) -> int:
+        return 0
+
+    def chain_buffers(self) -> tuple[object, ...]:
+        return ()
+
+    def chain_propose(self) -> tuple[Tensor, Tensor]:
+        proposed = self.propose_on_device()
+        assert proposed is not None
+        return proposed
+
+    def chain_observe(self, tokens: Tensor, hidden: tuple[Tensor, ...], count: Tensor) -> None:
+        return None
+
+    def chain_reserve(self, steps: int) -> None:
+        return None
+
+    def chain_stage(self) -> None:
+        self.propose_on_device()  # its empty tree made here, outside the run's graph
+
+    def chain_begin(self) -> None:
+        return None
+
+    def chain_done(self, committed: int) -> None:
+        return None
 
 
 class DeviceChain:
@@ -129,8 +167,9 @@ class DeviceChain:
         self.drafter.chain_begin()
         for index in range(self.steps):
             tokens, parents = self.drafter.chain_propose()
-            plan.tokens.copy_(tokens)
-            plan.parents.copy_(parents)
+            if plan.nodes:  # plain decoding's empty tree has nothing to copy
+                plan.tokens.copy_(tokens)
+                plan.parents.copy_(parents)
             self.verify._body(plan, hidden_layers, GREEDY, staged=work)
             out = plan.out
             assert out is not None
@@ -143,23 +182,17 @@ class DeviceChain:
 
 def chained_step(session: Session, step: DeviceStep) -> bool:
     """Take one chained run where one applies (the loop's side, beside
-    :func:`~headway.decode.generate.device_step`): plain greedy decoding
-    (:meth:`DeviceVerify.chain`, ``DecodeOptions.chain`` tokens) or a drafter's greedy steps
-    (:class:`DeviceChain`), where the generation and the context have room for the run; commit
-    what it made step by step (a stop drops the rest, and the cache is cut back to the kept
-    tokens). False, with nothing done, where none applies."""
-    root = int(session.sequence[session.length - 1])
+    :func:`~headway.decode.generate.device_step`): ``step``'s chain (greedy; a drafter's steps,
+    or plain decoding's tokens) where the generation and the context have room for the run;
+    commit what it made step by step (a stop drops the rest, and the cache is cut back to the
+    kept tokens). False, with nothing done, where none applies."""
+    chain: DeviceChain | None = step.chain
     left = session.max_new_tokens - len(session.generated)
     room = session.context_limit - session.length
-    chain: DeviceChain | None = step.chain
-    steps = session.options.chain
-    if chain is not None and left >= chain.steps and room > chain.columns():
-        runs = chain.run(root, session.length - 1, session.drafter.hidden_layers)
-    elif step.drafter.depth == 0 and session.sampling.greedy and 1 < steps <= min(left, room):
-        runs = [[token] for token in step.verify.chain(root, session.length - 1, steps)]
-    else:
+    if chain is None or left < chain.steps or room <= chain.columns():
         return False
-    for tokens in runs:
+    root = int(session.sequence[session.length - 1])
+    for tokens in chain.run(root, session.length - 1, session.drafter.hidden_layers):
         commit(session, tokens)
         if session.stop_reason is not None:
             break

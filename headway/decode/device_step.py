@@ -78,9 +78,6 @@ class _Plan:
     out: Tensor | None = None  # [1 + rows]: count, then the committed tokens (padded)
     hidden: tuple[Tensor, ...] = field(default_factory=tuple)  # [rows, H] per layer
     noise: Tensor | None = None  # sampling: [n + V] uniforms, drawn before each run
-    steps: int = 1  # plain greedy steps a run chains (:meth:`DeviceVerify.chain`)
-    chained: Tensor | None = None  # [steps] the chained steps' tokens
-    work: Tensor | None = None  # [2] the chain's running root and prefix length
 
 
 class DeviceVerify:
@@ -90,7 +87,7 @@ class DeviceVerify:
     def __init__(self, target: StaticForward, max_depth: int) -> None:
         self.target = target
         self.max_depth = max_depth
-        self._plans: dict[tuple[int, tuple[int, ...], SamplingParams, int], _Plan] = {}
+        self._plans: dict[tuple[int, tuple[int, ...], SamplingParams], _Plan] = {}
 
     def run(
         self,
@@ -140,50 +137,8 @@ class DeviceVerify:
         target.cache.length = prefix_len + count
         return host[1 : 1 + count].tolist(), plan.out[1:], plan.hidden
 
-    def chain(self, root: int, prefix_len: int, steps: int) -> list[int]:
-        """Plain greedy decoding of ``steps`` tokens after ``root`` (the last committed token,
-        not yet in the cache) over the cache's ``prefix_len`` tokens, in one run (one CUDA graph
-        replay) and one host read: each step's token is the next step's root on the device.
-        Returns the tokens; the cache then holds every step's root (``prefix_len + steps``),
-        :meth:`StaticForward.truncate` it where fewer are kept."""
-        target = self.target
-        if prefix_len != target.cache.length:
-            raise ValueError(
-                f"prefix_len={prefix_len} but the cache holds {target.cache.length} tokens"
-            )
-        target.reserve(prefix_len + steps)
-        plan = self._plan(0, (), GREEDY, steps)
-        plan.host[0], plan.host[1] = root, prefix_len
-        plan.staged.copy_(plan.host, non_blocking=True)
-        if not target.capture:
-            self._chain_body(plan)
-        elif plan.graph is None:
-            body = lambda: self._chain_body(plan)  # noqa: E731
-            plan.graph = record_graph(body, target.model.device, torch.cuda.graph_pool_handle())
-        else:
-            plan.graph.replay()
-        assert plan.chained is not None
-        tokens: list[int] = plan.chained.cpu().tolist()  # the run's one read of the device
-        target.cache.length = prefix_len + steps
-        return tokens
-
-    def _chain_body(self, plan: _Plan) -> None:
-        """``plan.steps`` plain greedy steps, each :meth:`_body` reading the root and prefix
-        the last one left in ``plan.work`` (a copy: the staged inputs stay as staged, so a
-        second run of the body, as a capture's warm-up makes, does the same)."""
-        assert plan.work is not None and plan.chained is not None
-        plan.work.copy_(plan.staged)
-        for index in range(plan.steps):
-            self._body(plan, (), GREEDY, staged=plan.work)
-            assert plan.out is not None
-            plan.chained[index : index + 1].copy_(plan.out[1:2])
-            plan.work[0:1].copy_(plan.out[1:2])  # the token is the next step's root
-            plan.work[1:2].add_(1)  # behind one more committed column
-
-    def _plan(
-        self, nodes: int, hidden_layers: tuple[int, ...], sampling: SamplingParams, steps: int = 1
-    ) -> _Plan:
-        key = (nodes, hidden_layers, sampling, steps)
+    def _plan(self, nodes: int, hidden_layers: tuple[int, ...], sampling: SamplingParams) -> _Plan:
+        key = (nodes, hidden_layers, sampling)
         if any(plan.cache is not self.target.cache for plan in self._plans.values()):
             self._plans.clear()  # the cache grew: every graph wrote into the old one
         plan = self._plans.get(key)
@@ -197,11 +152,7 @@ class DeviceVerify:
                 tokens=torch.zeros(nodes, dtype=torch.long, device=device),
                 parents=torch.zeros(nodes, dtype=torch.long, device=device),
                 cache=self.target.cache,
-                steps=steps,
             )
-            if steps > 1:
-                plan.chained = torch.zeros(steps, dtype=torch.long, device=device)
-                plan.work = torch.zeros(2, dtype=torch.long, device=device)
             self._plans[key] = plan
             # the forward's buffers now, not in the graph's body (no host allocation there)
             self.target.shape_for(block_bucket(nodes + 1), hidden_layers)
@@ -256,4 +207,4 @@ class DeviceStep:
 
     verify: DeviceVerify
     drafter: DeviceDrafter
-    chain: Any = None  # a DeviceChain (it imports this module)
+    chain: Any = None  # a DeviceChain (headway.decode.device_chain imports this module)

@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 
 from headway.decode.captured import StaticForward, block_bucket
 from headway.decode.costs import TreeSizer, verify_cost_table, verify_timer
-from headway.decode.device_chain import ChainDrafter, DeviceChain, chained_step
+from headway.decode.device_chain import ChainDrafter, DeviceChain, EmptyChain, chained_step
 from headway.decode.device_step import DeviceDrafter, DeviceStep, DeviceVerify
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.gemm import gemm_route
@@ -53,7 +53,7 @@ INITIAL_ROOM = 4096
 DEFAULT_OPTIONS = DecodeOptions()
 
 
-class _NoDrafter:
+class _NoDrafter(EmptyChain):
     """Plain decoding: always proposes the empty tree (on the device too, so plain captured
     decoding takes the device step: one host read and no tree bookkeeping a token)."""
 
