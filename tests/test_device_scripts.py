@@ -3,14 +3,25 @@ parse, and none can stop its own shell with a self-matching ``pkill -f``."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "scripts" / "device").glob("*.sh"))
+
+
+def device_script(name: str) -> ModuleType:
+    """``scripts/device/NAME.py`` as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS[0].parent / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_there_are_device_scripts() -> None:
@@ -85,14 +96,9 @@ def test_bench_gpu_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
 def test_step_costs_runs_here_on_a_cpu(tmp_path: Path) -> None:
     """The one-call GPU script of issue #32 runs end to end on a CPU (uncaptured there): every
     table written, the static drafter's trees equal to the eager drafter's."""
-    import importlib.util
     import json
 
-    path = SCRIPTS[0].parent / "step_costs.py"
-    spec = importlib.util.spec_from_file_location("step_costs", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = device_script("step_costs")
     argv = ["--device", "cpu", "--dtype", "float32", "--new-tokens", "6", "--repeats", "1"]
     argv += ["--verify", "captured"]  # compiling on a CPU is the slow test of test_captured.py
     trees = [{"top_k": 1, "depth": 2, "total_tokens": 3, "tau": 1.5}]
@@ -119,14 +125,9 @@ def test_decode_figures_runs_here_on_a_cpu(tmp_path: Path) -> None:
     """The real-target device script of issue #32 runs on a CPU (uncaptured there): in float32
     every row, the device step's trees among them, gives HF greedy's output, each table is
     written as measured, and a section past the budget is skipped, not started."""
-    import importlib.util
     import json
 
-    path = SCRIPTS[0].parent / "decode_figures.py"
-    spec = importlib.util.spec_from_file_location("decode_figures", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = device_script("decode_figures")
     argv = ["--device", "cpu", "--num-prompts", "1", "--max-new-tokens", "4", "--trees", "16,32"]
     module.main([*argv, "--sections", "float32,sampled", "--budget-s", "0", "--out", str(tmp_path)])
     skipped = (tmp_path / "decode_figures.md").read_text()

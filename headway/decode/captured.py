@@ -156,10 +156,7 @@ class StaticForward:
             raise ValueError(
                 f"block has {entries} entries but parents describes {parents.numel()} nodes"
             )
-        if prefix_len != self.cache.length:
-            raise ValueError(
-                f"prefix_len={prefix_len} but the cache holds {self.cache.length} tokens"
-            )
+        self.check_prefix(prefix_len)
         size = block_bucket(entries)
         self.reserve(prefix_len + size)
         shape = self.shape_for(size, hidden_layers)
@@ -176,6 +173,14 @@ class StaticForward:
         self.cache.length = prefix_len + entries
         assert shape.logits is not None
         return shape.logits[:entries], tuple(layer[:entries] for layer in shape.hidden)
+
+    def check_prefix(self, prefix_len: int) -> None:
+        """Refuse a block placed after ``prefix_len`` tokens where the cache holds another
+        count (a caller out of step with the cache)."""
+        if prefix_len != self.cache.length:
+            raise ValueError(
+                f"prefix_len={prefix_len} but the cache holds {self.cache.length} tokens"
+            )
 
     def compact(self, prefix_len: int, keep: Tensor) -> None:
         count = keep.numel()
@@ -322,6 +327,19 @@ class StaticForward:
         body = lambda: self._body(shape, hidden_layers)  # noqa: E731
         shape.graph = record_graph(body, self.model.device, self._pool)
         logger.info("captured the verify forward of %d tokens", shape.ids.shape[1])
+
+
+def run_graph(graph: Any, body: Callable[[], None], device: torch.device, capture: bool) -> Any:
+    """Run ``body`` once: eagerly where nothing is captured (``capture`` false: off CUDA),
+    else by replaying ``graph``, captured first (:func:`record_graph`, in a memory pool of its
+    own) when it is None. Returns the graph to keep (None uncaptured)."""
+    if not capture:
+        body()
+        return None
+    if graph is None:
+        return record_graph(body, device, torch.cuda.graph_pool_handle())
+    graph.replay()
+    return graph
 
 
 def record_graph(body: Callable[[], None], device: torch.device, pool: Any) -> Any:

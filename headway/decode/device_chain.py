@@ -27,10 +27,9 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, runtime_checkable
 
-import torch
 from torch import Tensor
 
-from headway.decode.captured import record_graph
+from headway.decode.captured import run_graph
 from headway.decode.device_step import DeviceStep, DeviceVerify
 from headway.decode.sampling import GREEDY
 from headway.decode.session import Session, commit
@@ -120,10 +119,7 @@ class DeviceChain:
         (host). The cache then holds them all, less the last step's last token (the next
         root); cut it back where fewer are kept."""
         verify, target, drafter = self.verify, self.verify.target, self.drafter
-        if prefix_len != target.cache.length:
-            raise ValueError(
-                f"prefix_len={prefix_len} but the cache holds {target.cache.length} tokens"
-            )
+        target.check_prefix(prefix_len)
         drafter.chain_reserve(self.steps)
         nodes = drafter.chain_nodes()
         target.reserve(prefix_len + self.columns() + nodes + 1)
@@ -140,16 +136,9 @@ class DeviceChain:
             self._held = held
         plan.host[0], plan.host[1] = root, prefix_len
         plan.staged.copy_(plan.host, non_blocking=True)
+        body = lambda: self._body(plan, hidden_layers)  # noqa: E731
         with drafter.chain_context():
-            if not target.capture:
-                self._body(plan, hidden_layers)
-            elif self._graph is None:
-                body = lambda: self._body(plan, hidden_layers)  # noqa: E731
-                self._graph = record_graph(
-                    body, target.model.device, torch.cuda.graph_pool_handle()
-                )
-            else:
-                self._graph.replay()
+            self._graph = run_graph(self._graph, body, target.model.device, target.capture)
         rows: list[list[int]] = self._results.cpu().tolist()  # the run's one read of the device
         steps = [row[1 : 1 + row[0]] for row in rows]
         committed = sum(len(tokens) for tokens in steps)

@@ -33,7 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from headway.decode.captured import StaticForward, block_bucket, record_graph
+from headway.decode.captured import StaticForward, block_bucket, run_graph
 from headway.decode.device_tree import accept_greedy, accept_sampled, tree_layout
 from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits
 from headway.decode.static_cache import StaticCache
@@ -105,10 +105,7 @@ class DeviceVerify:
         ``generator`` before the graph runs (one launch; the graph holds no random op)."""
         target = self.target
         tokens, parents = tree
-        if prefix_len != target.cache.length:
-            raise ValueError(
-                f"prefix_len={prefix_len} but the cache holds {target.cache.length} tokens"
-            )
+        target.check_prefix(prefix_len)
         target.reserve(prefix_len + block_bucket(tokens.numel() + 1))
         plan = self._plan(tokens.numel(), hidden_layers, sampling)
         plan.host[0], plan.host[1] = root, prefix_len
@@ -124,13 +121,8 @@ class DeviceVerify:
             else:  # a generator elsewhere (e.g. on the host): draw there, copy over
                 drawn = torch.rand(plan.noise.shape, generator=generator, device=generator.device)
                 plan.noise.copy_(drawn)
-        if not target.capture:
-            self._body(plan, hidden_layers, sampling)
-        elif plan.graph is None:
-            body = lambda: self._body(plan, hidden_layers, sampling)  # noqa: E731
-            plan.graph = record_graph(body, target.model.device, torch.cuda.graph_pool_handle())
-        else:
-            plan.graph.replay()
+        body = lambda: self._body(plan, hidden_layers, sampling)  # noqa: E731
+        plan.graph = run_graph(plan.graph, body, target.model.device, target.capture)
         assert plan.out is not None
         host = plan.out.cpu()  # the step's one read of the device
         count = int(host[0])

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from headway.api import prompt_ids
-from headway.decode import captured, device_chain, device_step
+from headway.decode import captured
 from headway.decode.captured import record_graph
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
@@ -127,7 +127,7 @@ def count_captures() -> None:
         CAPTURES[_RUNNING[0]] += 1
         return record_graph(body, device, pool)
 
-    for module in (captured, device_chain, device_step, static_eagle):
+    for module in (captured, static_eagle):  # run_graph calls captured's record_graph
         module.record_graph = counted  # type: ignore[attr-defined]
 
 
