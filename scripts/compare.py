@@ -22,7 +22,10 @@ Configurations (batch 1, greedy, interleaved prompt by prompt after a warm-up of
 Prints a Markdown table (tau, tokens/s, speedup vs HF greedy as a ratio measured in this run,
 whether each output equals HF greedy, and each headway drafter's own cost per step -- the seconds
 its propose and observe calls take -- as a fraction of one target forward, taken as HF greedy's
-seconds per token) under a line naming the machine, dtype and prompt set.
+seconds per token; ``n/a`` for a row whose greedy device steps ran chained, several steps in
+one graph, as ``headway generate`` runs them on the captured path, where drafting cannot be
+timed apart: :mod:`headway.eval.timed_drafter`) under a line naming the machine, dtype and
+prompt set.
 
     .venv/bin/python scripts/compare.py runs/medusa1-smollm2 runs/eagle1-smollm2 \\
         --num-prompts 8 --max-new-tokens 128
@@ -55,7 +58,8 @@ from headway.eval.baselines import Runner, hf_runner
 from headway.eval.cost_tables import CostTables
 from headway.eval.dispatch_decoding import count_decoding, dispatch_table
 from headway.eval.paired import Row, measure, table
-from headway.eval.speed import EvalSettings, TimedDrafter, drafter_runner
+from headway.eval.speed import EvalSettings, drafter_runner
+from headway.eval.timed_drafter import timed_drafter as timed
 from headway.evalsets import load_prompts
 from headway.target import Target, eos_token_ids, load_target
 
@@ -169,7 +173,7 @@ def headway_row(
 ) -> Row:
     """A row of headway's loop with ``drafter`` (``None``: one token per forward), its drafting
     time measured; cost-sized rows share ``tables``'s verify costs."""
-    timed_drafter = None if drafter is None else TimedDrafter(drafter, target.model.device)
+    timed_drafter = None if drafter is None else timed(drafter, target.model.device)
     options = DecodeOptions(sizing=sizing, verify=verify)  # type: ignore[arg-type]
     decoder = (tables or CostTables()).decoder(target.model, timed_drafter, options)
     return Row(name, decoder_runner(decoder), drafter=timed_drafter, decoder=decoder)

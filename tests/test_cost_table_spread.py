@@ -12,9 +12,7 @@ from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 
 
-def test_both_ways_are_timed_and_tabled(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_both_ways_are_timed_and_tabled(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = Path(__file__).resolve().parents[1] / "scripts" / "cost_table_spread.py"
     spec = importlib.util.spec_from_file_location("cost_table_spread", path)
     assert spec is not None and spec.loader is not None

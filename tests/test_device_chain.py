@@ -13,11 +13,14 @@ from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
 from headway.drafters import static_eagle
+from headway.eval.dispatch_decoding import count_decoding
+from tests.test_device_step import random_medusa
 from tests.test_eagle3 import PROMPT, target_and_truth
 from tests.test_generate import hf_greedy
 from tests.test_static_eagle import SHAPES, _pair
 
 LONG_PROMPT = torch.arange(1, 60) % 90 + 3
+RUNS = ((PROMPT, 30), (LONG_PROMPT, 41), (PROMPT, 30))
 
 
 @pytest.mark.parametrize(
@@ -101,3 +104,38 @@ def test_a_run_can_run_again_to_the_same_end(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(DeviceChain, "_body", thrice)
     assert decode() == once
     assert once[2][0] == once[2][1]  # the device and the host agree
+
+
+def test_medusa_heads_chain_their_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Medusa heads' chained runs (the heads on the state a run's last step kept, on the
+    device) decode the single steps' tokens and acceptance lengths, across a cache grown
+    mid-generation and with every body run three times (a capture's warm-ups), with one
+    host read a run; the CPU proxy finds no graph fault in decoders used before counting."""
+    monkeypatch.setattr(captured, "MIN_CAPACITY", 16)
+    model, _ = target_and_truth("llama")
+    drafter = random_medusa(model)
+    one = Decoder(model, drafter, DecodeOptions(verify="captured", chain=1))
+    many = Decoder(model, drafter, DecodeOptions(verify="captured", chain=4))
+    expected = [one.generate(p, max_new_tokens=n, eos_token_ids=()) for p, n in RUNS]
+    body = DeviceChain._body
+
+    def thrice(self: DeviceChain, *args: object) -> None:
+        for _ in range(3):
+            body(self, *args)  # type: ignore[arg-type]
+
+    for patched in (False, True):
+        if patched:
+            monkeypatch.setattr(DeviceChain, "_body", thrice)
+        for (prompt, new), theirs in zip(RUNS, expected, strict=True):
+            mine = many.generate(prompt, max_new_tokens=new, eos_token_ids=())
+            assert mine.tokens == theirs.tokens == hf_greedy(model, prompt, new, eos=None)
+            assert mine.accept_lengths == theirs.accept_lengths
+    assert isinstance(many._chain, DeviceChain) and one._chain is None
+    single = count_decoding(one, [PROMPT], max_new_tokens=24, eos_token_ids=())
+    chained = count_decoding(many, [PROMPT], max_new_tokens=24, eos_token_ids=())
+    assert chained.syncs < single.syncs / 2
+    # decoders used before counting: the buffers they built are the device's, no fault
+    assert single.graph_faults == chained.graph_faults == {}
+    plain = Decoder(model, None, DecodeOptions(verify="captured", chain=4))
+    plain.generate(PROMPT, max_new_tokens=12, eos_token_ids=())
+    assert count_decoding(plain, [PROMPT], max_new_tokens=12, eos_token_ids=()).graph_faults == {}

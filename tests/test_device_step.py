@@ -276,23 +276,30 @@ def test_chained_plain_decoding_is_plain_decoding(
     assert again.tokens == truth
 
 
-def test_medusa_heads_take_the_device_step() -> None:
-    """Medusa's static tree, filled on the device from the heads' top-k: the host step's
-    output and acceptance lengths, one host read a step."""
-    model, truth = target_and_truth("llama")
+def random_medusa(model: Any) -> MedusaDrafter:
+    """Random Medusa heads (3 heads): some drafts right, most wrong."""
     torch.manual_seed(0)
     lm_head = model.get_output_embeddings().weight.detach()
     heads = MedusaHeads(MedusaConfig(3, 1, model.config.hidden_size, TINY_VOCAB), lm_head)
-    with torch.no_grad():  # random heads: some drafts right, most wrong
+    with torch.no_grad():
         for parameter in heads.parameters():
             parameter.add_(0.1 * torch.randn_like(parameter))
-    drafter = MedusaDrafter(heads.eval(), hidden_layer=final_hidden_layer(model))
+    return MedusaDrafter(heads.eval(), hidden_layer=final_hidden_layer(model))
+
+
+def test_medusa_heads_take_the_device_step() -> None:
+    """Medusa's static tree, filled on the device from the heads' top-k: the host step's
+    output and acceptance lengths, one host read a step (one step a run; chained runs:
+    test_device_chain.py)."""
+    model, truth = target_and_truth("llama")
+    drafter = random_medusa(model)
     host, device = _decoders(model, drafter)
     results = [run.generate(PROMPT, max_new_tokens=32, eos_token_ids=()) for run in (host, device)]
     assert results[0].tokens == results[1].tokens == truth
     assert results[0].accept_lengths == results[1].accept_lengths
-    counts = count_decoding(device, [PROMPT], max_new_tokens=24, eos_token_ids=())
-    assert counts.syncs == counts.steps + 1 and device._verifier is not None
+    single = Decoder(model, drafter, DecodeOptions(verify="captured", chain=1))
+    counts = count_decoding(single, [PROMPT], max_new_tokens=24, eos_token_ids=())
+    assert counts.syncs == counts.steps + 1 and single._verifier is not None
 
 
 def test_device_sampling_commits_tokens_distributed_as_the_target() -> None:

@@ -17,9 +17,9 @@ and keeps each step's count and committed tokens; the host reads them all once, 
 and commits them step by step (an EOS or the token limit inside the run drops the rest). On CUDA
 the run is one graph, captured on first use and again when a buffer it holds is replaced (a
 cache grown). Greedy only (sampling draws its uniforms per step on the host side: it takes one
-step a run); drafters with the ``chain_*`` methods (the static EAGLE drafters, and plain
-decoding's empty drafter, whose steps are a token each). The tokens and acceptance lengths are
-the single steps' (``tests/test_device_chain.py``, ``tests/test_device_step.py``).
+step a run); drafters with the ``chain_*`` methods (the static EAGLE drafters, Medusa heads,
+and plain decoding's empty drafter, whose steps are a token each). The tokens and acceptance
+lengths are the single steps' (``tests/test_device_chain.py``, ``tests/test_device_step.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-from headway.decode.captured import run_graph
+from headway.decode.captured import block_bucket, run_graph
 from headway.decode.device_step import DeviceStep, DeviceVerify
 from headway.decode.sampling import GREEDY
 from headway.decode.session import Session, commit
@@ -122,7 +122,8 @@ class DeviceChain:
         target.check_prefix(prefix_len)
         drafter.chain_reserve(self.steps)
         nodes = drafter.chain_nodes()
-        target.reserve(prefix_len + self.columns() + nodes + 1)
+        # the last step's block is padded to its bucket (DeviceVerify._body writes all of it)
+        target.reserve(prefix_len + self.columns() + block_bucket(nodes + 1))
         plan = verify._plan(nodes, hidden_layers, GREEDY)
         drafter.chain_stage()  # what the body starts from, however often it runs
         held = (target.cache, plan, *drafter.chain_buffers())

@@ -268,13 +268,14 @@ class StaticTree:
 
     @property
     def depth(self) -> int:
-        """Deepest level of the tree (number of candidate rows needed)."""
-        return int(self.depth_index.max()) + 1
+        """Deepest level of the tree (number of candidate rows needed); from the choices, so no
+        tensor is read (the heads' step asks for it inside a captured run)."""
+        return max(len(path) for path in self.choices)
 
     @property
     def width(self) -> int:
         """Largest rank used plus one (number of candidate columns needed)."""
-        return int(self.rank.max()) + 1
+        return max(path[-1] for path in self.choices) + 1
 
     def instantiate(self, candidates: Tensor) -> DraftTree:
         """Fill the shape with tokens: ``candidates`` is LongTensor ``[depth, k]`` of per-depth

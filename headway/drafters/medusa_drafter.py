@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import Tensor
@@ -144,6 +145,7 @@ class MedusaDrafter:
         gemm_route(self.heads)  # decided now, not in the first step
         self._last_hidden: Tensor | None = None  # [H], the state that predicted the root
         self._on_device: tuple[Tensor, Tensor, Tensor] | None = None  # see _device_index
+        self._chain: tuple[Tensor, ...] = ()  # a chained run's live and start states [H]
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget the previous generation."""
@@ -194,8 +196,8 @@ class MedusaDrafter:
         """The tree's depth index, rank and parents ``[n]`` on ``device`` (copied once)."""
         if self._on_device is None or self._on_device[0].device != device:
             tree = self.tree
-            index, rank, parents = (
-                t.to(device) for t in (tree.depth_index, tree.rank, tree.parents)
+            index, rank, parents = (  # copies even on the host (the CPU proxy tells them apart)
+                t.to(device, copy=True) for t in (tree.depth_index, tree.rank, tree.parents)
             )
             self._on_device = (index, rank, parents)
         return self._on_device
@@ -204,6 +206,60 @@ class MedusaDrafter:
         """Keep the state at the last committed token (``hidden[0][count - 1]``, a view: no
         host read); the device step's :meth:`observe`."""
         self._last_hidden = hidden[0][count - 1]
+
+    # ------------------------------------ chained device steps (headway.decode.device_chain)
+
+    def chain_context(self) -> AbstractContextManager[object]:
+        """Nothing to enter: :meth:`candidates` routes the heads' GEMMs itself."""
+        return nullcontext()
+
+    def chain_nodes(self) -> int:
+        """Nodes of every tree (the static tree's)."""
+        return self.max_nodes
+
+    def chain_reserve(self, steps: int) -> None:
+        """Nothing grows with the steps: the heads keep one state."""
+
+    def chain_buffers(self) -> tuple[object, ...]:
+        """The device buffers a chained run's graph reads and writes: the live state, the state
+        a run starts from (:meth:`chain_stage`) and the tree's index."""
+        return (*self._chain, *(self._on_device or ()))
+
+    def chain_stage(self) -> None:
+        """Before a run (outside its graph): copy the state that predicted the root into the
+        buffer :meth:`chain_begin` starts from, so the body can run again to the same end."""
+        if self._last_hidden is None:
+            raise RuntimeError("a chained run of Medusa heads before any observation")
+        last = self._last_hidden
+        if (
+            not self._chain
+            or self._chain[0].shape != last.shape
+            or (self._chain[0].dtype != last.dtype or self._chain[0].device != last.device)
+        ):
+            self._chain = (torch.empty_like(last), torch.empty_like(last))
+        self._chain[1].copy_(last)
+        self._device_index(last.device)  # made here, not in the run's graph
+
+    def chain_begin(self) -> None:
+        """The first work of a run's body: the live state from the staged one."""
+        live, start = self._chain
+        live.copy_(start)
+        self._last_hidden = live
+
+    def chain_propose(self) -> tuple[Tensor, Tensor]:
+        """:meth:`propose_on_device` inside a chained run: the heads on the live state."""
+        proposed = self.propose_on_device()
+        assert proposed is not None
+        return proposed
+
+    def chain_observe(self, tokens: Tensor, hidden: tuple[Tensor, ...], count: Tensor) -> None:
+        """:meth:`observe_on_device` inside a chained run, ``count`` a device scalar: the state
+        at the last committed token copied into the live buffer."""
+        self._chain[0].copy_(hidden[0].index_select(0, count.reshape(1) - 1)[0])
+
+    def chain_done(self, committed: int) -> None:
+        """After a chained run: the live buffer holds the state that predicted the next root."""
+        self._last_hidden = self._chain[0]
 
     @torch.inference_mode()
     def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from headway.decode.captured import StaticForward
-from headway.decode.device_chain import DeviceChain
+from headway.decode.device_chain import ChainDrafter, DeviceChain
 from headway.decode.device_step import DeviceVerify
 from headway.decode.generate import Decoder
 from headway.decode.sampling import GREEDY, SamplingParams
@@ -121,19 +121,24 @@ def count_decoding(
     """Decode each of ``prompts`` (``[P]`` token ids) with ``decoder`` (greedy unless
     ``sampling`` says otherwise; a generator seeded with ``seed``) under a
     :class:`~headway.eval.dispatch.DispatchCounter` seeded with the target's and the drafter's
-    tensors, and the device buffers of a static verify path, a static drafter and the device
-    step built before."""
+    tensors, and the device buffers of a static verify path, a static drafter, the device step
+    and the chained runs built before (a decoder already used)."""
     decoder.prepare()  # one-time timings (cost sizing) are not a step's work
     tensors, devices = seeds_of(decoder.drafter)
     tensors += seeds_of(decoder.model, 0)[0]
     drafter: object = decoder.drafter
     while hasattr(drafter, "inner"):  # a timing or recording wrapper
         drafter = drafter.inner
-    for built in (decoder.target, drafter, getattr(decoder, "_verifier", None)):
-        if isinstance(built, StaticForward | StaticDrafting | DeviceVerify):  # device buffers
+    built_before = (decoder.target, drafter, decoder._verifier, decoder._chain)
+    for built in built_before:  # their device buffers (a decoder used before counting)
+        if isinstance(built, StaticForward | StaticDrafting | DeviceVerify):
             found, placed = seeds_of(built, 4, every_tensor=True)
             tensors += found
             devices += placed
+        elif isinstance(built, DeviceChain):  # its own buffers, not its drafter's host tree
+            tensors += seeds_of(built, 1, every_tensor=True)[0]
+        elif hasattr(type(built), "chain_propose") and isinstance(built, ChainDrafter):
+            tensors += seeds_of(built.chain_buffers(), 1, every_tensor=True)[0]
     counter = DispatchCounter(tensors, devices)
     generator = torch.Generator(decoder.model.device).manual_seed(seed)
     with _regions_marked(counter, decoder), torch.inference_mode(), counter:

@@ -15,7 +15,7 @@ from headway.decode.bench import timed
 from headway.decode.generate import Decoder
 from headway.eval.acceptance import acceptance_stats
 from headway.eval.baselines import Runner
-from headway.eval.speed import TimedDrafter
+from headway.eval.timed_drafter import TimedDrafter
 from headway.target import Target
 
 __all__ = ["Row", "measure", "table"]
@@ -66,10 +66,8 @@ def table(rows: list[Row]) -> list[dict[str, Any]]:
         stats = acceptance_stats(row.traces) if row.traces else None
         rate = row.tokens / row.seconds
         same = sum(a == b for a, b in zip(row.outputs, baseline.outputs, strict=True))
-        timed_drafter = row.drafter
-        cost = None
-        if timed_drafter is not None and timed_drafter.steps:
-            cost = timed_drafter.seconds / timed_drafter.steps * rate_0  # forward = 1 / rate_0
+        seconds = None if row.drafter is None else row.drafter.step_seconds  # None: chained
+        cost = None if seconds is None else seconds * rate_0  # a forward = 1 / rate_0
         result.append(
             {
                 "drafter": row.name,

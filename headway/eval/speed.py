@@ -31,7 +31,6 @@ from transformers import GenerationConfig
 
 from headway.api import prompt_ids
 from headway.decode.bench import timed
-from headway.decode.device_step import DeviceDrafter
 from headway.decode.generate import Decoder, Drafter, GenerationResult, generate
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
@@ -329,49 +328,3 @@ def _running_figures(records: Sequence[PromptRecord]) -> dict[str, str]:
         sum(r.plain_seconds for r in records), 1e-9
     )
     return {"tau": f"{tau:.2f}", "speedup": f"{drafter_rate / max(plain_rate, 1e-9):.2f}x"}
-
-
-class TimedDrafter:
-    """A drafter that adds up the seconds its ``begin``/``propose``/``observe`` calls take (the
-    drafting cost of a step), and counts its proposals."""
-
-    def __init__(self, inner: Drafter, device: torch.device) -> None:
-        self.inner, self.device = inner, device
-        self.seconds, self.steps = 0.0, 0
-        if isinstance(inner, DeviceDrafter):  # its device steps are timed too
-            self._device = inner
-            self.propose_on_device = self._propose_on_device
-            self.observe_on_device = self._observe_on_device
-
-    def _propose_on_device(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        self.steps += 1
-        return self._timed(self._device.propose_on_device)
-
-    def _observe_on_device(
-        self, tokens: torch.Tensor, hidden: tuple[torch.Tensor, ...], count: int
-    ) -> None:
-        self._timed(lambda: self._device.observe_on_device(tokens, hidden, count))
-
-    def __getattr__(self, name: str) -> Any:  # hidden_layers, max_nodes, ...
-        return getattr(self.inner, name)
-
-    def _timed(self, call: Callable[[], Any]) -> Any:
-        start = time.perf_counter()
-        result = call()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.seconds += time.perf_counter() - start
-        return result
-
-    def begin(self, prompt_ids: torch.Tensor) -> None:
-        self._timed(lambda: self.inner.begin(prompt_ids))
-
-    def propose(self, sequence: torch.Tensor, floor: float | None = None) -> Any:
-        self.steps += 1
-        return self._timed(lambda: self.inner.propose(sequence, floor))
-
-    def observe(self, new_tokens: torch.Tensor, hidden: tuple[torch.Tensor, ...]) -> None:
-        self._timed(lambda: self.inner.observe(new_tokens, hidden))
-
-    def reset(self) -> None:
-        self.seconds, self.steps = 0.0, 0

@@ -52,7 +52,7 @@ from headway.decode.options import DecodeOptions
 from headway.decode.sampling import GREEDY, SamplingParams
 from headway.drafters.build import build_drafter
 from headway.drafters.specs import EagleSpec
-from headway.eval.speed import TimedDrafter
+from headway.eval.timed_drafter import TimedDrafter
 from headway.target import Target
 
 CONFIG = Path(__file__).with_name("smollm2-135m.json")
