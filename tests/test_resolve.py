@@ -49,16 +49,18 @@ def test_nothing_named_takes_the_shipped_drafter_cost_sized(shipped: tuple[Any, 
     assert isinstance(tuned.spec, EagleSpec) and tuned.spec.depth == 3
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_a_static_verify_path_keeps_the_shipped_drafters_trees_on_the_device(
     shipped: tuple[Any, Path],
 ) -> None:
-    """With --verify captured/compiled the default drafter drafts in fixed shapes, sized by
-    itself, which is what the device step takes, over the tree measured best on a GPU; a named
-    drafting, sizing or tree option still wins."""
+    """With --verify captured/compiled the default drafter drafts in fixed shapes (compiled
+    with the compiled verify), sized by itself, which is what the device step takes, over the
+    tree measured best on a GPU; a named drafting, sizing or tree option still wins."""
     model, _ = shipped
     for verify in ("captured", "compiled"):
         choice = resolve_drafter(model, verify=verify)
-        assert isinstance(choice.spec, EagleSpec) and choice.spec.drafting == "static"
+        drafting = "compiled" if verify == "compiled" else "static"  # as the verify forward
+        assert isinstance(choice.spec, EagleSpec) and choice.spec.drafting == drafting
         assert choice.sizing == "drafter" and verify in choice.reason
         tree = {name: getattr(choice.spec, name) for name in STATIC_TREE}
         assert tree == STATIC_TREE  # the tree measured best on a GPU
@@ -74,6 +76,21 @@ def test_a_static_verify_path_keeps_the_shipped_drafters_trees_on_the_device(
     assert choice.spec is not None
     decoder = Decoder(model, build_drafter(choice.spec, target), DecodeOptions(verify="captured"))
     assert decoder._device_step(SamplingParams()) is not None
+
+
+def test_named_eagle_heads_draft_in_fixed_shapes_on_a_static_verify_path(
+    shipped: tuple[Any, Path],
+) -> None:
+    """--heads named with --verify captured/compiled drafts static (compiled with compiled), so
+    its trees stay on the device, over its own tree; eager verification keeps eager drafting;
+    a named drafting wins."""
+    model, run = shipped
+    for verify, drafting in (("eager", "eager"), ("captured", "static"), ("compiled", "compiled")):
+        choice = resolve_drafter(model, heads=str(run), verify=verify)  # type: ignore[arg-type]
+        assert isinstance(choice.spec, EagleSpec) and choice.spec.drafting == drafting
+        assert choice.spec.total_tokens != STATIC_TREE["total_tokens"]  # the drafter's tree
+    named = resolve_drafter(model, heads=str(run), verify="captured", options={"drafting": "eager"})
+    assert isinstance(named.spec, EagleSpec) and named.spec.drafting == "eager"
 
 
 def test_named_drafters_are_sized_by_themselves_and_none_is_plain(

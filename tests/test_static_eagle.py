@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from headway.decode.captured import COMPILED_CAPACITY
 from headway.decode.generate import Decoder, generate
 from headway.decode.options import DecodeOptions
 from headway.drafters import static_eagle
@@ -19,6 +20,7 @@ from headway.drafters.eagle_drafter import EagleDrafter
 from headway.drafters.static_eagle import StaticEagle3Drafter, StaticEagleDrafter
 from headway.eval.dispatch import DispatchCounter
 from headway.eval.dispatch_decoding import seeds_of
+from headway.hardware import has_cxx_compiler
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead
 from headway.heads.eagle3 import Eagle3Model
 from headway.heads.vocab import DraftVocab
@@ -153,3 +155,29 @@ def test_every_dropped_graph_takes_its_memory_pool_with_it() -> None:
         static._graph, static._pool = object(), object()
         drop()
         assert static._graph is None and static._pool is None
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")
+def test_compiled_drafting_decodes_the_eager_trees_without_recompiling() -> None:
+    """drafting="compiled" (a step's draft forwards through torch.compile, here inductor on
+    the CPU), device steps chained: the eager drafter's tokens and acceptance lengths, and a
+    second prompt compiles nothing new (the draft cache starts large enough). The compiled
+    verify forward: tests/test_captured.py."""
+    from torch._dynamo.utils import counters
+
+    model, truth = target_and_truth("llama")
+    eager, static = _pair("trained", model, SHAPES["tree"])
+    static.compile_steps()
+    decoder = Decoder(model, static, DecodeOptions(verify="captured", chain=4))
+    reference = Decoder(model, eager, DecodeOptions(sizing="drafter"))
+    for new in (30, 20):
+        mine = decoder.generate(PROMPT, max_new_tokens=new, eos_token_ids=())
+        theirs = reference.generate(PROMPT, max_new_tokens=new, eos_token_ids=())
+        assert mine.tokens == theirs.tokens == truth[:new]
+        assert mine.accept_lengths == theirs.accept_lengths
+        if new == 30:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert static._forward is not None and static._cache.capacity == COMPILED_CAPACITY

@@ -160,9 +160,11 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
         "drafter or Medusa heads the tree then stays on the GPU (one host read a step; with "
         "nothing named, the shipped EAGLE drafter drafts a 32-token tree, top_k 8, depth 6, "
         "the fastest on an H100 in bf16: 355 tokens/s at tau 3.06). "
-        "compiled: as captured, the verify forward compiled by torch.compile first (fused "
-        "kernels; compiling takes a while the first time). Same tokens either way; off CUDA "
-        "both run uncaptured and are slower than eager",
+        "compiled: as captured, the verify forward (and the default drafter's step forwards) "
+        "compiled by torch.compile first (fused kernels; a minute or more a block size the "
+        "first time, over a cache of 2,048 columns from the start so that longer prompts do "
+        "not compile again; not yet measured on a GPU). Same tokens either way; off CUDA both "
+        "run uncaptured and are slower than eager",
     )
 
 

@@ -41,12 +41,18 @@ from headway.decode.tree import ancestor_mask, depths
 from headway.errors import HardwareError
 from headway.hardware import has_cxx_compiler
 
-__all__ = ["StaticForward", "block_bucket", "record_graph"]
+__all__ = ["StaticForward", "block_bucket", "compiled", "record_graph"]
 
 logger = logging.getLogger(__name__)
 
 MIN_CAPACITY = 256
 """Columns of the smallest static cache; capacities are powers of two from there."""
+
+COMPILED_CAPACITY = 2048
+"""Columns of the smallest static cache of a compiled forward (``verify="compiled"``, compiled
+drafting): each capacity compiles every block size again (a minute or more a shape on a GPU),
+so the compiled path starts large enough that prompts and answers up to 2,048 tokens in all
+never recompile."""
 
 WARMUP_RUNS = 2
 """Eager runs on a side stream before a graph is captured (lazy initialisations happen there)."""
@@ -85,12 +91,8 @@ class StaticForward:
         self.capture = on_cuda if capture is None else capture
         # verify="compiled": the verify forwards (not the prefill, whose length varies) go
         # through torch.compile, compiled during the warm-up runs before a capture
-        if compile and not on_cuda and not has_cxx_compiler():
-            raise HardwareError(
-                "verify=compiled on a CPU needs a C++ compiler for torch.compile (none on PATH): "
-                "install one (e.g. g++) or use --verify captured"
-            )
-        self._compiled: Any = torch.compile(model) if compile else None
+        self._compiled: Any = compiled(model, "verify=compiled") if compile else None
+        self._min_capacity = COMPILED_CAPACITY if compile else MIN_CAPACITY
         if not on_cuda:
             logger.info("no CUDA: the static verify path runs uncaptured on %s", model.device)
         window, mixed = sliding_window(model)
@@ -101,8 +103,8 @@ class StaticForward:
             else ("",)
         )
         self._layers = int(model.config.get_text_config().num_hidden_layers)
-        self.cache = StaticCache(self._layers, MIN_CAPACITY, model.device)
-        self.keys = torch.arange(MIN_CAPACITY, device=model.device)  # [capacity] column ids
+        self.cache = StaticCache(self._layers, self._min_capacity, model.device)
+        self.keys = torch.arange(self._min_capacity, device=model.device)  # [capacity] column ids
         self._shapes: dict[tuple[int, tuple[int, ...]], _Shape] = {}
         self._pool: Any = None
 
@@ -121,7 +123,7 @@ class StaticForward:
         copied over and every graph of the smaller cache dropped (captured anew on use)."""
         if columns <= self.cache.capacity:
             return
-        capacity = max(MIN_CAPACITY, block_bucket(columns))
+        capacity = max(self._min_capacity, block_bucket(columns))
         self.cache = self.cache.grown(capacity, self.cache.length)
         self.keys = torch.arange(capacity, device=self.model.device)
         self._shapes.clear()
@@ -327,6 +329,22 @@ class StaticForward:
         body = lambda: self._body(shape, hidden_layers)  # noqa: E731
         shape.graph = record_graph(body, self.model.device, self._pool)
         logger.info("captured the verify forward of %d tokens", shape.ids.shape[1])
+
+
+def compiled(module: torch.nn.Module, what: str) -> Any:
+    """``module`` through ``torch.compile`` with static shapes (``dynamic=False``: each shape
+    gets kernels of its own, and no second compile of dynamic ones); compiled on first call.
+
+    Raises:
+        HardwareError: off CUDA without a C++ compiler (inductor's CPU kernels need one).
+    """
+    on_cuda = next(module.parameters()).device.type == "cuda"
+    if not on_cuda and not has_cxx_compiler():
+        raise HardwareError(
+            f"{what} on a CPU needs a C++ compiler for torch.compile (none on PATH): "
+            "install one (e.g. g++) or use --verify captured"
+        )
+    return torch.compile(module, dynamic=False)
 
 
 def run_graph(graph: Any, body: Callable[[], None], device: torch.device, capture: bool) -> Any:

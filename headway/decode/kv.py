@@ -56,12 +56,19 @@ def cache_argument(module: torch.nn.Module, cache: DynamicCache | None) -> dict[
     """``{"cache": cache}`` for modules whose ``forward`` names the KV cache ``cache``
     (transformers >= 5.2x, where ``past_key_values`` is deprecated and goes in 5.40), else
     ``{"past_key_values": cache}`` (earlier 5.x, GPT-2-style and remote-code models)."""
-    return {_cache_keyword(type(module).forward): cache}
+    forward = type(module).forward
+    keyword = _CACHE_KEYWORDS.get(forward)
+    if keyword is None:  # read once per forward function: this runs on every forward
+        keyword = _CACHE_KEYWORDS[forward] = _cache_keyword(forward)
+    return {keyword: cache}
 
 
-@functools.cache
+_CACHE_KEYWORDS: dict[Callable[..., Any], str] = {}
+"""The cache keyword of each forward function seen (a plain dict, not ``functools.cache``,
+which ``torch.compile`` warns it traces through: the compiled draft forward calls this)."""
+
+
 def _cache_keyword(forward: Callable[..., Any]) -> str:
-    """Read once per forward function: this runs on every forward of the decoding loop."""
     try:
         names = inspect.signature(forward).parameters
     except (TypeError, ValueError):  # a forward without a readable signature

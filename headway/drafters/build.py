@@ -42,7 +42,7 @@ from headway.drafters.specs import (
     RetrievalSpec,
     parse_spec,
 )
-from headway.drafters.static_eagle import StaticEagle3Drafter, StaticEagleDrafter
+from headway.drafters.static_eagle import StaticDrafting, StaticEagle3Drafter, StaticEagleDrafter
 from headway.errors import ConfigError
 from headway.heads.eagle import EagleConfig, TargetHead
 from headway.heads.eagle3 import Eagle3Config
@@ -160,24 +160,25 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
     if total_tokens == "auto":
         total_tokens = auto_total_tokens(model)
     config = found.config
-    static = spec.drafting == "static"
+    static = spec.drafting in ("static", "compiled")
     try:
         if isinstance(config, Eagle3Config):
             state, keep = found.state_dict, _draft_vocab(spec, target)
             if keep is not None:
                 config, state = narrow_eagle3(config, state, keep)
-            return (StaticEagle3Drafter if static else Eagle3Drafter)(
+            eagle3 = (StaticEagle3Drafter if static else Eagle3Drafter)(
                 _draft(eagle3_model(config, state, model), spec, model),
                 _head(model),
                 top_k=spec.top_k,
                 depth=spec.depth,
                 total_tokens=total_tokens,
             )
+            return _compiled(eagle3, spec)
         if isinstance(config, EagleConfig):
             layer = final_hidden_layer(model)
             check_final_hidden(model, layer)
             vocab = _draft_vocab(spec, target)
-            return (StaticEagleDrafter if static else EagleDrafter)(
+            eagle1 = (StaticEagleDrafter if static else EagleDrafter)(
                 _draft(eagle_model(config, found.state_dict, model), spec, model),
                 _head(model, vocab),
                 hidden_layer=layer,
@@ -186,9 +187,18 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
                 total_tokens=total_tokens,
                 vocab=vocab,
             )
+            return _compiled(eagle1, spec)
     except ValueError as error:
         raise HeadsError(f"{spec.heads}: {error}") from error
     raise HeadsError(f"{spec.heads} holds {found.method} weights, not an EAGLE drafter")
+
+
+def _compiled(drafter: EagleDrafter, spec: EagleSpec) -> EagleDrafter:
+    """``drafter``, its static steps' forwards compiled where ``spec.drafting`` says so."""
+    if spec.drafting == "compiled":
+        assert isinstance(drafter, StaticDrafting)
+        drafter.compile_steps()
+    return drafter
 
 
 def _draft_vocab(spec: MedusaSpec | EagleSpec, target: Target) -> Tensor | None:

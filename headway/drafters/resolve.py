@@ -8,11 +8,12 @@ What was named, in order:
 - ``--drafter none`` / ``drafter="none"``: plain decoding through the same loop (no heads).
 - a drafter name (``prompt-lookup``, ``retrieval``, ``lookup-medusa``) and/or a heads folder:
   that drafter, its options checked against its spec; sized by the drafter unless a sizing is
-  named.
+  named; EAGLE heads on a static verify path draft in fixed shapes unless a drafting is named.
 - nothing: the drafter shipped for this target (:func:`~headway.drafters.shipped.default_heads`),
   sized as it was measured (:data:`~headway.drafters.shipped.DEFAULT_SIZING`, cost), or with a
-  static verify path (``verify`` captured or compiled, a GPU's) drafting in fixed shapes and
-  sized by the drafter, so its trees stay on the device (:mod:`headway.decode.device_step`),
+  static verify path (``verify`` captured or compiled, a GPU's) drafting in fixed shapes
+  (compiled too where the verify forward is) and sized by the drafter, so its trees stay on the
+  device (:mod:`headway.decode.device_step`),
   with the tree :data:`STATIC_TREE` unless one is named; else, where
   a fallback is allowed, retrieval over a corpus this target regenerated that the checkout
   ships; else the fallback (prompt lookup); else an error.
@@ -82,7 +83,7 @@ def resolve_drafter(
             raise HeadwayError("--drafter none decodes without heads; drop --heads")
         return DrafterChoice(None, sizing or "drafter", "plain decoding (no drafter)")
     if drafter or heads:
-        spec = spec_for(drafter, heads=heads, options=values)
+        spec = _static_drafting(spec_for(drafter, heads=heads, options=values), verify, values)
         return DrafterChoice(spec, sizing or "drafter", f"named: {drafter or heads}")
     shipped = default_heads(model)
     if shipped is not None:
@@ -92,8 +93,7 @@ def resolve_drafter(
             return DrafterChoice(spec, sizing or DEFAULT_SIZING, reason)
         # a static verify path (a GPU's): drafting in fixed shapes, trees sized by the drafter,
         # so the tree stays on the device (headway.decode.device_step)
-        if isinstance(spec, EagleSpec) and "drafting" not in values:
-            spec = replace(spec, drafting="static")
+        spec = _static_drafting(spec, verify, values)
         if isinstance(spec, EagleSpec) and not TREE_OPTIONS & values.keys():
             tree = STATIC_TREE
             spec = replace(
@@ -109,3 +109,13 @@ def resolve_drafter(
         raise HeadwayError("name what to decode with: --heads DIR or --drafter NAME")
     spec = spec_for(fallback, options=values)
     return DrafterChoice(spec, sizing or "drafter", f"{fallback} (nothing shipped fits)")
+
+
+def _static_drafting(
+    spec: DrafterSpec, verify: VerifyPath, values: Mapping[str, object]
+) -> DrafterSpec:
+    """An EAGLE ``spec`` drafting in fixed shapes on a static verify path (compiled with the
+    compiled one), unless a drafting was named; any other spec as it is."""
+    if not isinstance(spec, EagleSpec) or verify == "eager" or "drafting" in values:
+        return spec
+    return replace(spec, drafting="compiled" if verify == "compiled" else "static")

@@ -160,12 +160,14 @@ class EagleSpec:
             "traffic; the output is the target's either way, only drafts may differ)"
         ),
     )
-    drafting: Literal["eager", "static"] = field(
+    drafting: Literal["eager", "static", "compiled"] = field(
         default="eager",
         metadata=_help(
             "static: every draft forward of a step in fixed shapes over a static draft cache, "
-            "replayed from one CUDA graph per step on CUDA (no GPU has measured it yet); eager: "
-            "the draft cache grows and is cropped each step (the reference)"
+            "replayed from one CUDA graph per step on CUDA; compiled: static, the step's draft "
+            "forwards through torch.compile (the default with --verify compiled; a C++ "
+            "compiler off CUDA); eager: the draft cache grows and is cropped each step (the "
+            "reference)"
         ),
     )
     draft_vocab: str = field(
@@ -184,8 +186,8 @@ class EagleSpec:
         if not self.heads:
             raise ConfigError("EagleSpec needs heads=FOLDER")
         _at_least(self, 1, "top_k", "depth", "draft_vocab_size")
-        if self.drafting not in ("eager", "static"):
-            raise ConfigError(f"drafting={self.drafting!r}: choose 'eager' or 'static'")
+        if self.drafting not in ("eager", "static", "compiled"):
+            raise ConfigError(f"drafting={self.drafting!r}: choose 'eager', 'static' or 'compiled'")
         if self.total_tokens != "auto":
             _at_least(self, 2, "total_tokens")
 

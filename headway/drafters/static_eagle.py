@@ -39,7 +39,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headway.decode.captured import MIN_CAPACITY, block_bucket, record_graph
+from headway.decode.captured import (
+    COMPILED_CAPACITY,
+    MIN_CAPACITY,
+    block_bucket,
+    compiled,
+    record_graph,
+)
 from headway.decode.device_tree import subtree_on_device
 from headway.decode.static_cache import StaticCache
 from headway.decode.tree import DraftTree, empty_tree, subtree
@@ -59,6 +65,7 @@ class StaticDrafting(EagleDrafter):
     """
 
     capture: bool | None = None
+    compiled: bool = False  # drafting="compiled": a step's forwards through torch.compile
     _kept: tuple[Tensor, Tensor]  # the last step's tree on the device: tokens, parents
     # Which proposal a step makes: the device step's subtree (:attr:`_kept`) or the host tree
     # (:attr:`_out`); a graph holds one of them, so a switch drops it.
@@ -73,6 +80,13 @@ class StaticDrafting(EagleDrafter):
         self._pending = False  # inputs of a step wait in the buffers for propose
         self._root_feature = None
 
+    def compile_steps(self) -> None:
+        """Send each step's draft forwards through ``torch.compile`` (``drafting="compiled"``),
+        over fresh buffers in a cache that starts at :data:`COMPILED_CAPACITY` columns; call
+        before decoding."""
+        self.compiled = True
+        self._setup()
+
     def _setup(self) -> None:
         on_cuda = self._device.type == "cuda"
         if self.capture is None:
@@ -81,8 +95,12 @@ class StaticDrafting(EagleDrafter):
             raise ValueError(f"CUDA graphs need a CUDA device; the drafter is on {self._device}")
         self._rows = self.depth + 1  # the most pairs a step adds: accepted nodes + bonus token
         self._tree_columns = self.top_k * (self.depth - 1)
-        self._cache = StaticCache(1, MIN_CAPACITY, self._device)
-        self._columns = torch.arange(MIN_CAPACITY, device=self._device)
+        # a step's forwards compiled (the prompt's eager feed, of its own length, is not), in a
+        # cache that starts large: a new capacity would compile them again
+        self._forward = compiled(self.model, "drafting=compiled") if self.compiled else None
+        self._min_capacity = COMPILED_CAPACITY if self.compiled else MIN_CAPACITY
+        self._cache = StaticCache(1, self._min_capacity, self._device)
+        self._columns = torch.arange(self._min_capacity, device=self._device)
         device = self._device
         self._in_tokens = torch.zeros(self._rows, dtype=torch.long, device=device)
         self._in_hidden: tuple[Tensor, ...] = ()  # [rows, H_t] per hidden layer, on first use
@@ -97,7 +115,7 @@ class StaticDrafting(EagleDrafter):
         """Hold at least ``columns`` columns (see :meth:`StaticForward.reserve`)."""
         if columns <= self._cache.capacity:
             return
-        capacity = max(MIN_CAPACITY, block_bucket(columns))
+        capacity = max(self._min_capacity, block_bucket(columns))
         self._cache = self._cache.grown(capacity, self._committed)
         self._columns = torch.arange(capacity, device=self._device)
         self._drop_graph()  # it wrote into the old buffers
@@ -220,7 +238,8 @@ class StaticDrafting(EagleDrafter):
         pairs (an uncaptured forward of its own shape)."""
         count, start = tokens.numel(), self._committed
         positions = torch.arange(count, device=self._device) + start
-        self._feed(features, tokens.to(self._device), positions, positions, self._causal(positions))
+        visible = self._causal(positions)
+        self._feed(features, tokens.to(self._device), positions, positions, visible, eager=True)
         self._committed += count
 
     def _causal(self, positions: Tensor) -> Tensor:
@@ -228,13 +247,21 @@ class StaticDrafting(EagleDrafter):
         return positions[:, None] >= self._columns[None, :]
 
     def _feed(
-        self, features: Tensor, tokens: Tensor, positions: Tensor, columns: Tensor, visible: Tensor
+        self,
+        features: Tensor,
+        tokens: Tensor,
+        positions: Tensor,
+        columns: Tensor,
+        visible: Tensor,
+        eager: bool = False,
     ) -> Tensor:
         """One draft forward over the static cache: pairs (``features [m, H]``, ``tokens [m]``)
         at ``positions [m]``, their keys written at ``columns [m]``, row i attending to the
-        columns ``visible [m, capacity]`` marks; returns the states ``[m, H]``."""
+        columns ``visible [m, capacity]`` marks; returns the states ``[m, H]``. Compiled where
+        drafting is, unless ``eager``."""
         self._cache.columns[: columns.numel()].copy_(columns)
-        predicted = self.model(
+        forward = self.model if eager or self._forward is None else self._forward
+        predicted = forward(
             features[None],
             self.head.embed_tokens(tokens, self._dtype)[None],
             position_ids=positions[None],

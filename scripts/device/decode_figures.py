@@ -20,7 +20,8 @@ captures again and again is slow for it). Sections, each printed and written to
 3. bfloat16, temperature 1.0: plain captured sampling against the sampled device step;
 4. profile: one answer of plain captured decoding and of the device step (bf16) under
    ``torch.profiler``: wall and GPU-busy time a step, the operator tables as files;
-5. bfloat16, ``--verify compiled`` (``torch.compile`` first: a minute or more per block size).
+5. bfloat16, ``--verify compiled`` (``torch.compile`` first: a minute or more per block size;
+   the drafter's step forwards compiled too, as ``headway generate`` runs them).
 
 On the machine (``scripts/device/README.md``; the prompts as a JSONL written here, since the
 MT-bench package does not travel):
@@ -40,7 +41,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -196,7 +197,8 @@ def eagle_row(
     sized by the drafter, so each step runs on the device (``DecodeOptions.device_trees``),
     greedy steps ``chain`` to a run (``headway/decode/device_chain.py``)."""
     top_k, depth, total = shape
-    spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total, drafting="static")
+    drafting: Literal["compiled", "static"] = "compiled" if verify == "compiled" else "static"
+    spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total, drafting=drafting)
     options = DecodeOptions(verify=verify, chain=chain)  # type: ignore[arg-type]
     decoder = Decoder(target.model, build_drafter(spec, target), options)
     name = f"EAGLE-3, top_k {top_k}, depth {depth}, {total} tokens, device step"
