@@ -58,7 +58,7 @@ def test_the_static_verify_path_is_exact_for_every_family(family: str) -> None:
     truth = hf_greedy(model, PROMPT, NEW_TOKENS, eos=None)
     for drafter in (None, OracleDrafter(truth, 4, width=3)):
         decoder = Decoder(model, drafter, DecodeOptions(verify="captured"))
-        result = decoder.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, eos_token_ids=())
+        result = decoder.generate(PROMPT, max_new_tokens=NEW_TOKENS, eos_token_ids=())
         assert result.tokens == truth, drafter
 
 

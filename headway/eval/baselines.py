@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from transformers import StaticCache
 
+from headway.decode.kv import cache_argument
 from headway.eval.speed import EvalSettings, plain_runner
 from headway.target import Target
 
@@ -48,8 +49,9 @@ def hf_runner(lookup: int | None, *, static: bool = False) -> Runner:
                         columns = STATIC_CACHE_COLUMNS
                         caches.append(StaticCache(config=model.config, max_cache_len=columns))
                     caches[0].reset()
-                    # past_key_values: the name transformers 5.x before 5.24 knows too
-                    extra["past_key_values"] = caches[0]
+                    # cache (transformers >= 5.24) or past_key_values (before): the name the
+                    # model's forward takes, as for every headway forward
+                    extra.update(cache_argument(model, caches[0]))
                 out = model.generate(  # type: ignore[operator]
                     batch,
                     attention_mask=torch.ones_like(batch),
