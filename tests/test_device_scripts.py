@@ -141,3 +141,26 @@ def test_decode_figures_runs_here_on_a_cpu(tmp_path: Path) -> None:
     assert sum("device step" in name for name in names) == 2  # the default and largest tree
     assert all(row["identical"] == "1/1" for row in rows)
     assert "x plain captured" in (tmp_path / "decode_figures.md").read_text()
+
+
+@pytest.mark.slow
+def test_decode_figures_drops_a_row_that_fails_and_measures_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row that raises in its first generation (a capture that fails on a GPU, say) is noted
+    with its error and dropped; the section's other rows are measured."""
+    import json
+
+    module = device_script("decode_figures")
+    broken = module.Row("broken row", lambda *_: (lambda: 1 / 0, []))
+    monkeypatch.setattr(module, "plain_row", lambda *args, **kwargs: broken)
+    argv = ["--device", "cpu", "--num-prompts", "1", "--max-new-tokens", "2", "--trees", "16"]
+    module.main([*argv, "--sections", "float32", "--out", str(tmp_path)])
+    assert (
+        "row 'broken row' dropped: ZeroDivisionError"
+        in (tmp_path / "decode_figures.md").read_text()
+    )
+    (rows,) = json.loads((tmp_path / "decode_figures.json").read_text()).values()
+    names = [row["drafter"] for row in rows]
+    assert names[0] == "hf greedy, static cache" and "broken row" not in names
+    assert sum("device step" in name for name in names) == 1

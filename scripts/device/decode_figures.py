@@ -150,6 +150,24 @@ def runner(decoder: Decoder, name: str, temperature: float = 0.0) -> Runner:
     return make
 
 
+def working(rows: list[Row], target: Target, ids: torch.Tensor, figures: Figures) -> list[Row]:
+    """The rows whose first short generation runs (a warm-up, captures included); a row that
+    fails is noted with its error and dropped, so one broken row costs the section nothing
+    else (the first row, the baseline, must run)."""
+    kept = []
+    for index, row in enumerate(rows):
+        try:
+            row.make(target, ids, 8)[0]()
+        except Exception as error:
+            if index == 0:
+                raise
+            figures.note(f"row {row.name!r} dropped: {type(error).__name__}: {error}")
+            traceback.print_exc()
+            continue
+        kept.append(row)
+    return kept
+
+
 class Figures:
     """The tables measured so far, written out after each one."""
 
@@ -323,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
             profile(args, target, encoded[0], figures)
             continue
         try:
-            rows = section_rows(args, section, target)
+            rows = working(section_rows(args, section, target), target, encoded[0], figures)
             measure(rows, target, encoded, args.max_new_tokens)
         except Exception as error:  # report it, go on with the next section
             figures.note(f"\n{section}: failed: {type(error).__name__}: {error}")
