@@ -4,6 +4,15 @@ Keys/values live in fixed buffers ``[1, kv_heads, capacity, head_dim]`` per laye
 holds the token at position ``c``. A forward writes its block at the columns ``columns`` names
 and attends over all ``capacity`` columns through a mask, so no shape follows the sequence and a
 CUDA graph can replay the forward (:mod:`headway.decode.captured`).
+
+Batch 1 for now. The buffers keep HF's leading batch dimension, but a batch of B sequences
+needs more than a larger one: each row commits its own number of tokens a step, so ``columns``
+becomes ``[B, S]`` (``update`` a scatter along the column dimension with per-row indices),
+``length`` a device vector ``[B]``, the masks ``[B, 1, S, capacity]``, and compaction
+(:meth:`StaticCache.move_columns`) a per-row gather. The device step's plan tensors would gain
+the same leading ``B`` (trees ``[B, n]``, acceptance over ``[B, n + 1]``, one host read for
+all rows), and a finished row would keep stepping on padding until the batch refills it (as
+:mod:`headway.generation.batched_generation` does with its ragged cache).
 """
 
 from __future__ import annotations

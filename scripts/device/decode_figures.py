@@ -355,6 +355,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{section} ({dtype}, {greedy}; {time.perf_counter() - begun:.0f} s{peak})",
             rows,
         )
+        if section == "compiled":  # one per block size and draft shape: more means recompiles
+            from torch._dynamo.utils import counters
+
+            figures.note(f"graphs torch.compile made: {counters['stats']['unique_graphs']}")
 
 
 if __name__ == "__main__":
