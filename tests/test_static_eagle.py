@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from headway.decode.captured import COMPILED_CAPACITY
+from headway.decode.gemm import apply_gemm
 from headway.decode.generate import Decoder, generate
 from headway.decode.options import DecodeOptions
+from headway.decode.packed import packing_available
 from headway.drafters import static_eagle
 from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.eagle_drafter import EagleDrafter
@@ -163,12 +165,15 @@ def test_every_dropped_graph_takes_its_memory_pool_with_it() -> None:
 def test_compiled_drafting_decodes_the_eager_trees_without_recompiling() -> None:
     """drafting="compiled" (a step's draft forwards through torch.compile, here inductor on
     the CPU), device steps chained: the eager drafter's tokens and acceptance lengths, and a
-    second prompt compiles nothing new (the draft cache starts large enough). The compiled
-    verify forward: tests/test_captured.py."""
+    second prompt compiles nothing new (the draft cache starts large enough); a GEMM route
+    applied to the draft layers is left to torch.compile (it cannot lower a packed one). The
+    compiled verify forward: tests/test_captured.py."""
     from torch._dynamo.utils import counters
 
     model, truth = target_and_truth("llama")
     eager, static = _pair("trained", model, SHAPES["tree"])
+    if packing_available():  # a packed CPU route on the draft layers: compiled, none is taken
+        apply_gemm(static.model, "packed")
     static.compile_steps()
     decoder = Decoder(model, static, DecodeOptions(verify="captured", chain=4))
     reference = Decoder(model, eager, DecodeOptions(sizing="drafter"))

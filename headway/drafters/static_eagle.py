@@ -47,6 +47,7 @@ from headway.decode.captured import (
     record_graph,
 )
 from headway.decode.device_tree import subtree_on_device
+from headway.decode.gemm import routed_linears
 from headway.decode.static_cache import StaticCache
 from headway.decode.tree import DraftTree, empty_tree, subtree
 from headway.drafters.eagle3_drafter import Eagle3Drafter
@@ -86,6 +87,15 @@ class StaticDrafting(EagleDrafter):
         before decoding."""
         self.compiled = True
         self._setup()
+
+    def _routed(self) -> ExitStack:
+        """:meth:`EagleDrafter._routed`; compiled, the LM head's only: torch.compile makes its
+        own products of the draft model's layers (and cannot lower a packed CPU route's)."""
+        if not self.compiled:
+            return super()._routed()
+        stack = ExitStack()
+        stack.enter_context(routed_linears(self.head.lm_head, pad_single=True))
+        return stack
 
     def _setup(self) -> None:
         on_cuda = self._device.type == "cuda"
