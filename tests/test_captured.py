@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from headway.decode.captured import MIN_CAPACITY, StaticForward, block_bucket
+from headway.decode.captured import COMPILED_CAPACITY, MIN_CAPACITY, StaticForward, block_bucket
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
@@ -102,8 +102,9 @@ def test_greedy_output_equals_transformers(family: str) -> None:
 @pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")
 def test_the_compiled_verify_forward_keeps_the_output() -> None:
     """verify="compiled": the verify forwards through torch.compile (inductor, here on the
-    CPU), trees and the device step included; transformers' greedy output, no recompile when
-    a second prompt decodes."""
+    CPU), trees and the device step included; transformers' greedy output, and no recompile
+    when a second, longer prompt decodes (static shapes over a cache that starts at
+    COMPILED_CAPACITY columns, positions given: nothing specialises on the length)."""
     from torch._dynamo.utils import counters
 
     model = tiny_model("llama")
@@ -112,8 +113,12 @@ def test_the_compiled_verify_forward_keeps_the_output() -> None:
         decoder = Decoder(model, drafter, DecodeOptions(verify="compiled"))
         assert decoder.generate(PROMPT, max_new_tokens=24, eos_token_ids=()).tokens == truth
     graphs = counters["stats"]["unique_graphs"]
-    assert decoder.generate(PROMPT, max_new_tokens=24, eos_token_ids=()).tokens == truth
+    longer = torch.arange(3, 90) % TINY_VOCAB
+    result = decoder.generate(longer, max_new_tokens=30, eos_token_ids=())
+    assert result.tokens == hf_greedy(model, longer, 30, eos=None)
     assert counters["stats"]["unique_graphs"] == graphs
+    assert isinstance(decoder.target, StaticForward)
+    assert decoder.target.cache.capacity == COMPILED_CAPACITY
 
 
 def test_the_cache_grows_past_its_first_capacity_and_stays_exact() -> None:
