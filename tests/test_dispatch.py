@@ -3,15 +3,18 @@ left patched afterwards."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from headway.decode.forwards import EagerForward
+from headway.decode.gemm import apply_gemm, routed_linears
 from headway.decode.generate import Decoder, generate
 from headway.decode.options import DecodeOptions
+from headway.decode.packed import held_packed, packing_available
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.oracle import OracleDrafter
 from headway.eval.dispatch import DispatchCounter
-from headway.eval.dispatch_decoding import count_decoding, dispatch_table
+from headway.eval.dispatch_decoding import count_decoding, dispatch_table, seeds_of
 from tests.tiny import tiny_model
 
 PROMPT = torch.tensor([1, 7, 23, 45, 12, 9, 60, 7, 23, 45, 12])
@@ -129,3 +132,40 @@ def test_graph_faults_are_what_a_capture_would_break_on() -> None:
         "host op: aten.add.Tensor": 1,
         "random: aten.rand.default": 1,
     }
+
+
+def test_a_host_tensor_copied_to_the_device_is_resident_there() -> None:
+    """``.to(device, copy=True)`` of a host tensor (made once, outside what a GPU captures) is a
+    device tensor, as on a GPU: fed to a device op inside a replayed region it is no fault and
+    reading it is a sync; the host original stays a host tensor (a CPU's ``.to`` without a copy
+    returns it as it is and marks nothing)."""
+    weight = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    host = torch.arange(3)
+    with DispatchCounter([weight]) as counter, torch.inference_mode():
+        index = host.to(weight.device, copy=True)
+        same = host.to(weight.device)  # no copy on a CPU: still the host tensor
+        with counter.region("captured"):
+            weight[index] * 2
+            assert not counter.counts.graph_faults
+        syncs = counter.counts.syncs
+        index.tolist()
+        assert counter.counts.syncs == syncs + 1
+        same.tolist()
+        host.tolist()
+        assert counter.counts.syncs == syncs + 1
+
+
+@pytest.mark.skipif(not packing_available(), reason="this CPU does not pack weights")
+def test_a_packed_routes_weights_are_seeded_with_their_layers() -> None:
+    """A layer packed for the CPU's oneDNN route before counting: its packed weight is a seed
+    (a device tensor, as the weight it stands for), so a routed product is no host input."""
+    layer = torch.nn.Linear(16, 16).eval()
+    apply_gemm(layer, "packed")  # packs now
+    tensors, _ = seeds_of(layer, 0)
+    assert held_packed(layer) and all(
+        any(seed is packed for seed in tensors) for packed in held_packed(layer)
+    )
+    counter = DispatchCounter(tensors)
+    with counter, torch.inference_mode(), counter.region("captured"), routed_linears(layer):
+        layer(layer.weight[:2] * 1)
+    assert not counter.counts.graph_faults

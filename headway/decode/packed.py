@@ -26,6 +26,7 @@ from headway.hardware import onednn_supports
 __all__ = [
     "MAX_PACKED_ROWS",
     "forget_packed",
+    "held_packed",
     "packed_linear",
     "packed_product",
     "packed_weight",
@@ -66,6 +67,13 @@ def packed_weight(module: nn.Linear) -> Tensor:
             held = (key, reorder_weight(weight.detach(), ROWS_HINT))
         _PACKED[module] = held
     return held[1]
+
+
+def held_packed(model: nn.Module) -> list[Tensor]:
+    """The reordered weights held for ``model``'s layers now (device-resident, as the weights
+    they stand for: the CPU proxy of :mod:`headway.eval.dispatch` seeds them)."""
+    held = (_PACKED.get(module) for module in model.modules() if isinstance(module, nn.Linear))
+    return [entry[1] for entry in held if entry is not None]
 
 
 def forget_packed(model: nn.Module) -> None:

@@ -171,6 +171,8 @@ class _Factories(TorchFunctionMode):
             self.counter.placing -= placed
         if isinstance(result, torch.device) and args and self.counter.resident(args[0]):
             self.counter.devices[id(result)] = result  # `tensor.device` of a device tensor
+        if to_device and isinstance(result, Tensor) and result is not args[0]:
+            self.counter._mark(result, True)  # a copy on the device (a CPU's `to` may copy)
         return result
 
     def _host_to_device(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:

@@ -20,6 +20,7 @@ from headway.decode.captured import StaticForward
 from headway.decode.device_chain import ChainDrafter, DeviceChain
 from headway.decode.device_step import DeviceVerify
 from headway.decode.generate import Decoder
+from headway.decode.packed import held_packed
 from headway.decode.sampling import GREEDY, SamplingParams
 from headway.drafters.static_eagle import StaticDrafting
 from headway.eval.dispatch import DispatchCounter, DispatchCounts
@@ -39,9 +40,9 @@ CAPTURED_BODIES: tuple[tuple[type, str], ...] = (
 def seeds_of(
     root: object, depth: int = 3, *, every_tensor: bool = False
 ) -> tuple[list[Tensor], list[torch.device]]:
-    """Parameters and buffers of every ``nn.Module``, and every ``torch.device``, reachable from
-    ``root`` through instance attributes, lists, tuples and dicts, ``depth`` levels deep (a
-    drafter, its wrappers, its heads, the device it placed its buffers on). With
+    """Parameters, buffers and packed weights of every ``nn.Module``, and every ``torch.device``,
+    reachable from ``root`` through instance attributes, lists, tuples and dicts, ``depth`` levels
+    deep (a drafter, its wrappers, its heads, the device it placed its buffers on). With
     ``every_tensor``, every tensor found too but those held as ``host`` (the pinned staging
     buffers): the static caches and input buffers a decoder built before counting began."""
     tensors: list[Tensor] = []
@@ -57,6 +58,7 @@ def seeds_of(
         elif isinstance(value, nn.Module):
             tensors.extend(value.parameters())
             tensors.extend(value.buffers())
+            tensors.extend(held_packed(value))  # a packed CPU route's copies of the weights
         elif isinstance(value, Tensor):
             if every_tensor:
                 tensors.append(value)
