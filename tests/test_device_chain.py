@@ -4,6 +4,8 @@ step at a time decodes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -69,15 +71,39 @@ def test_a_stop_inside_a_run_drops_the_rest_and_cuts_the_cache_back() -> None:
     assert many.generate(PROMPT, max_new_tokens=30, eos_token_ids=()).tokens == truth
 
 
-def test_sampling_takes_one_step_a_run() -> None:
-    """Sampled steps draw their uniforms on the host side before each step: no chain."""
+@pytest.mark.parametrize("kind", ["plain", "eagle3", "medusa"])
+def test_sampled_runs_draw_what_single_steps_draw(kind: str) -> None:
+    """Sampled device steps chain too: a run draws every step's uniforms before it, in the
+    order single steps draw theirs, so with a host generator seeded alike the tokens and
+    acceptance lengths are one step at a time's (whose distribution is the target's:
+    tests/test_device_step.py); different seeds give different answers."""
     model, _ = target_and_truth("llama")
-    _, static = _pair("random", model, SHAPES["tree"])
-    decoder = Decoder(model, static, DecodeOptions(verify="captured", chain=4))
-    step = decoder._device_step(SamplingParams(temperature=1.0))
-    assert step is not None and step.chain is None
-    greedy = decoder._device_step(SamplingParams())
-    assert greedy is not None and isinstance(greedy.chain, DeviceChain)
+
+    def drafter() -> Any:
+        if kind == "eagle3":
+            return _pair("random", model, SHAPES["tree"])[1]
+        return random_medusa(model) if kind == "medusa" else None
+
+    sampling = SamplingParams(temperature=1.0)
+    one = Decoder(model, drafter(), DecodeOptions(verify="captured", chain=1))
+    many = Decoder(model, drafter(), DecodeOptions(verify="captured", chain=4))
+    answers = set()
+    for seed in range(3):
+        mine, theirs = (
+            run.generate(
+                PROMPT,
+                max_new_tokens=30,
+                eos_token_ids=(),
+                sampling=sampling,
+                generator=torch.Generator().manual_seed(seed),
+            )
+            for run in (many, one)
+        )
+        assert mine.tokens == theirs.tokens and mine.accept_lengths == theirs.accept_lengths
+        answers.add(tuple(mine.tokens))
+    assert len(answers) > 1
+    step = many._device_step(sampling)
+    assert step is not None and isinstance(step.chain, DeviceChain) and one._chain is None
 
 
 def test_a_run_can_run_again_to_the_same_end(monkeypatch: pytest.MonkeyPatch) -> None:

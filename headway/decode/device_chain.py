@@ -5,7 +5,8 @@ tokens were accepted, and the host then commits them and starts the next step: t
 while the host catches up. On an H100 (bf16, the shipped EAGLE-3 drafter, 16-token tree) a step
 took 7.9 ms against ~5.7 ms of drafting and verifying graphs. Nothing in a greedy step needs
 the host, though: the committed count, the next root (the last committed token) and the prefix
-length can stay on the device, where the next step reads them. :class:`DeviceChain` runs
+length can stay on the device, where the next step reads them (a sampled step's uniforms, too,
+drawn for every step of the run before it). :class:`DeviceChain` runs
 ``steps`` such steps back to back, each one
 
 1. drafting from the pairs the last one left in the drafter's buffers (``chain_propose``),
@@ -16,10 +17,11 @@ length can stay on the device, where the next step reads them. :class:`DeviceCha
 and keeps each step's count and committed tokens; the host reads them all once, after the run,
 and commits them step by step (an EOS or the token limit inside the run drops the rest). On CUDA
 the run is one graph, captured on first use and again when a buffer it holds is replaced (a
-cache grown). Greedy only (sampling draws its uniforms per step on the host side: it takes one
-step a run); drafters with the ``chain_*`` methods (the static EAGLE drafters, Medusa heads,
-and plain decoding's empty drafter, whose steps are a token each). The tokens and acceptance
-lengths are the single steps' (``tests/test_device_chain.py``, ``tests/test_device_step.py``).
+cache grown). Greedy or lossless sampling; drafters with the ``chain_*`` methods (the static
+EAGLE drafters, Medusa heads, and plain decoding's empty drafter, whose steps are a token
+each). The tokens and acceptance lengths are the single steps' (greedy; sampled, the same too
+with a host generator, whose uniforms a run draws in the order single steps draw them:
+``tests/test_device_chain.py``, ``tests/test_device_step.py``).
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from headway.decode.captured import block_bucket, run_graph
-from headway.decode.device_step import DeviceStep, DeviceVerify
-from headway.decode.sampling import GREEDY
+from headway.decode.device_step import DeviceStep, DeviceVerify, draw_uniforms
+from headway.decode.sampling import GREEDY, SamplingParams
 from headway.decode.session import Session, commit
 
 __all__ = ["ChainDrafter", "DeviceChain", "EmptyChain", "chained_step"]
@@ -108,23 +111,32 @@ class DeviceChain:
         self._held: tuple[object, ...] = ()  # the buffers the graph was captured over
         self._results: Tensor | None = None  # [steps, 1 + rows]: count, committed tokens
         self._work: Tensor | None = None  # [2]: the running root and prefix length
+        self._noise: Tensor | None = None  # sampled runs: [steps, n + V], drawn before each
 
     def columns(self) -> int:
         """Target columns a run can add at most (each step commits up to depth + 1 tokens)."""
         return self.steps * (self.drafter.depth + 1)
 
-    def run(self, root: int, prefix_len: int, hidden_layers: tuple[int, ...]) -> list[list[int]]:
+    def run(
+        self,
+        root: int,
+        prefix_len: int,
+        hidden_layers: tuple[int, ...],
+        sampling: SamplingParams = GREEDY,
+        generator: torch.Generator | None = None,
+    ) -> list[list[int]]:
         """Run the chained steps after ``root`` (the last committed token, not yet in the
         cache) over the cache's ``prefix_len`` tokens; returns each step's committed tokens
         (host). The cache then holds them all, less the last step's last token (the next
-        root); cut it back where fewer are kept."""
+        root); cut it back where fewer are kept. Sampled, every step's uniforms are drawn
+        from ``generator`` before the run, in step order (as one step at a time draws them)."""
         verify, target, drafter = self.verify, self.verify.target, self.drafter
         target.check_prefix(prefix_len)
         drafter.chain_reserve(self.steps)
         nodes = drafter.chain_nodes()
         # the last step's block is padded to its bucket (DeviceVerify._body writes all of it)
         target.reserve(prefix_len + self.columns() + block_bucket(nodes + 1))
-        plan = verify._plan(nodes, hidden_layers, GREEDY)
+        plan = verify._plan(nodes, hidden_layers, sampling)
         drafter.chain_stage()  # what the body starts from, however often it runs
         held = (target.cache, plan, *drafter.chain_buffers())
         same = len(held) == len(self._held) and all(
@@ -134,10 +146,16 @@ class DeviceChain:
             self._graph = None  # a buffer it reads or writes was replaced: capture again
             self._results = plan.staged.new_zeros(self.steps, plan.rows + 1)
             self._work = plan.staged.new_zeros(2)
+            self._noise = None
             self._held = held
+        if not sampling.greedy:
+            if self._noise is None:
+                size = (self.steps, verify.noise_size(plan))
+                self._noise = plan.staged.new_zeros(size, dtype=torch.float32)
+            draw_uniforms(self._noise, generator)
         plan.host[0], plan.host[1] = root, prefix_len
         plan.staged.copy_(plan.host, non_blocking=True)
-        body = lambda: self._body(plan, hidden_layers)  # noqa: E731
+        body = lambda: self._body(plan, hidden_layers, sampling)  # noqa: E731
         with drafter.chain_context():
             self._graph = run_graph(self._graph, body, target.model.device, target.capture)
         rows: list[list[int]] = self._results.cpu().tolist()  # the run's one read of the device
@@ -147,10 +165,11 @@ class DeviceChain:
         drafter.chain_done(committed)
         return steps
 
-    def _body(self, plan: Any, hidden_layers: tuple[int, ...]) -> None:
+    def _body(self, plan: Any, hidden_layers: tuple[int, ...], sampling: SamplingParams) -> None:
         """Device work only: the chained steps, each reading the root and prefix the last one
-        left in ``_work`` (a copy of the staged ones) and the drafter's inputs the last one
-        left (from its staged state): a second run of the body does the same."""
+        left in ``_work`` (a copy of the staged ones), the drafter's inputs the last one left
+        (from its staged state) and, sampled, its own row of the uniforms drawn before the
+        run: a second run of the body does the same."""
         assert self._work is not None and self._results is not None
         work = self._work
         work.copy_(plan.staged)
@@ -160,7 +179,8 @@ class DeviceChain:
             if plan.nodes:  # plain decoding's empty tree has nothing to copy
                 plan.tokens.copy_(tokens)
                 plan.parents.copy_(parents)
-            self.verify._body(plan, hidden_layers, GREEDY, staged=work)
+            noise = None if self._noise is None else self._noise[index]
+            self.verify._body(plan, hidden_layers, sampling, staged=work, noise=noise)
             out = plan.out
             assert out is not None
             self._results[index].copy_(out)
@@ -182,7 +202,11 @@ def chained_step(session: Session, step: DeviceStep) -> bool:
     if chain is None or left < chain.steps or room <= chain.columns():
         return False
     root = int(session.sequence[session.length - 1])
-    for tokens in chain.run(root, session.length - 1, session.drafter.hidden_layers):
+    hidden_layers = session.drafter.hidden_layers
+    runs = chain.run(
+        root, session.length - 1, hidden_layers, session.sampling, session.generator
+    )
+    for tokens in runs:
         commit(session, tokens)
         if session.stop_reason is not None:
             break

@@ -38,7 +38,7 @@ from headway.decode.device_tree import accept_greedy, accept_sampled, tree_layou
 from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits
 from headway.decode.static_cache import StaticCache
 
-__all__ = ["DeviceDrafter", "DeviceStep", "DeviceVerify"]
+__all__ = ["DeviceDrafter", "DeviceStep", "DeviceVerify", "draw_uniforms"]
 
 
 @runtime_checkable
@@ -114,13 +114,8 @@ class DeviceVerify:
         plan.parents.copy_(parents)
         if not sampling.greedy:
             if plan.noise is None:
-                vocab = self.target.model.get_output_embeddings().weight.shape[0]
-                plan.noise = plan.tokens.new_zeros(plan.nodes + vocab, dtype=torch.float32)
-            if generator is None or generator.device == plan.noise.device:
-                plan.noise.uniform_(generator=generator)
-            else:  # a generator elsewhere (e.g. on the host): draw there, copy over
-                drawn = torch.rand(plan.noise.shape, generator=generator, device=generator.device)
-                plan.noise.copy_(drawn)
+                plan.noise = plan.tokens.new_zeros(self.noise_size(plan), dtype=torch.float32)
+            draw_uniforms(plan.noise, generator)
         body = lambda: self._body(plan, hidden_layers, sampling)  # noqa: E731
         plan.graph = run_graph(plan.graph, body, target.model.device, target.capture)
         assert plan.out is not None
@@ -128,6 +123,11 @@ class DeviceVerify:
         count = int(host[0])
         target.cache.length = prefix_len + count
         return host[1 : 1 + count].tolist(), plan.out[1:], plan.hidden
+
+    def noise_size(self, plan: _Plan) -> int:
+        """Uniforms a sampled step of ``plan`` takes: one per node, then the bonus token's
+        Gumbel noise over the vocabulary."""
+        return plan.nodes + int(self.target.model.get_output_embeddings().weight.shape[0])
 
     def _plan(self, nodes: int, hidden_layers: tuple[int, ...], sampling: SamplingParams) -> _Plan:
         key = (nodes, hidden_layers, sampling)
@@ -156,10 +156,12 @@ class DeviceVerify:
         hidden_layers: tuple[int, ...],
         sampling: SamplingParams,
         staged: Tensor | None = None,
+        noise: Tensor | None = None,
     ) -> None:
         """Device work only, of fixed shapes (what a CUDA graph holds): steps 1-3 of the
         module docstring, the root and prefix length read from ``staged`` (default
-        ``plan.staged``); leaves the results in ``plan.out`` and ``plan.hidden``."""
+        ``plan.staged``), a sampled step's uniforms from ``noise`` (default ``plan.noise``);
+        leaves the results in ``plan.out`` and ``plan.hidden``."""
         target, nodes = self.target, plan.nodes
         size = block_bucket(nodes + 1)
         staged = plan.staged if staged is None else staged
@@ -181,15 +183,26 @@ class DeviceVerify:
                 ids, plan.parents, depths, ancestors, argmax, plan.rows
             )
         else:
-            assert plan.noise is not None
+            noise = plan.noise if noise is None else noise
+            assert noise is not None
             probs = probs_from_logits(logits, sampling)
             count, path, tokens = accept_sampled(
-                ids, plan.parents, probs, plan.noise, plan.rows, self.max_depth
+                ids, plan.parents, probs, noise, plan.rows, self.max_depth
             )
         if nodes:  # the accepted path's columns behind the prefix
             target.cache.move_columns(prefix + path, prefix + target.keys[: plan.rows])
         plan.hidden = tuple(layer.index_select(0, path) for layer in hidden)
         plan.out = torch.cat([count.reshape(1), tokens])
+
+
+def draw_uniforms(buffer: Tensor, generator: torch.Generator | None) -> None:
+    """Fill ``buffer`` with uniforms in ``[0, 1)`` from ``generator`` (outside any graph: the
+    graphs hold no random op); a generator on another device (e.g. the host's) draws there and
+    the values are copied over."""
+    if generator is None or generator.device == buffer.device:
+        buffer.uniform_(generator=generator)
+    else:
+        buffer.copy_(torch.rand(buffer.shape, generator=generator, device=generator.device))
 
 
 @dataclass

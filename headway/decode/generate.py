@@ -234,7 +234,7 @@ class Decoder:
         if self._verifier is None:
             self._verifier = DeviceVerify(target, drafter.depth)
         own = hasattr(type(drafter), "chain_propose")  # not a wrapper (timing, recording)
-        if own and isinstance(drafter, ChainDrafter) and sampling.greedy and self.options.chain > 1:
+        if own and isinstance(drafter, ChainDrafter) and self.options.chain > 1:
             if self._chain is None or self._chain.drafter is not drafter:
                 self._chain = DeviceChain(self._verifier, drafter, self.options.chain)
             return DeviceStep(self._verifier, drafter, self._chain)

@@ -46,11 +46,12 @@ class DecodeOptions:
         compaction run on the device and a step reads it once
         (:mod:`headway.decode.device_step`). Greedy: the same tokens either way (False is the
         reference); sampled: the same distribution, other random numbers.
-    chain: greedy device steps per run (:mod:`headway.decode.device_chain`; without a drafter a
+    chain: device steps per run (:mod:`headway.decode.device_chain`; without a drafter a
         step is a token): each step's committed count, next root and prefix length stay on the
-        device for the next, so a GPU replays one graph and the host reads it once per
-        ``chain`` steps instead of once a step (the last few steps of a generation one at a
-        time; 1: always one). Same tokens either way.
+        device for the next (sampled, each step's uniforms are drawn before the run), so a GPU
+        replays one graph and the host reads it once per ``chain`` steps instead of once a step
+        (the last few steps of a generation one at a time; 1: always one). Same tokens either
+        way (sampled: with a generator on the host; on a GPU the same distribution).
     """
 
     sizing: Sizing = field(default="drafter")
