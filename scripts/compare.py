@@ -22,7 +22,7 @@ Configurations (batch 1, greedy, interleaved prompt by prompt after a warm-up of
 Prints a Markdown table (tau, tokens/s, speedup vs HF greedy as a ratio measured in this run,
 whether each output equals HF greedy, and each headway drafter's own cost per step -- the seconds
 its propose and observe calls take -- as a fraction of one target forward, taken as HF greedy's
-seconds per token; ``n/a`` for a row whose greedy device steps ran chained, several steps in
+seconds per token; ``n/a`` for a row whose device steps ran chained, several steps in
 one graph, as ``headway generate`` runs them on the captured path, where drafting cannot be
 timed apart: :mod:`headway.eval.timed_drafter`) under a line naming the machine, dtype and
 prompt set.

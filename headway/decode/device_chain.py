@@ -103,7 +103,7 @@ class EmptyChain:
 
 
 class DeviceChain:
-    """``steps`` greedy device steps of ``drafter`` over ``verify`` per run (module docstring)."""
+    """``steps`` device steps of ``drafter`` over ``verify`` per run (module docstring)."""
 
     def __init__(self, verify: DeviceVerify, drafter: ChainDrafter, steps: int) -> None:
         self.verify, self.drafter, self.steps = verify, drafter, steps

@@ -18,12 +18,12 @@ captures again and again is slow for it). Sections, each printed and written to
 2. float32, greedy: HF greedy with a static cache (the reference every row must equal; HF's
    eager greedy equalled it 8/8 on 2026-11-27 and costs half a minute), the default tree and
    the largest tree;
-3. bfloat16, ``--verify compiled`` (``torch.compile`` first: a minute or more per block size;
+3. bfloat16, temperature 1.0: plain captured sampling against the sampled device step (both
+   8 steps a run since sampled steps chain too);
+4. bfloat16, ``--verify compiled`` (``torch.compile`` first: a minute or more per block size;
    the drafter's step forwards compiled too, as ``headway generate`` runs them);
-4. profile: one answer of plain captured decoding and of the device step (bf16) under
-   ``torch.profiler``: wall and GPU-busy time a step, the operator tables as files;
-5. bfloat16, temperature 1.0: plain captured sampling against the sampled device step (one
-   step a run: chaining changes nothing there; measured 2026-11-27).
+5. profile: one answer of plain captured decoding and of the device step (bf16) under
+   ``torch.profiler``: wall and GPU-busy time a step, the operator tables as files.
 
 On the machine (``scripts/device/README.md``; the prompts as a JSONL written here, since the
 MT-bench package does not travel):
@@ -88,9 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--sections",
-        default="bfloat16,float32,compiled,profile,sampled",
-        help="what to measure, in order: bfloat16, float32, compiled, profile (one answer of "
-        "plain captured decoding and of the device step under torch.profiler), sampled",
+        default="bfloat16,float32,sampled,compiled,profile",
+        help="what to measure, in order: bfloat16, float32, sampled, compiled, profile (one "
+        "answer of plain captured decoding and of the device step under torch.profiler)",
     )
     parser.add_argument(
         "--budget-s",
