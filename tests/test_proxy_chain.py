@@ -22,7 +22,7 @@ def test_chained_runs_read_the_host_less_and_fault_nowhere(
     out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if "step(s) a run" in line]
     faults = [row[-1] for row in rows if len(row) == 7]
-    assert len(faults) == 4 and all(fault == "none |" for fault in faults)  # plain and EAGLE, each twice
+    assert len(faults) == 4 and all(fault == "none |" for fault in faults)  # 2 rows, 2 chains
     reads = {row[0][2:]: int(row[3]) for row in rows if len(row) == 5}
     assert reads["no drafter, 3 step(s) a run"] < reads["no drafter, 1 step(s) a run"]
     eagle = sorted(name for name in reads if name.startswith("EAGLE"))
