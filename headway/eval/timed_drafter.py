@@ -2,7 +2,7 @@
 
 :class:`TimedDrafter` adds up the seconds of the inner drafter's host and device step calls
 (on CUDA each ends in a synchronise, so the seconds are the GPU's too) and counts its
-proposals. A drafter whose greedy steps can run chained (:mod:`headway.decode.device_chain`:
+proposals. A drafter whose device steps can run chained (:mod:`headway.decode.device_chain`:
 several steps in one graph) is wrapped as :class:`TimedChainDrafter`, so the decoder still
 chains it as ``headway generate`` would: a chained run's drafting happens inside the run and
 cannot be timed on its own, so those runs are counted (``chained_runs``) and not timed, and a
