@@ -37,7 +37,7 @@ from headway.decode.device_step import DeviceStep, DeviceVerify, draw_uniforms
 from headway.decode.sampling import GREEDY, SamplingParams
 from headway.decode.session import Session, commit
 
-__all__ = ["ChainDrafter", "DeviceChain", "EmptyChain", "chained_step"]
+__all__ = ["ChainDrafter", "DeviceChain", "EmptyChain", "chained_step", "kept_copy"]
 
 
 @runtime_checkable
@@ -63,6 +63,20 @@ class ChainDrafter(Protocol):
     def chain_observe(self, tokens: Tensor, hidden: tuple[Tensor, ...], count: Tensor) -> None: ...
 
     def chain_done(self, committed: int) -> None: ...
+
+
+def kept_copy(start: tuple[Tensor, ...], live: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """``start`` refilled with copies of ``live`` (new buffers where a shape, dtype or device
+    changed): the state a chained run starts from, kept outside its graph by a drafter's
+    ``chain_stage`` so that the body can run again to the same end."""
+    if len(start) != len(live) or any(
+        a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+        for a, b in zip(start, live, strict=True)
+    ):
+        start = tuple(torch.empty_like(buffer) for buffer in live)
+    for kept, buffer in zip(start, live, strict=True):
+        kept.copy_(buffer)
+    return start
 
 
 class EmptyChain:
@@ -192,8 +206,8 @@ class DeviceChain:
 
 def chained_step(session: Session, step: DeviceStep) -> bool:
     """Take one chained run where one applies (the loop's side, beside
-    :func:`~headway.decode.generate.device_step`): ``step``'s chain (greedy; a drafter's steps,
-    or plain decoding's tokens) where the generation and the context have room for the run;
+    :func:`~headway.decode.generate.device_step`): ``step``'s chain (a drafter's steps, or
+    plain decoding's tokens) where the generation and the context have room for the run;
     commit what it made step by step (a stop drops the rest, and the cache is cut back to the
     kept tokens). False, with nothing done, where none applies."""
     chain: DeviceChain | None = step.chain

@@ -16,8 +16,8 @@ setting on CUDA):
    path gathered for the drafter,
 
 then reads back the committed tokens, the one host read of the step
-(:func:`~headway.decode.generate.device_step` is the loop's side; greedy steps run several to
-a read, :mod:`headway.decode.device_chain`). Where it applies:
+(:func:`~headway.decode.generate.device_step` is the loop's side; steps run several to a
+read, :mod:`headway.decode.device_chain`). Where it applies:
 ``verify="captured"`` or ``"compiled"`` on a target without a sliding window, lossless
 acceptance, trees sized by the drafter (``sizing="drafter"``) and
 ``DecodeOptions.device_trees``; a step too near the context limit takes the host step. Output:
@@ -208,7 +208,7 @@ def draw_uniforms(buffer: Tensor, generator: torch.Generator | None) -> None:
 @dataclass
 class DeviceStep:
     """What a session needs to take device steps: the verifier and the drafter, and where its
-    greedy steps may run several to a run, the chain (:mod:`headway.decode.device_chain`)."""
+    steps may run several to a run, the chain (:mod:`headway.decode.device_chain`)."""
 
     verify: DeviceVerify
     drafter: DeviceDrafter

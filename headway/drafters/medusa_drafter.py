@@ -38,6 +38,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import Tensor
 
+from headway.decode.device_chain import kept_copy
 from headway.decode.gemm import gemm_route, routed_linears
 from headway.decode.tree import DraftTree, StaticTree, empty_tree, static_tree
 from headway.heads.medusa import MedusaConfig, MedusaHeads
@@ -231,13 +232,7 @@ class MedusaDrafter:
         if self._last_hidden is None:
             raise RuntimeError("a chained run of Medusa heads before any observation")
         last = self._last_hidden
-        if (
-            not self._chain
-            or self._chain[0].shape != last.shape
-            or (self._chain[0].dtype != last.dtype or self._chain[0].device != last.device)
-        ):
-            self._chain = (torch.empty_like(last), torch.empty_like(last))
-        self._chain[1].copy_(last)
+        self._chain = kept_copy(self._chain, (last, last))  # the live one is set by chain_begin
         self._device_index(last.device)  # made here, not in the run's graph
 
     def chain_begin(self) -> None:

@@ -46,6 +46,7 @@ from headway.decode.captured import (
     compiled,
     record_graph,
 )
+from headway.decode.device_chain import kept_copy
 from headway.decode.device_tree import subtree_on_device
 from headway.decode.gemm import routed_linears
 from headway.decode.static_cache import StaticCache
@@ -200,19 +201,17 @@ class StaticDrafting(EagleDrafter):
         """Before a run (outside its graph): keep the state it starts from, which
         :meth:`chain_begin` restores, so the body can run again (a capture's warm-up) to the
         same end."""
-        live = (self._n, self._before, self._in_tokens, *self._in_hidden)
-        if len(self._start) != len(live) or any(
-            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(self._start, live, strict=True)
-        ):
-            self._start = tuple(buffer.clone() for buffer in live)
-        for start, buffer in zip(self._start, live, strict=True):
-            start.copy_(buffer)
+        self._start = kept_copy(self._start, self._live_state())
 
     def chain_begin(self) -> None:
         """The first work of a run's body: the state :meth:`chain_stage` kept."""
-        live = (self._n, self._before, self._in_tokens, *self._in_hidden)
-        for buffer, start in zip(live, self._start, strict=True):
+        for buffer, start in zip(self._live_state(), self._start, strict=True):
             buffer.copy_(start)
+
+    def _live_state(self) -> tuple[Tensor, ...]:
+        """What a step reads and the next step's observation rewrites: the pair counts and the
+        buffered pairs."""
+        return (self._n, self._before, self._in_tokens, *self._in_hidden)
 
     def chain_context(self) -> ExitStack:
         """What a chained run runs inside: the draft layers' GEMM routing, as :meth:`_draft`."""

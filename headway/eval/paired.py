@@ -18,7 +18,7 @@ from headway.eval.baselines import Runner
 from headway.eval.timed_drafter import TimedDrafter
 from headway.target import Target
 
-__all__ = ["Row", "measure", "table"]
+__all__ = ["Row", "measure", "table", "warm_up"]
 
 
 @dataclass
@@ -35,13 +35,23 @@ class Row:
     decoder: Decoder | None = None
 
 
-def measure(rows: list[Row], target: Target, encoded: list[torch.Tensor], new: int) -> None:
-    """Warm up every configuration, then run them all on each prompt in turn (order rotating)."""
+def warm_up(row: Row, target: Target, ids: torch.Tensor) -> None:
+    """One short generation of ``row`` (compiles, captures and timings happen here), its
+    drafting time not counted."""
+    row.make(target, ids, 8)[0]()
+    if row.drafter is not None:
+        row.drafter.reset()
+
+
+def measure(
+    rows: list[Row], target: Target, encoded: list[torch.Tensor], new: int, warmed: bool = False
+) -> None:
+    """Warm up every configuration (unless ``warmed``: the caller did, with :func:`warm_up`),
+    then run them all on each prompt in turn (order rotating)."""
     device = target.model.device
-    for row in rows:
-        row.make(target, encoded[0], 8)[0]()
-        if row.drafter is not None:
-            row.drafter.reset()  # the warm-up is not counted
+    if not warmed:
+        for row in rows:
+            warm_up(row, target, encoded[0])
     for index, ids in enumerate(tqdm(encoded, desc="compare", unit="prompt")):
         shift = index % len(rows)
         for row in rows[shift:] + rows[:shift]:

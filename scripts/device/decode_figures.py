@@ -58,7 +58,7 @@ from headway.drafters.resolve import STATIC_TREE
 from headway.drafters.specs import EagleSpec
 from headway.eval.baselines import Runner, hf_runner
 from headway.eval.cost_tables import CostTables
-from headway.eval.paired import Row, measure, table
+from headway.eval.paired import Row, measure, table, warm_up
 from headway.eval.speed import EvalSettings, drafter_runner
 from headway.evalsets import load_prompts
 from headway.target import Target, load_target
@@ -151,13 +151,13 @@ def runner(decoder: Decoder, name: str, temperature: float = 0.0) -> Runner:
 
 
 def working(rows: list[Row], target: Target, ids: torch.Tensor, figures: Figures) -> list[Row]:
-    """The rows whose first short generation runs (a warm-up, captures included); a row that
-    fails is noted with its error and dropped, so one broken row costs the section nothing
-    else (the first row, the baseline, must run)."""
+    """The rows whose warm-up (:func:`~headway.eval.paired.warm_up`, captures included) runs;
+    a row that fails is noted with its error and dropped, so one broken row costs the section
+    nothing else (the first row, the baseline, must run)."""
     kept = []
     for index, row in enumerate(rows):
         try:
-            row.make(target, ids, 8)[0]()
+            warm_up(row, target, ids)
         except Exception as error:
             if index == 0:
                 raise
@@ -215,7 +215,7 @@ def eagle_row(
 ) -> Row:
     """The drafter with tree ``shape`` as ``headway generate`` runs it on a GPU: static drafting,
     sized by the drafter, so each step runs on the device (``DecodeOptions.device_trees``),
-    greedy steps ``chain`` to a run (``headway/decode/device_chain.py``)."""
+    ``chain`` steps to a run (``headway/decode/device_chain.py``)."""
     top_k, depth, total = shape
     drafting: Literal["compiled", "static"] = "compiled" if verify == "compiled" else "static"
     spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total, drafting=drafting)
@@ -230,7 +230,7 @@ def eagle_row(
 def plain_row(
     target: Target, verify: str = "captured", temperature: float = 0.0, chain: int = 8
 ) -> Row:
-    """headway without a drafter; greedy, ``chain`` tokens a run (``DecodeOptions.chain``)."""
+    """headway without a drafter, ``chain`` tokens a run (``DecodeOptions.chain``)."""
     options = DecodeOptions(verify=verify, chain=chain)  # type: ignore[arg-type]
     decoder = Decoder(target.model, None, options)
     name = PLAIN if verify == "captured" else f"headway, no drafter, {verify}"
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         try:
             rows = working(section_rows(args, section, target), target, encoded[0], figures)
-            measure(rows, target, encoded, args.max_new_tokens)
+            measure(rows, target, encoded, args.max_new_tokens, warmed=True)
         except Exception as error:  # report it, go on with the next section
             figures.note(f"\n{section}: failed: {type(error).__name__}: {error}")
             traceback.print_exc()
