@@ -114,10 +114,11 @@ def add_gemm_flag(parser: argparse.ArgumentParser, *, note: str = "") -> None:
         choices=typing.get_args(GemmChoice),
         help="how decoding forwards multiply the linear layers on a CPU, decided once per model "
         "when it is loaded (the drafter's layers take the target's choice): auto (default) "
-        "times the model's linear layers on 1 and 8 rows (once per model) and takes, for fp32 "
-        "or bf16 on CPU, packed (oneDNN on weights reordered once; one more copy of the weights "
-        "in memory; only where this CPU runs oneDNN for the dtype) or else transposed "
-        "((W x^T)^T for blocks of 2-8 tokens, fp32) where clearly faster than stock, else stock; "
+        "times the model's linear layers on 1, 2, 4 and 8 rows (once per model) and takes, for "
+        "fp32 or bf16 on CPU, the faster of packed (oneDNN on weights reordered once; one more "
+        "copy of the weights in memory; only where this CPU runs oneDNN for the dtype) and "
+        "transposed ((W x^T)^T for blocks of 2-8 tokens, fp32) where clearly faster than stock, "
+        "else stock; "
         "stock, transposed and packed force that route; `headway env` shows what auto picks "
         "here" + note,
     )
