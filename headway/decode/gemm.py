@@ -286,11 +286,11 @@ def fastest_route(
     packing: bool = True,
 ) -> Route:
     """The route ``"auto"`` takes for a model whose plain linear layers are ``linears`` (in
-    module order), timed now (``seconds`` times a call) as a forward streams them, on 1 and on
-    :data:`TIMED_ROWS` (:func:`_linear_pass`): the faster of packed (where ``packing`` allows
-    it and :func:`packing_available` holds for the weights' dtype) and transposed (fp32 only)
-    if it takes at most :data:`FASTER_BY` of the stock time, else stock. The reordered copies
-    made for the test are dropped unless packed is taken."""
+    module order), timed now (``seconds`` times a call) as a forward streams them, on each
+    block size of :data:`TIMED_ROWS` (:func:`_linear_pass`): the faster of packed (where
+    ``packing`` allows it and :func:`packing_available` holds for the weights' dtype) and
+    transposed (fp32 only) if it takes at most :data:`FASTER_BY` of the stock time, else stock.
+    The reordered copies made for the test are dropped unless packed is taken."""
     dtypes = {module.weight.dtype for module in linears}
     # Whatever the caller allows, the reorder runs only where the probe found that it runs.
     packing = packing and all(packing_available(dtype) for dtype in dtypes)
