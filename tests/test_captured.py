@@ -211,7 +211,7 @@ def test_compaction_moves_every_layers_columns(head_dims: tuple[int, ...]) -> No
     """Layers of one shape share one buffer (one gather moves them all); a layer of another
     shape gets buffers of its own, and columns move the same either way."""
     cache = StaticCache(len(head_dims), 8, torch.device("cpu"))
-    cache.columns[:8] = torch.arange(8)
+    cache.columns[:, :8] = torch.arange(8)
     written = []
     for layer, dim in zip(cache.layers, head_dims, strict=True):
         keys = torch.randn(1, 2, 8, dim)

@@ -138,7 +138,7 @@ class StaticForward:
         self.reserve(start + count)
         device = self.model.device
         positions = torch.arange(start, start + count, device=device)
-        self.cache.columns[:count].copy_(positions)
+        self.cache.columns[:, :count].copy_(positions)
         keys = torch.arange(self.cache.capacity, device=device)
         behind = positions[:, None] - keys[None, :]
         mask = torch.zeros(behind.shape, dtype=self.model.dtype, device=device)
@@ -252,7 +252,7 @@ class StaticForward:
         """Point the cache's writes at ``prefix .. prefix + S - 1`` (``prefix`` a device
         scalar) and build ``shape``'s mask from ``visible [S, S]``, on the device."""
         size = visible.shape[0]
-        self.cache.columns[:size].copy_(prefix + self.keys[:size])
+        self.cache.columns[:, :size].copy_(prefix + self.keys[:size])
         mask = shape.masks[self._mask_keys[0]][0, 0]
         mask.fill_(torch.finfo(mask.dtype).min)
         mask.masked_fill_(open_columns(self.keys, prefix, visible), 0)
@@ -279,7 +279,7 @@ class StaticForward:
         shape.ids.copy_(ids[None])
         shape.positions.copy_(positions[None])
         columns = torch.arange(prefix_len, prefix_len + size, device=device)
-        self.cache.columns[:size].copy_(columns)
+        self.cache.columns[:, :size].copy_(columns)
         mask = shape.masks[self._mask_keys[0]][0, 0]  # [S, capacity], built in its buffer
         mask.fill_(torch.finfo(mask.dtype).min)
         mask[:, :prefix_len] = 0

@@ -46,18 +46,21 @@ def tree_layout(parents: Tensor, max_depth: int) -> tuple[Tensor, Tensor]:
 
 
 def open_columns(keys: Tensor, prefix: Tensor, visible: Tensor) -> Tensor:
-    """Bool ``[S, capacity]``: which cache columns each of a block's ``S`` entries attends to,
-    the block written at the columns ``prefix .. prefix + S - 1`` of a static cache.
+    """Bool ``[*B, S, capacity]``: which cache columns each of a block's ``S`` entries attends
+    to, the block written at the columns ``prefix .. prefix + S - 1`` of a static cache (per
+    row of a batch, with leading dimensions ``*B``; none for one sequence).
 
     Args:
         keys: LongTensor ``[capacity]``, the column indices ``0 .. capacity - 1``.
-        prefix: LongTensor ``[]``, the committed columns (each open to every entry).
-        visible: bool ``[S, S]``, which block entries each entry sees (itself, its ancestors).
+        prefix: LongTensor ``[*B]``, the committed columns (each open to every entry).
+        visible: bool ``[*B, S, S]``, which block entries each entry sees (itself, its
+            ancestors).
     """
-    size = visible.shape[0]
-    offset = keys - prefix  # each column's place relative to the block
+    size = visible.shape[-1]
+    offset = keys - prefix.unsqueeze(-1)  # [*B, capacity]: each column's place in the block
     in_block = (offset >= 0) & (offset < size)
-    return visible[:, offset.clamp(0, size - 1)] & in_block | (offset < 0)
+    index = offset.clamp(0, size - 1).unsqueeze(-2).expand(*visible.shape[:-1], keys.numel())
+    return visible.gather(-1, index) & in_block.unsqueeze(-2) | (offset < 0).unsqueeze(-2)
 
 
 def accept_greedy(

@@ -1,17 +1,22 @@
 """The static KV cache of the captured verify forward and of static drafting (issue #32).
 
-Keys/values live in fixed buffers ``[1, kv_heads, capacity, head_dim]`` per layer; column ``c``
-holds the token at position ``c``. A forward writes its block at the columns ``columns`` names
-and attends over all ``capacity`` columns through a mask, so no shape follows the sequence and a
-CUDA graph can replay the forward (:mod:`headway.decode.captured`).
+Keys/values live in fixed buffers ``[B, kv_heads, capacity, head_dim]`` per layer, one row per
+sequence of a batch; column ``c`` of row ``b`` holds that row's token at position ``c``. A forward
+writes its block at the columns ``columns [B, capacity]`` names (each row its own) and attends
+over all ``capacity`` columns through a mask ``[B, 1, S, capacity]``, so no shape follows the
+sequence and a CUDA graph can replay the forward (:mod:`headway.decode.captured`).
 
-Batch 1 for now. The buffers keep HF's leading batch dimension, but a batch of B sequences
-needs more than a larger one: each row commits its own number of tokens a step, so ``columns``
-becomes ``[B, S]`` (``update`` a scatter along the column dimension with per-row indices),
-``length`` a device vector ``[B]``, the masks ``[B, 1, S, capacity]``, and compaction
-(:meth:`StaticCache.move_columns`) a per-row gather. The device step's plan tensors would gain
-the same leading ``B`` (trees ``[B, n]``, acceptance over ``[B, n + 1]``, one host read for
-all rows), and a finished row would keep stepping on padding until the batch refills it (as
+The decoders run batch 1 today (``columns[0]`` the one row's). The buffers are batched already
+because batched speculative decoding needs more than a larger leading dimension, and the cache
+is where it is settled: each row commits its own number of tokens a step, so a block's columns
+differ per row (:meth:`StaticCache.update` scatters with per-row indices), compaction is a
+per-row gather (:meth:`StaticCache.move_columns` with ``[B, k]`` indices) and each row's
+committed length is its caller's device vector ``[B]`` (``length`` is the longest row's, what
+transformers reads). ``tests/test_static_batch.py`` decodes ragged rows with per-row trees and
+acceptances through one batched cache and matches each row decoded alone. What remains for
+batched speculative decoding is the device step's plan tensors gaining the same leading ``B``
+(trees ``[B, n]``, acceptance over ``[B, n + 1]``, one host read for all rows), and a finished
+row stepping on padding until the batch refills it (as
 :mod:`headway.generation.batched_generation` does with its ragged cache).
 """
 
@@ -29,7 +34,7 @@ __all__ = ["StaticCache", "StaticLayer"]
 
 class StaticLayer(DynamicLayer):
     """One layer of a :class:`StaticCache`: ``keys``/``values`` are the whole buffers
-    ``[1, kv_heads, capacity, head_dim]``, allocated on the first write (the prefill)."""
+    ``[B, kv_heads, capacity, head_dim]``, allocated on the first write (the prefill)."""
 
     def __init__(self, owner: StaticCache, index: int) -> None:
         super().__init__()
@@ -43,45 +48,56 @@ class StaticLayer(DynamicLayer):
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
     ) -> tuple[Tensor, Tensor]:
-        """Write ``[1, kv_heads, S, head_dim]`` at the owner's ``columns[:S]``; return the
-        whole buffers (the mask decides which columns count)."""
+        """Write ``[B, kv_heads, S, head_dim]`` at the owner's ``columns[:, :S]`` (row ``b``
+        at its own columns); return the whole buffers (the mask decides which columns count)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self.keys is not None and self.values is not None
-        columns = self.owner.columns[: key_states.shape[2]]
-        self.keys.index_copy_(2, columns, key_states)
-        self.values.index_copy_(2, columns, value_states)
+        columns = self.owner.columns[:, : key_states.shape[2]]
+        _write_columns(self.keys, 2, columns, key_states)
+        _write_columns(self.values, 2, columns, value_states)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        """Committed tokens (transformers reads it; positions and the mask are explicit)."""
+        """Committed tokens, the longest row's (transformers reads it; positions and the mask
+        are explicit)."""
         return self.owner.length
 
 
 class StaticCache(DynamicCache):
-    """Static per-layer buffers of ``capacity`` columns; ``length`` tokens are committed and
-    ``columns`` ``[capacity]`` (a device buffer) names where the next forward writes.
+    """Static per-layer buffers of ``capacity`` columns for ``batch`` rows; ``length`` tokens
+    are committed (the longest row's) and ``columns`` ``[batch, capacity]`` (a device buffer)
+    names where each row's next forward writes: a forward of ``S`` entries writes row ``b``'s
+    entry ``i`` at column ``columns[b, i]``, distinct within a row.
 
-    The layers' keys and values are views of one buffer ``[layers, 2, 1, kv_heads, capacity,
-    head_dim]`` (:attr:`fused`) when every layer's match the first one's, so moving columns
-    (compaction) is one gather and one write for the whole model instead of two per layer and
-    tensor; a layer of another shape gets buffers of its own.
+    The layers' keys and values are views of one buffer ``[layers, 2, batch, kv_heads,
+    capacity, head_dim]`` (:attr:`fused`) when every layer's match the first one's, so moving
+    columns (compaction) is one gather and one write for the whole model instead of two per
+    layer and tensor; a layer of another shape gets buffers of its own.
     """
 
-    def __init__(self, num_layers: int, capacity: int, device: torch.device) -> None:
+    def __init__(
+        self, num_layers: int, capacity: int, device: torch.device, batch: int = 1
+    ) -> None:
         super().__init__()
+        if batch < 1:
+            raise ValueError(f"a static cache holds at least one row, not batch={batch}")
         self.layers: list[Any] = [StaticLayer(self, index) for index in range(num_layers)]
         self.layer_class_to_replicate = None
-        self.capacity = capacity
+        self.capacity, self.batch = capacity, batch
         self.length = 0
-        self.columns = torch.arange(capacity, device=device)
+        self.columns = torch.arange(capacity, device=device).repeat(batch, 1)
         self.fused: Tensor | None = None  # the one buffer, while every layer's live in it
         self._own_buffers = False
 
     def buffers_for(self, index: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """Zeroed key and value buffers ``[1, kv_heads, capacity, head_dim]`` for layer
-        ``index``, shaped after its first ``keys``/``values`` ``[1, kv_heads, S, head_dim]``."""
-        shape = (1, keys.shape[1], self.capacity, keys.shape[3])
+        """Zeroed key and value buffers ``[B, kv_heads, capacity, head_dim]`` for layer
+        ``index``, shaped after its first ``keys``/``values`` ``[B, kv_heads, S, head_dim]``."""
+        if keys.shape[0] != self.batch:
+            raise ValueError(
+                f"a forward of batch {keys.shape[0]} over a static cache of {self.batch} rows"
+            )
+        shape = (self.batch, keys.shape[1], self.capacity, keys.shape[3])
         if self.fused is None and not self._own_buffers and keys.shape == values.shape:
             self.fused = keys.new_zeros((len(self.layers), 2, *shape))
         if (
@@ -91,28 +107,32 @@ class StaticCache(DynamicCache):
         ):
             return self.fused[index, 0], self.fused[index, 1]
         self.fused, self._own_buffers = None, True  # a layer unlike the first: per layer
-        return keys.new_zeros(shape), values.new_zeros((1, values.shape[1], *shape[2:]))
+        return keys.new_zeros(shape), values.new_zeros((self.batch, values.shape[1], *shape[2:]))
 
     def static_layers(self) -> list[StaticLayer]:
         """The layers holding buffers already (all of them after a prefill)."""
         return [layer for layer in self.layers if layer.is_initialized]
 
     def move_columns(self, source: Tensor, target: Tensor) -> None:
-        """Copy the columns ``source [k]`` of every layer's keys and values to the columns
-        ``target [k]`` (device indices; all sources are read before any target is written)."""
+        """Copy the columns ``source`` of every layer's keys and values to the columns
+        ``target`` (device indices; all sources are read before any target is written).
+
+        ``[k]`` moves the same columns in every row; ``[B, k]`` moves row ``b``'s
+        ``source[b]`` to its ``target[b]`` (a row moving fewer pads by repeating one of its
+        moves, or, moving none, a column onto itself)."""
         if self.fused is not None:
-            self.fused.index_copy_(4, target, self.fused.index_select(4, source))
+            _move(self.fused, 4, source, target)
             return
         for layer in self.static_layers():
             for buffer in (layer.keys, layer.values):
                 assert buffer is not None
-                buffer.index_copy_(2, target, buffer.index_select(2, source))
+                _move(buffer, 2, source, target)
 
     def grown(self, capacity: int, keep: int) -> StaticCache:
         """A cache of ``capacity`` columns holding this one's first ``keep`` columns (and its
         ``length``); this one's buffers are left as they are."""
         device = self.columns.device
-        new = StaticCache(len(self.layers), capacity, device)
+        new = StaticCache(len(self.layers), capacity, device, self.batch)
         new.length = self.length
         for source, target in zip(self.layers, new.layers, strict=True):
             if source.is_initialized:
@@ -120,3 +140,31 @@ class StaticCache(DynamicCache):
                 target.keys[:, :, :keep] = source.keys[:, :, :keep]
                 target.values[:, :, :keep] = source.values[:, :, :keep]
         return new
+
+
+def _per_row(index: Tensor, buffer: Tensor, dim: int) -> Tensor:
+    """Row-wise column indices ``[B, k]`` as a gather/scatter index of ``buffer``'s shape with
+    ``k`` along ``dim`` (the row dimension is ``dim - 2``, the heads between them)."""
+    shape = list(buffer.shape)
+    shape[dim] = index.shape[1]
+    view = [1] * buffer.dim()
+    view[dim - 2], view[dim] = index.shape[0], index.shape[1]
+    return index.view(view).expand(shape)
+
+
+def _write_columns(buffer: Tensor, dim: int, columns: Tensor, states: Tensor) -> None:
+    """Write ``states`` (``S`` entries along ``dim``) at row-wise ``columns [B, S]``."""
+    if columns.shape[0] == 1:
+        buffer.index_copy_(dim, columns[0], states)  # batch 1: one index, the faster kernel
+    else:
+        buffer.scatter_(dim, _per_row(columns, buffer, dim), states)
+
+
+def _move(buffer: Tensor, dim: int, source: Tensor, target: Tensor) -> None:
+    """Copy columns ``source`` to ``target`` along ``dim`` (``[k]`` for all rows, or row-wise
+    ``[B, k]``), every source read before any target is written."""
+    if source.dim() == 1:
+        buffer.index_copy_(dim, target, buffer.index_select(dim, source))
+        return
+    moved = buffer.gather(dim, _per_row(source, buffer, dim))
+    buffer.scatter_(dim, _per_row(target, buffer, dim), moved)

@@ -268,7 +268,7 @@ class StaticDrafting(EagleDrafter):
         at ``positions [m]``, their keys written at ``columns [m]``, row i attending to the
         columns ``visible [m, capacity]`` marks; returns the states ``[m, H]``. Compiled where
         drafting is, unless ``eager``."""
-        self._cache.columns[: columns.numel()].copy_(columns)
+        self._cache.columns[:, : columns.numel()].copy_(columns)
         forward = self.model if eager or self._forward is None else self._forward
         predicted = forward(
             features[None],
