@@ -136,6 +136,22 @@ def test_resume_with_other_settings_is_refused(tiny_chat_target: Target, tmp_pat
         regenerate(tiny_chat_target, items()[:2], tmp_path, other, mix={"test": 2})
 
 
+def test_resume_in_another_dtype_is_refused(tiny_chat_target: Target, tmp_path: Path) -> None:
+    """The manifest records the dtype of in-process answers (greedy float32 and bfloat16
+    answers differ); a folder from before it was recorded resumes in any dtype."""
+    regenerate(tiny_chat_target, items()[:2], tmp_path, OPTIONS, mix={"test": 2})
+    manifest_path = tmp_path / "manifest.json"
+    assert json.loads(manifest_path.read_text())["dtype"] == "float32"
+    tiny_chat_target.model.bfloat16()
+    with pytest.raises(DataError, match=r"regenerated in float32.*resume with --dtype float32"):
+        regenerate(tiny_chat_target, items()[:2], tmp_path, OPTIONS, mix={"test": 2})
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["dtype"]
+    manifest_path.write_text(json.dumps(manifest))
+    regenerate(tiny_chat_target, items()[:2], tmp_path, OPTIONS, mix={"test": 2})
+    assert json.loads(manifest_path.read_text())["dtype"] == "bfloat16"
+
+
 def test_resume_reads_the_frozen_prompts_without_the_sources(
     tiny_chat_target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -225,11 +225,16 @@ def _load_or_write_prompts(out_dir: Path, items: Sequence[PromptItem]) -> list[P
     return list(items)
 
 
-def _check_manifest(path: Path, settings: dict[str, Any]) -> None:
+def _check_manifest(path: Path, settings: dict[str, Any], dtype: str | None) -> None:
+    """Refuse to resume a folder written with other `settings`, or answered in-process in
+    another `dtype` (greedy answers differ between float32 and bfloat16). A folder from before
+    the dtype was recorded (it then records this run's), or answered by a server, resumes in
+    any dtype."""
     if not path.is_file():
         return
     try:
-        previous = json.loads(path.read_text(encoding="utf-8"))["settings"]
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        previous = manifest["settings"]
     except (ValueError, UnicodeDecodeError, RecursionError, KeyError, TypeError) as error:
         raise DataError(
             f"{path}: not a regeneration manifest ({type(error).__name__}: {error}); {_DAMAGED}"
@@ -245,6 +250,12 @@ def _check_manifest(path: Path, settings: dict[str, Any]) -> None:
         raise DataError(
             f"{path.parent} was regenerated with other settings ({', '.join(changed)} differ); "
             "resume with the same settings, or write to a new --out folder"
+        )
+    before = manifest.get("dtype")
+    if dtype is not None and isinstance(before, str) and before != dtype:
+        raise DataError(
+            f"{path.parent} was regenerated in {before}, this run answers in {dtype}; resume "
+            f"with --dtype {before}, or write to a new --out folder"
         )
 
 
@@ -266,7 +277,8 @@ def regenerate(
     With `server`, an OpenAI-compatible server answers instead of the in-process engine, after
     :func:`~headway.train.server_answers.check_server` (which compares a greedy probe with
     `target`, or only checks the served name when `target` is None); the manifest records the
-    server's URL and model name.
+    server's URL and model name; in-process, it records the dtype the target answers in, and
+    a resume in another dtype is refused.
 
     Returns:
         The final manifest (settings, mix per source, rows, answer tokens, seconds).
@@ -316,8 +328,13 @@ def _regenerate(
     )
     settings = {**what, "mix": mix, "target": identity}
     manifest_path = out_dir / "manifest.json"
-    _check_manifest(manifest_path, settings)
+    dtype = None  # what in-process answers are computed in (a server's is not known)
+    if target is not None and server is None:
+        dtype = str(target.model.dtype).removeprefix("torch.")
+    _check_manifest(manifest_path, settings, dtype)
     answer, answered_by = _answerer(target, options, server)
+    if dtype is not None:
+        answered_by = {**answered_by, "dtype": dtype}
     ranks.wait()  # every rank has read the old manifest before rank 0 rewrites it
     if ranks.rank == 0:
         started_manifest = {"settings": settings, **answered_by, "complete": False}
