@@ -51,6 +51,13 @@ def parse_args() -> argparse.Namespace:
         "graphs), compiled (torch.compile, then captured); both (default) = eager,captured",
     )
     parser.add_argument(
+        "--gemm",
+        default="auto",
+        choices=("auto", "stock", "transposed", "packed"),
+        help="CPU only (a GPU takes stock): how decoding multiplies the linear layers, passed to "
+        "compare.py; auto (default) times the routes on each model first",
+    )
+    parser.add_argument(
         "--train-methods", default="eagle3,medusa1,eagle1", help="methods timed ('' for none)"
     )
     parser.add_argument("--train-data", default="data/regenerated/smollm2-v2/data")
@@ -90,6 +97,7 @@ def decode_figures(args: argparse.Namespace, dtype: str) -> list[dict[str, Any]]
     options = compare.parse_args(
         [*args.runs, "--target", args.target, "--dtype", dtype, "--device", args.device]
         + ["--verify", args.verify, "--hf-static", "--drafting", "eager,static"]
+        + ["--gemm", args.gemm]
         + (["--retrieval-data", args.retrieval_data] if args.retrieval_data else [])
     )
     target = load_target(args.target, dtype=dtype, device=args.device)

@@ -80,7 +80,7 @@ def test_bench_gpu_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     command = [sys.executable, "scripts/bench_gpu.py", "--device", "cpu", "--dtypes", "float32"]
     command += ["--num-prompts", "1", "--max-new-tokens", "4", "--verify", "eager"]
-    command += ["--train-methods", "", "--json", str(out)]
+    command += ["--train-methods", "", "--gemm", "stock", "--json", str(out)]
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run(command, capture_output=True, text=True, cwd=root)
     assert result.returncode == 0, result.stderr[-2000:]
