@@ -9,8 +9,13 @@ near tie; in fp32 they are identical), and the machine; the continuous engine lo
 each row kept per forward. ``--stop-loops N`` adds a continuous run (the last lookahead) whose
 answers stop at repetition loops: fewer answer tokens, so it is compared by the seconds it takes
 to answer the same prompts, and its answers are checked to be prefixes of the first run's.
+``--max-turns 3`` answers up to three turns of each conversation, turn by turn; with
+``--recompute-history`` a last continuous run prefills each later turn whole instead of
+continuing from the row that answered the turn before, compared by seconds too.
 
     .venv/bin/python scripts/bench_regenerate.py --prompts 128 --threads 2 --stop-loops 2
+    .venv/bin/python scripts/bench_regenerate.py --dtype float32 --prompts 32 --max-turns 3 \
+        --min-turns 2 --engines continuous --lookaheads 3 --recompute-history
 """
 
 from __future__ import annotations
@@ -37,6 +42,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", help="target weights dtype")
     parser.add_argument("--source", default="sharegpt", help="chat source of the prompts")
     parser.add_argument("--prompts", type=int, default=128, help="prompts answered per engine")
+    parser.add_argument(
+        "--max-turns", type=int, default=1, help="user turns answered per conversation"
+    )
+    parser.add_argument(
+        "--min-turns", type=int, default=1, help="conversations with fewer turns are left out"
+    )
+    parser.add_argument(
+        "--recompute-history",
+        action="store_true",
+        help="one more continuous run (the last lookahead and route) whose later turns prefill "
+        "their whole history (headway's default continues from the turn before)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap")
     parser.add_argument("--batch-size", type=int, default=64, help="rows per batch (both)")
     parser.add_argument(
@@ -74,11 +91,15 @@ def run(
     target: Target, items: Sequence[PromptItem], options: RegenerateOptions, gemm: GemmChoice
 ) -> tuple[dict[str, Answer], float]:
     """Answer `items` once, the target's linear layers on ``gemm``; the answers by item id and
-    the seconds it took (deciding the route included)."""
+    turn (``id#turn``) and the seconds it took (deciding the route included)."""
     started = time.perf_counter()
     apply_gemm(target.model, gemm)
     found = answer_items(target, items, options)
-    answers = {item.id: answered[-1] for item, answered in found}
+    answers = {
+        f"{item.id}#{turn}": answer
+        for item, answered in found
+        for turn, answer in enumerate(answered)
+    }
     return answers, time.perf_counter() - started
 
 
@@ -87,10 +108,14 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype)
-    items = chat_prompts(args.source, args.prompts, rng=random.Random(args.seed), max_turns=1)
+    rng = random.Random(args.seed)
+    items = chat_prompts(
+        args.source, args.prompts, rng=rng, max_turns=args.max_turns, min_turns=args.min_turns
+    )
     print(
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}, {args.dtype}, {len(items)} {args.source} prompts, "
+        f"torch {torch.__version__}, {args.dtype}, {len(items)} {args.source} conversations "
+        f"({sum(len(item.user_turns) for item in items)} turns), "
         f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}"
     )
     gemms = [cast(GemmChoice, gemm) for gemm in args.gemms.split(",") if gemm]
@@ -104,6 +129,8 @@ def main() -> None:
     runs += [
         ("continuous", last_lookahead, stop, gemms[-1]) for stop in _ints(args.stop_loops) if stop
     ]
+    if args.recompute_history:
+        runs.append(("continuous", last_lookahead, -1, gemms[-1]))  # -1: history recomputed
     results: dict[str, tuple[dict[str, Answer], float]] = {}
     for engine, lookahead, stop, gemm in runs:
         batch = args.generate_batch_size if engine == "generate" else None
@@ -113,10 +140,11 @@ def main() -> None:
             batch_size=batch or args.batch_size,
             engine=engine,
             lookahead=lookahead,
-            stop_loops=stop,
+            stop_loops=max(stop, 0),
+            reuse_history=stop >= 0,
         )
         name = engine if engine == "generate" else f"continuous, lookahead {lookahead}"
-        name += f", stop-loops {stop}" if stop else ""
+        name += f", stop-loops {stop}" if stop > 0 else ", history recomputed" if stop else ""
         name += f", gemm {gemm}" if engine != "generate" and len(gemms) > 1 else ""
         torch.manual_seed(args.seed)
         answers, seconds = run(target, items, options, gemm)
@@ -129,7 +157,9 @@ def main() -> None:
             f"{tokens / seconds:.0f} tok/s (batch {options.batch_size}); "
             f"identical to the first run {same}/{len(answers)}"
         )
-        if stop:
+        if stop < 0:
+            line += f"; {seconds / first_seconds:.2f}x the time of {first_name}"
+        if stop > 0:
             prefixes = sum(first[key].text.startswith(answers[key].text) for key in answers)
             loops = sum(answer.finish_reason == "loop" for answer in answers.values())
             line += (

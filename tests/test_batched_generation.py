@@ -92,6 +92,46 @@ def test_prompts_submitted_while_running_are_answered() -> None:
     assert sorted(seen) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]  # type: ignore[type-var]
 
 
+@pytest.mark.parametrize("lookahead", [0, 3])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_next_turns_continue_from_the_finished_rows_cache(family: str, lookahead: int) -> None:
+    """A conversation's next turn, submitted under its key as its answer comes in (the prompt,
+    the answer, new user tokens), prefills only what follows the prefix it shares with the
+    finished row: one whose history re-tokenized differently shares less, one that shares
+    nothing waits as any prompt. Every answer is ``generate``'s on its whole prompt alone."""
+    model = tiny_model(family)
+    rng = random.Random(3)
+    asked: dict[tuple[Hashable, int], list[int]] = {
+        (f"c{i}", 0): [rng.randrange(3, 96) for _ in range(rng.randint(1, 12))] for i in range(6)
+    }
+    eos = eos_that_ends_some(model, list(asked.values()))
+    batcher = ContinuousBatcher(
+        model, slots=3, max_new_tokens=8, eos_token_ids=eos, pad_token_id=0, lookahead=lookahead
+    )
+    for (name, _), prompt in asked.items():
+        batcher.submit(name, prompt)
+    answers: dict[tuple[Hashable, int], list[int]] = {}
+    for completion in batcher.completions():
+        key = completion.key
+        turn = sum(k == key for k, _ in answers)
+        answers[key, turn] = completion.tokens
+        if turn == 2:
+            continue
+        history = asked[key, turn] + completion.tokens
+        if key == "c1":  # the history re-tokenized: its last tokens differ
+            history = [*history[:-2], 7, 7]
+        if key == "c2" and turn == 1:  # nothing shared
+            history = [8]
+        asked[key, turn + 1] = prompt = [*history, 31, 32]
+        batcher.submit(key, prompt)
+    assert set(answers) == set(asked)
+    for (key, turn), prompt in asked.items():
+        assert answers[key, turn] == reference(model, prompt, 8, eos), (key, turn)
+    total = sum(len(prompt) for prompt in asked.values())
+    assert batcher.prefilled + batcher.reused == total
+    assert batcher.reused > total / 3
+
+
 def test_bad_arguments_are_refused() -> None:
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="slots"):

@@ -9,7 +9,8 @@ whatever lies past a row's length is overwritten by its next step. Nothing is ev
 
 - a row that finishes is replaced by the last live row (:meth:`RaggedCache.move`: one row's
   copy), so live rows are always ``0 .. rows - 1`` and a forward reads ``[:rows, :, :width]``;
-- a new prompt is prefilled elsewhere and copied into a free slot (:meth:`RaggedCache.place`).
+- a new prompt is prefilled elsewhere and copied into a free slot (:meth:`RaggedCache.place`);
+  a finished row's first tokens can be copied out to continue it (:meth:`RaggedCache.row_cache`).
 
 Attention reads ``width = max(lengths) + S`` columns of every live row; the columns past a
 row's own length are blocked by the mask (the cost of sharing one tensor across rows).
@@ -136,6 +137,15 @@ class RaggedCache(DynamicCache):
                 layer.key_buffer[target, :, :length] = layer.key_buffer[source, :, :length]
                 layer.value_buffer[target, :, :length] = layer.value_buffer[source, :, :length]
         self.lengths[target] = length
+
+    def row_cache(self, row: int, length: int) -> DynamicCache:
+        """A copy of live row ``row``'s first ``length`` tokens as a cache of batch 1
+        (``[1, kv_heads, length, head_dim]`` per layer), to continue that row from there."""
+        copy = DynamicCache()
+        for index, layer in enumerate(self.ragged_layers):
+            keys = layer.key_buffer[row : row + 1, :, :length].clone()
+            copy.update(keys, layer.value_buffer[row : row + 1, :, :length].clone(), index)
+        return copy
 
     def drop_last(self) -> None:
         """Forget the last live row (after :meth:`move` copied it elsewhere, or it finished)."""

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 ENGINES = ("continuous", "generate")
 # Options that decide speed only: a resumed run may change them (the answers are the target's).
-SPEED_OPTIONS = ("batch_size", "engine", "lookahead")
+SPEED_OPTIONS = ("batch_size", "engine", "lookahead", "reuse_history")
 GREEDY_LOOKAHEAD = 3  # beat no lookahead in greedy runs of scripts/bench_regenerate.py
 
 
@@ -57,6 +57,10 @@ class RegenerateOptions:
     # (headway.generation.repetition), finish_reason "loop". Greedy answers of small targets
     # often loop until max_new_tokens: half of smollm2-sharegpt-2's answer tokens were such tails.
     stop_loops: int = 0
+    # continuous only: a conversation's next turn prefills only what follows the prefix it
+    # shares with the row that answered the turn before (headway.generation.batched_generation);
+    # False recomputes the whole history (for benchmarks: scripts/bench_regenerate.py).
+    reuse_history: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.shard_size < 1:
@@ -148,7 +152,8 @@ def answer_items(
     return _answer_in_padded_batches(target, items, options)
 
 
-def _prompt_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
+def prompt_token_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
+    """The ids of `messages` through the chat template, ready for the assistant to answer."""
     text = target.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
     )
@@ -171,11 +176,12 @@ def _answer_continuously(
         rule=SamplingParams(temperature=options.temperature, top_p=options.top_p),
         lookahead=options.resolved_lookahead,
         stop_loops=options.stop_loops,
+        reuse_history=options.reuse_history,
     )
     by_id = {item.id: item for item in items}
     answers: dict[str, list[Answer]] = {item.id: [] for item in items}
     for item in sorted(items, key=lambda item: len(item.user_turns[0])):
-        batcher.submit(item.id, _prompt_ids(target, conversation_messages(item, [], 0)))
+        batcher.submit(item.id, prompt_token_ids(target, conversation_messages(item, [], 0)))
     for completion in batcher.completions():
         item = by_id[str(completion.key)]
         text = str(tokenizer.decode(completion.tokens, skip_special_tokens=True)).strip()
@@ -186,14 +192,18 @@ def _answer_continuously(
         turn = len(answers[item.id])
         if turn < len(item.user_turns):
             texts = [answer.text for answer in answers[item.id]]
-            batcher.submit(item.id, _prompt_ids(target, conversation_messages(item, texts, turn)))
+            messages = conversation_messages(item, texts, turn)
+            batcher.submit(item.id, prompt_token_ids(target, messages))
         else:
             yield item, answers[item.id]
     logger.info(
-        "%d forwards, %.2f tokens kept per row and forward (lookahead %d)",
+        "%d forwards, %.2f tokens kept per row and forward (lookahead %d); %d prompt tokens "
+        "prefilled, %d taken from the turn before",
         batcher.steps,
         batcher.tokens_per_row_step,
         options.resolved_lookahead,
+        batcher.prefilled,
+        batcher.reused,
     )
 
 
