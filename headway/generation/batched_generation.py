@@ -27,7 +27,7 @@ model, no forked modeling code):
   deep; ``scripts/history_share.py``), 17% of the prompt tokens are left to prefill, and the
   rows a regeneration computes fall to 0.52; ``scripts/bench_regenerate.py --max-turns 3
   --recompute-history`` (fp32, 16 conversations, 42 turns, 128-token cap, a 2-core AVX2 EPYC)
-  ran 1.39x faster with 42/42 answers identical (:attr:`ContinuousBatcher.prefilled`,
+  ran 1.36x faster with 42/42 answers identical (:attr:`ContinuousBatcher.prefilled`,
   :attr:`~ContinuousBatcher.reused` count the two kinds of prompt tokens).
 
 Each kept token is the target's own for that row's tokens (up to the rounding of a batched
@@ -188,9 +188,13 @@ class ContinuousBatcher:
             _releasing_packed(self.model, self.gemm),
         ):
             while rows or self.waiting or self.resuming:
-                queued = self.waiting or self.resuming
-                if queued and len(rows) <= min(self.refill_at, self.slots - 1):
-                    new_rows, first = self._refill(cache, self.slots - len(rows))
+                refill = bool(self.waiting) and len(rows) <= min(self.refill_at, self.slots - 1)
+                if self.resuming or refill:  # continued turns at once: each freed its slot
+                    new_rows, first = (
+                        self._resume_all(cache)
+                        if self.resuming
+                        else self._prefill(cache, self.slots - len(rows))
+                    )
                     rows.extend(new_rows)
                     added = {len(rows) - len(new_rows) + i: [t] for i, t in enumerate(first)}
                     stepped = False
@@ -272,17 +276,15 @@ class ContinuousBatcher:
             self.waiting.pop()
             self.resuming.append((key, ids, cache.row_cache(index, common)))
 
-    def _refill(self, cache: RaggedCache, room: int) -> tuple[list[_Row], list[int]]:
-        """Up to ``room`` new rows, continued turns first; their rows and first tokens."""
+    def _resume_all(self, cache: RaggedCache) -> tuple[list[_Row], list[int]]:
+        """Every continued turn as a row again (each in the slot its turn before freed, so a
+        copied prefix lives one step at most); their rows and first tokens."""
         rows: list[_Row] = []
         first: list[int] = []
-        while self.resuming and len(rows) < room:
+        while self.resuming:
             key, ids, past = self.resuming.popleft()
             rows.append(self._row(key, ids))
             first.append(self._resume(cache, ids, past))
-        if self.waiting and len(rows) < room:
-            new_rows, new_first = self._prefill(cache, room - len(rows))
-            rows, first = rows + new_rows, first + new_first
         return rows, first
 
     def _row(self, key: Hashable, prompt: list[int]) -> _Row:
