@@ -24,10 +24,11 @@ model, no forked modeling code):
   regeneration does) prefills only what follows the longest prefix it shares with the finished
   row's tokens (the history, re-rendered by the chat template, mostly re-tokenizes to the same
   ids). Counted over 1,416 turns of ``data/regenerated/smollm2-sharegpt-turns`` (up to three
-  deep; ``scripts/history_share.py``), 17% of the prompt tokens are left to prefill, and the
-  rows a regeneration computes fall to 0.52; ``scripts/bench_regenerate.py --max-turns 3
-  --recompute-history`` (fp32, 16 conversations, 42 turns, 128-token cap, a 2-core AVX2 EPYC)
-  ran 1.36x faster with 42/42 answers identical (:attr:`ContinuousBatcher.prefilled`,
+  deep; ``scripts/history_share.py``), 17% of the prompt tokens are left to prefill. Time saved
+  depends on the prefill's share of the work: ``scripts/bench_regenerate.py --max-turns 3
+  --recompute-history`` (fp32, a 2-core AVX2 EPYC, answers identical) ran 1.36x faster with a
+  128-token cap at batch 16 and 1.10x with a 512-token cap at batch 8, where longer answers
+  and lookahead's draft rows dominate (:attr:`ContinuousBatcher.prefilled`,
   :attr:`~ContinuousBatcher.reused` count the two kinds of prompt tokens).
 
 Each kept token is the target's own for that row's tokens (up to the rounding of a batched
