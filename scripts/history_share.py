@@ -32,12 +32,12 @@ def shared_prefix(before: list[int], now: list[int]) -> int:
     return common
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help="a regenerated folder's data/ with shards")
     parser.add_argument("--shards", type=int, default=4, help="shards read (sorted by name)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="whose tokenizer and template")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     target = load_target(args.target, dtype="float32", device="cpu")
     whole = continued = answers = turns = 0
     for path in sorted(args.folder.glob("part-*.jsonl*"))[: args.shards]:

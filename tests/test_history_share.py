@@ -1,0 +1,58 @@
+"""``scripts/history_share.py``: a later turn's prompt, through SmolLM2's chat template, begins
+with every token the previous turn's row held, so continuing from it prefills only the new
+user turn; the script counts that over a regenerated shard."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from headway.target import load_target
+from headway.train.answering import prompt_token_ids
+from tests.tiny import tiny_model
+from tests.tokenizers_fixture import smollm2_tokenizer
+
+
+def _script() -> Any:
+    path = Path(__file__).resolve().parents[1] / "scripts" / "history_share.py"
+    spec = importlib.util.spec_from_file_location("history_share", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_a_later_turn_shares_the_whole_history(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _script()
+    assert script.shared_prefix([1, 2, 3], [1, 2, 3]) == 2  # one token left to feed
+    assert script.shared_prefix([1, 2, 3], [1, 5, 3, 4]) == 1
+    folder = tmp_path / "target"
+    tiny_model("llama", vocab_size=400).save_pretrained(folder)
+    smollm2_tokenizer().save_pretrained(folder)
+    messages = [
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "It is four."},
+        {"role": "user", "content": "tell me a joke"},
+        {"role": "assistant", "content": "I am fine."},
+    ]
+    shards = tmp_path / "data"
+    shards.mkdir()
+    row = {"id": "t/0", "source": "test", "messages": messages}
+    (shards / "part-00000.jsonl.gz").write_bytes(gzip.compress(json.dumps(row).encode() + b"\n"))
+    target = load_target(str(folder), dtype="float32", device="cpu")
+    first = prompt_token_ids(target, messages[:1])
+    second = prompt_token_ids(target, messages[:3])
+    answer = target.tokenizer(messages[1]["content"], add_special_tokens=False)["input_ids"]
+    held = first + answer
+    assert second[: len(held)] == held  # the history re-tokenizes to the same ids
+    script.main([str(shards), "--target", str(folder)])
+    out = capsys.readouterr().out
+    whole, continued = len(first) + len(second), len(first) + len(second) - len(held)
+    assert out.startswith(f"2 turns: {whole:,} prompt tokens prefilled whole, {continued:,} ")
