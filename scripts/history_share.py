@@ -18,18 +18,9 @@ import argparse
 from pathlib import Path
 
 from headway.corpus.jsonl import read_jsonl
+from headway.generation.batched_generation import shared_prefix
 from headway.target import DEFAULT_TARGET, load_target
 from headway.train.answering import prompt_token_ids
-
-
-def shared_prefix(before: list[int], now: list[int]) -> int:
-    """Tokens ``now`` shares with ``before`` from the start, leaving ``now`` one to feed."""
-    common = 0
-    for a, b in zip(before, now[:-1], strict=False):
-        if a != b:
-            break
-        common += 1
-    return common
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ step at a time decodes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -106,11 +107,35 @@ def test_sampled_runs_draw_what_single_steps_draw(kind: str) -> None:
     assert step is not None and isinstance(step.chain, DeviceChain) and one._chain is None
 
 
+class _Replayed:
+    """A CUDA graph's stand-in on a CPU: a replay runs the captured step again."""
+
+    def __init__(self, step: Callable[[], None]) -> None:
+        self.replay = step
+
+
+def emulate_capture(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Chained runs as on CUDA: a run's step captured once per set of buffers (run three
+    times, as :func:`~headway.decode.captured.record_graph`'s two warm-ups and its replay
+    run it), then replayed; returns a list that grows by one a capture."""
+    captures: list[int] = []
+
+    def record(step: Callable[[], None], device: torch.device) -> _Replayed:
+        for _ in range(3):
+            step()
+        captures.append(1)
+        return _Replayed(step)
+
+    monkeypatch.setattr(DeviceChain, "_captures", lambda self: True)
+    monkeypatch.setattr(DeviceChain, "_record", staticmethod(record))
+    return captures
+
+
 def test_a_run_can_run_again_to_the_same_end(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA a run's body runs twice eagerly before its graph is captured, then once more
-    from the graph: it must end where one run ends. With every body run three times, the
-    decoding and the drafter's state (its committed pairs on the device and on the host)
-    stay those of one run."""
+    """On CUDA a run's step runs three times while it is captured (warm-ups, then the
+    capture's replay), after which the run starts again from its kept state and replays the
+    step: the decoding and the drafter's state (its committed pairs on the device and on the
+    host) stay those of runs taken eagerly, and the step is captured once, not once a run."""
     model, _ = target_and_truth("llama")
 
     def decode() -> tuple[list[int], list[int], tuple[int, int]]:
@@ -121,15 +146,34 @@ def test_a_run_can_run_again_to_the_same_end(monkeypatch: pytest.MonkeyPatch) ->
         return result.tokens, result.accept_lengths, (on_device, static._committed)
 
     once = decode()
-    body = DeviceChain._body
-
-    def thrice(self: DeviceChain, *args: object) -> None:
-        for _ in range(3):
-            body(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(DeviceChain, "_body", thrice)
+    captures = emulate_capture(monkeypatch)
     assert decode() == once
     assert once[2][0] == once[2][1]  # the device and the host agree
+    assert len(captures) == 1
+
+
+def test_a_run_and_a_single_step_do_not_share_outputs() -> None:
+    """A run's graph and a single step's bind their outputs (the plan's ``out`` and
+    ``hidden``, the drafter's kept tree) to their own tensors, each at its capture: so a run
+    verifies through a plan of its own, and a static drafter whose step ran inside a run
+    drops its own graph (recaptured, rebound, at its next single step). Shared, a run
+    recaptured after a single step's capture left the single step reading the run's stale
+    output: other tokens than greedy's on an H100 (fp32, 2026-11-27)."""
+    model, _ = target_and_truth("llama")
+    _, static = _pair("trained", model, SHAPES["tree"])
+    decoder = Decoder(model, static, DecodeOptions(verify="captured", chain=4))
+    decoder.generate(PROMPT, max_new_tokens=3, eos_token_ids=())  # single steps: 3 < 4
+    decoder.generate(PROMPT, max_new_tokens=30, eos_token_ids=())  # runs
+    verifier = decoder._verifier
+    assert verifier is not None
+    kinds = {key[-1] for key in verifier._plans}
+    assert kinds == {True, False}  # a chained plan and a single step's, apart
+    static._graph = object()  # as if its single-step graph were captured
+    chain = decoder._chain
+    assert chain is not None
+    with static.chain_context(), torch.inference_mode():
+        static.chain_propose()
+    assert static._graph is None
 
 
 def test_medusa_heads_chain_their_steps(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,15 +187,9 @@ def test_medusa_heads_chain_their_steps(monkeypatch: pytest.MonkeyPatch) -> None
     one = Decoder(model, drafter, DecodeOptions(verify="captured", chain=1))
     many = Decoder(model, drafter, DecodeOptions(verify="captured", chain=4))
     expected = [one.generate(p, max_new_tokens=n, eos_token_ids=()) for p, n in RUNS]
-    body = DeviceChain._body
-
-    def thrice(self: DeviceChain, *args: object) -> None:
-        for _ in range(3):
-            body(self, *args)  # type: ignore[arg-type]
-
     for patched in (False, True):
         if patched:
-            monkeypatch.setattr(DeviceChain, "_body", thrice)
+            emulate_capture(monkeypatch)
         for (prompt, new), theirs in zip(RUNS, expected, strict=True):
             mine = many.generate(prompt, max_new_tokens=new, eos_token_ids=())
             assert mine.tokens == theirs.tokens == hf_greedy(model, prompt, new, eos=None)

@@ -120,6 +120,18 @@ def test_step_costs_runs_here_on_a_cpu(tmp_path: Path) -> None:
     assert data["best_tree"] in ([1, 2, 3], [2, 2, 4])
 
 
+def test_chain_probe_runs_here_on_a_cpu(tmp_path: Path) -> None:
+    """The chain probe runs on a CPU (uncaptured: runs are eager steps there): a row per
+    chain length and drafter, chained tokens equal to single steps' and to HF's greedy."""
+    module = device_script("chain_probe")
+    argv = ["--device", "cpu", "--dtypes", "float32", "--chains", "1,2", "--repeats", "1"]
+    module.main([*argv, "--new-tokens", "5", "--prompt-tokens", "6", "--out", str(tmp_path)])
+    table = (tmp_path / "chain_probe.md").read_text()
+    assert table.count("| plain |") == 2 and table.count("| eagle3 32 |") == 2
+    assert "plain: chains with chain 1's tokens: [1, 2]" in table
+    assert table.count("equal to HF eager greedy: True") == 4
+
+
 @pytest.mark.slow
 def test_decode_figures_runs_here_on_a_cpu(tmp_path: Path) -> None:
     """The real-target device script of issue #32 runs on a CPU (uncaptured there): in float32
@@ -137,8 +149,9 @@ def test_decode_figures_runs_here_on_a_cpu(tmp_path: Path) -> None:
     module.main([*argv, "--sections", "float32", "--out", str(tmp_path)])
     (rows,) = json.loads((tmp_path / "decode_figures.json").read_text()).values()
     names = [row["drafter"] for row in rows]
-    assert names[:2] == ["hf greedy, static cache", module.PLAIN]
-    assert sum("device step" in name for name in names) == 2  # the default and largest tree
+    assert names[:3] == [module.HF_EAGER, module.HF_STATIC, module.PLAIN]
+    assert f"{module.PLAIN}, 8 tokens a run" in names
+    assert sum("device step" in name for name in names) == 3  # default, largest, default x8
     assert all(row["identical"] == "1/1" for row in rows)
     assert "x plain captured" in (tmp_path / "decode_figures.md").read_text()
 
@@ -162,5 +175,5 @@ def test_decode_figures_drops_a_row_that_fails_and_measures_the_rest(
     )
     (rows,) = json.loads((tmp_path / "decode_figures.json").read_text()).values()
     names = [row["drafter"] for row in rows]
-    assert names[0] == "hf greedy, static cache" and "broken row" not in names
-    assert sum("device step" in name for name in names) == 1
+    assert names[0] == module.HF_EAGER and "broken row" not in names
+    assert sum("device step" in name for name in names) == 2  # a read a step, 8 steps a run

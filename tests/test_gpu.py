@@ -340,3 +340,25 @@ def test_sampled_device_steps_follow_the_target_distribution_on_cuda() -> None:
     two tokens follow the target's exact two-token distribution (tests/test_device_step.py's
     test, on CUDA)."""
     sampled_device_steps(CUDA)
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_chained_runs_then_single_steps_over_prompts_of_mixed_lengths_on_cuda(
+    drafted: bool,
+) -> None:
+    """Runs of 4 device steps, each generation ending in single steps (41 tokens), over
+    prompts whose lengths grow the target's and the drafter's caches at different times:
+    transformers' greedy output every time. The run's graph and the single step's once shared
+    the plan's outputs, and a run recaptured after the single step's capture left the single
+    step reading the run's stale tokens (fp32 on an H100, 2026-11-27: 3/8 MT-bench answers
+    equal to HF's)."""
+    model = long_tiny(layers=4)
+    drafter = None
+    if drafted:
+        drafter = StaticEagle3Drafter(cuda_eagle3(model), TargetHead.of(model), **EAGLE3_TREE)
+    decoder = Decoder(model, drafter, DecodeOptions(verify="captured", chain=4))
+    for length in (5, 40, 9, 130, 70, 300, 12, 520, 33):
+        prompt = [(11 * i + length) % 90 + 3 for i in range(length)]
+        ids = torch.tensor(prompt, device=CUDA)
+        result = decoder.generate(ids, max_new_tokens=41, eos_token_ids=())
+        assert result.tokens == hf_greedy(model, prompt, 41), length

@@ -4,6 +4,8 @@ not see."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -46,6 +48,27 @@ def test_rows_are_placed_written_after_their_own_tokens_and_moved() -> None:
     cache.drop_last()
     assert cache.lengths == [3]
     assert layer.key_buffer[0, 0, :3, 0].tolist() == [9.0, 20.0, 21.0]
+
+
+def test_growing_frees_the_old_buffers_at_once() -> None:
+    """A growth keeps the contents and leaves nothing holding the old buffers (the live views
+    point into the new ones), so it needs one layer's extra memory, not the cache's twice."""
+    cache = RaggedCache(num_layers=1, slots=2, capacity=4)
+    keys = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 9.0]])[:, None, :, None]
+    cache.place(prefilled(keys), [3, 1])
+    layer = cache.ragged_layers[0]
+    cache.begin_step(1, torch.device("cpu"))
+    new = torch.tensor([[4.0], [8.0]])[:, None, :, None]
+    layer.update(new, -new)  # the live views now exist
+    old_keys, old_values = weakref.ref(layer.key_buffer), weakref.ref(layer.value_buffer)
+    cache.reserve(40)
+    assert old_keys() is None and old_values() is None
+    assert layer.key_buffer.shape[2] >= 40
+    assert layer.keys is not None
+    assert layer.keys.untyped_storage().data_ptr() == layer.key_buffer.untyped_storage().data_ptr()
+    assert layer.keys.shape == (2, 1, cache.width, 1)
+    assert layer.key_buffer[0, 0, :4, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert layer.value_buffer[1, 0, :2, 0].tolist() == [-9.0, -8.0]
 
 
 def test_a_step_on_an_unprepared_shape_is_refused() -> None:

@@ -16,23 +16,29 @@ drawn for every step of the run before it). :class:`DeviceChain` runs
 
 and keeps each step's count and committed tokens; the host reads them all once, after the run,
 and commits them step by step (an EOS or the token limit inside the run drops the rest). On CUDA
-the run is one graph, captured on first use and again when a buffer it holds is replaced (a
-cache grown). Greedy or lossless sampling; drafters with the ``chain_*`` methods (the static
-EAGLE drafters, Medusa heads, and plain decoding's empty drafter, whose steps are a token
-each). The tokens and acceptance lengths are the single steps' (greedy; sampled, the same too
-with a host generator, whose uniforms a run draws in the order single steps draw them:
-``tests/test_device_chain.py``, ``tests/test_device_step.py``).
+one step is one graph (captured on first use and again when a buffer it holds is replaced, a
+cache grown), replayed ``steps`` times back to back: the host queues the run's steps without
+waiting, a device index picking each step's row of results and uniforms. (The whole run as
+one graph, before, was launched on an H100 at a host cost growing as the square of the run:
+0.6, 2.4 and 9.9 ms for runs of 2, 4 and 8 plain steps, ``scripts/device/chain_probe.py``;
+``decode_figures.py`` with the real target measured MT-bench x8 at 180 tokens/s 8 tokens a
+run against 283 a token a run.) Greedy or lossless sampling; drafters with the ``chain_*``
+methods (the static EAGLE drafters, Medusa heads, and plain decoding's empty drafter, whose
+steps are a token each). The tokens and acceptance lengths are the single steps' (greedy;
+sampled, the same too with a host generator, whose uniforms a run draws in the order single
+steps draw them: ``tests/test_device_chain.py``, ``tests/test_device_step.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from headway.decode.captured import block_bucket, run_graph
+from headway.decode.captured import block_bucket, record_graph
 from headway.decode.device_step import DeviceStep, DeviceVerify, draw_uniforms
 from headway.decode.sampling import GREEDY, SamplingParams
 from headway.decode.session import Session, commit
@@ -121,10 +127,11 @@ class DeviceChain:
 
     def __init__(self, verify: DeviceVerify, drafter: ChainDrafter, steps: int) -> None:
         self.verify, self.drafter, self.steps = verify, drafter, steps
-        self._graph: Any = None
+        self._graph: Any = None  # one step, replayed ``steps`` times a run
         self._held: tuple[object, ...] = ()  # the buffers the graph was captured over
         self._results: Tensor | None = None  # [steps, 1 + rows]: count, committed tokens
         self._work: Tensor | None = None  # [2]: the running root and prefix length
+        self._index: Tensor | None = None  # [1]: the step of the run being taken
         self._noise: Tensor | None = None  # sampled runs: [steps, n + V], drawn before each
 
     def columns(self) -> int:
@@ -150,8 +157,8 @@ class DeviceChain:
         nodes = drafter.chain_nodes()
         # the last step's block is padded to its bucket (DeviceVerify._body writes all of it)
         target.reserve(prefix_len + self.columns() + block_bucket(nodes + 1))
-        plan = verify._plan(nodes, hidden_layers, sampling)
-        drafter.chain_stage()  # what the body starts from, however often it runs
+        plan = verify._plan(nodes, hidden_layers, sampling, chained=True)
+        drafter.chain_stage()  # what a run starts from, however often its step runs
         held = (target.cache, plan, *drafter.chain_buffers())
         same = len(held) == len(self._held) and all(
             a is b for a, b in zip(held, self._held, strict=True)
@@ -160,6 +167,7 @@ class DeviceChain:
             self._graph = None  # a buffer it reads or writes was replaced: capture again
             self._results = plan.staged.new_zeros(self.steps, plan.rows + 1)
             self._work = plan.staged.new_zeros(2)
+            self._index = plan.staged.new_zeros(1)
             self._noise = None
             self._held = held
         if not sampling.greedy:
@@ -169,9 +177,14 @@ class DeviceChain:
             draw_uniforms(self._noise, generator)
         plan.host[0], plan.host[1] = root, prefix_len
         plan.staged.copy_(plan.host, non_blocking=True)
-        body = lambda: self._body(plan, hidden_layers, sampling)  # noqa: E731
+        step = lambda: self._body(plan, hidden_layers, sampling)  # noqa: E731
         with drafter.chain_context():
-            self._graph = run_graph(self._graph, body, target.model.device, target.capture)
+            self._begin(plan)
+            if self._graph is None and self._captures():
+                self._graph = self._record(step, target.model.device)
+                self._begin(plan)  # the capture ran the step: the run starts again
+            for _ in range(self.steps):  # queued back to back, no host read between
+                step() if self._graph is None else self._graph.replay()
         rows: list[list[int]] = self._results.cpu().tolist()  # the run's one read of the device
         steps = [row[1 : 1 + row[0]] for row in rows]
         committed = sum(len(tokens) for tokens in steps)
@@ -179,29 +192,47 @@ class DeviceChain:
         drafter.chain_done(committed)
         return steps
 
-    def _body(self, plan: Any, hidden_layers: tuple[int, ...], sampling: SamplingParams) -> None:
-        """Device work only: the chained steps, each reading the root and prefix the last one
-        left in ``_work`` (a copy of the staged ones), the drafter's inputs the last one left
-        (from its staged state) and, sampled, its own row of the uniforms drawn before the
-        run: a second run of the body does the same."""
-        assert self._work is not None and self._results is not None
-        work = self._work
-        work.copy_(plan.staged)
+    def _captures(self) -> bool:
+        """Whether the step runs from a CUDA graph (the target's captured path)."""
+        return bool(self.verify.target.capture)
+
+    @staticmethod
+    def _record(step: Callable[[], None], device: torch.device) -> Any:
+        """The step captured as a CUDA graph in a pool of its own (:func:`record_graph` runs
+        it eagerly twice, captures it and replays it once: three steps taken, undone by the
+        caller's next :meth:`_begin`)."""
+        return record_graph(step, device, torch.cuda.graph_pool_handle())
+
+    def _begin(self, plan: Any) -> None:
+        """A run's start (a few device copies, outside the graph): the root and prefix from
+        the staged ones, the drafter's state from the one it kept, the step index at 0."""
+        assert self._work is not None and self._index is not None
+        self._work.copy_(plan.staged)
         self.drafter.chain_begin()
-        for index in range(self.steps):
-            tokens, parents = self.drafter.chain_propose()
-            if plan.nodes:  # plain decoding's empty tree has nothing to copy
-                plan.tokens.copy_(tokens)
-                plan.parents.copy_(parents)
-            noise = None if self._noise is None else self._noise[index]
-            self.verify._body(plan, hidden_layers, sampling, staged=work, noise=noise)
-            out = plan.out
-            assert out is not None
-            self._results[index].copy_(out)
-            count = out[0]
-            self.drafter.chain_observe(out[1:], plan.hidden, count)
-            work[0:1].copy_(out.index_select(0, count.reshape(1)))  # the last committed token
-            work[1:2].add_(count)  # the cache now holds the root and the accepted nodes
+        self._index.zero_()
+
+    def _body(self, plan: Any, hidden_layers: tuple[int, ...], sampling: SamplingParams) -> None:
+        """One step, device work only (what the graph holds): it reads the root and prefix
+        the step before left in ``_work``, the drafter's inputs the step before left and,
+        sampled, the row of the uniforms at the device's step index; writes its count and
+        committed tokens to that row of the results and moves the index on. The same graph
+        replayed takes the run's next step."""
+        assert self._work is not None and self._results is not None and self._index is not None
+        work, index = self._work, self._index
+        tokens, parents = self.drafter.chain_propose()
+        if plan.nodes:  # plain decoding's empty tree has nothing to copy
+            plan.tokens.copy_(tokens)
+            plan.parents.copy_(parents)
+        noise = None if self._noise is None else self._noise.index_select(0, index)[0]
+        self.verify._body(plan, hidden_layers, sampling, staged=work, noise=noise)
+        out = plan.out
+        assert out is not None
+        self._results.index_copy_(0, index, out[None])
+        count = out[0]
+        self.drafter.chain_observe(out[1:], plan.hidden, count)
+        work[0:1].copy_(out.index_select(0, count.reshape(1)))  # the last committed token
+        work[1:2].add_(count)  # the cache now holds the root and the accepted nodes
+        index.add_(1)
 
 
 def chained_step(session: Session, step: DeviceStep) -> bool:
@@ -217,9 +248,7 @@ def chained_step(session: Session, step: DeviceStep) -> bool:
         return False
     root = int(session.sequence[session.length - 1])
     hidden_layers = session.drafter.hidden_layers
-    runs = chain.run(
-        root, session.length - 1, hidden_layers, session.sampling, session.generator
-    )
+    runs = chain.run(root, session.length - 1, hidden_layers, session.sampling, session.generator)
     for tokens in runs:
         commit(session, tokens)
         if session.stop_reason is not None:

@@ -87,7 +87,7 @@ class DeviceVerify:
     def __init__(self, target: StaticForward, max_depth: int) -> None:
         self.target = target
         self.max_depth = max_depth
-        self._plans: dict[tuple[int, tuple[int, ...], SamplingParams], _Plan] = {}
+        self._plans: dict[tuple[int, tuple[int, ...], SamplingParams, bool], _Plan] = {}
 
     def run(
         self,
@@ -129,8 +129,19 @@ class DeviceVerify:
         Gumbel noise over the vocabulary."""
         return plan.nodes + int(self.target.model.get_output_embeddings().weight.shape[0])
 
-    def _plan(self, nodes: int, hidden_layers: tuple[int, ...], sampling: SamplingParams) -> _Plan:
-        key = (nodes, hidden_layers, sampling)
+    def _plan(
+        self,
+        nodes: int,
+        hidden_layers: tuple[int, ...],
+        sampling: SamplingParams,
+        chained: bool = False,
+    ) -> _Plan:
+        """The plan of one tree size, set of hidden layers and sampling setting; a chained
+        run's own (``chained``): ``out`` and ``hidden`` are bound to the tensors of the graph
+        captured last, so a single step's graph and a chained run's must not share a plan (a
+        run recaptured after the single step's capture left the single step reading the
+        run's stale ``out``: other tokens than greedy's, on CUDA only)."""
+        key = (nodes, hidden_layers, sampling, chained)
         if any(plan.cache is not self.target.cache for plan in self._plans.values()):
             self._plans.clear()  # the cache grew: every graph wrote into the old one
         plan = self._plans.get(key)

@@ -49,16 +49,19 @@ class DecodeOptions:
     chain: device steps per run (:mod:`headway.decode.device_chain`; without a drafter a
         step is a token): each step's committed count, next root and prefix length stay on the
         device for the next (sampled, each step's uniforms are drawn before the run), so a GPU
-        replays one graph and the host reads it once per ``chain`` steps instead of once a step
-        (the last few steps of a generation one at a time; 1: always one). Same tokens either
-        way (sampled: with a generator on the host; on a GPU the same distribution).
+        takes ``chain`` steps back to back and the host reads it once per run instead of once
+        a step (the last few steps of a generation one at a time). Default 1: on an H100
+        (2026-11-27, bf16, MT-bench x8) runs of 8 captured as one graph ran 0.63x (plain) and
+        0.50x (the shipped EAGLE-3) of a read a step; runs now replay a one-step graph, not
+        yet measured on a GPU. Same tokens either way (sampled: with a generator on the host;
+        on a GPU the same distribution).
     """
 
     sizing: Sizing = field(default="drafter")
     acceptance: AcceptanceRule = field(default="lossless")
     verify: VerifyPath = field(default="eager")
     device_trees: bool = field(default=True)
-    chain: int = field(default=8)
+    chain: int = field(default=1)
 
     def __post_init__(self) -> None:
         if not isinstance(self.chain, int) or self.chain < 1:

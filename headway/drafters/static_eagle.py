@@ -222,8 +222,13 @@ class StaticDrafting(EagleDrafter):
 
     def chain_propose(self) -> tuple[Tensor, Tensor]:
         """:meth:`propose_on_device` inside a chained run (:meth:`chain_context`): the step
-        run eagerly, in the caller's graph (device work only)."""
+        run eagerly, in the caller's graph (device work only). The step rebinds ``_kept`` to
+        the run graph's tensors, so this drafter's own graph (a single step's) is dropped and
+        captured again on its next use, rebinding them to its own (on CUDA a run's body runs
+        only while it is captured; else a single step after a recaptured run would propose
+        the run's stale tree)."""
         self._step()
+        self._drop_graph()
         return self._kept
 
     def chain_observe(self, tokens: Tensor, hidden: tuple[Tensor, ...], count: Tensor) -> None:

@@ -30,7 +30,7 @@ __all__ = ["CAPTURED_BODIES", "count_decoding", "dispatch_table", "seeds_of"]
 CAPTURED_BODIES: tuple[tuple[type, str], ...] = (
     (StaticForward, "_body"),  # the captured verify forward
     (DeviceVerify, "_body"),  # the device step's verify
-    (DeviceChain, "_body"),  # device steps, several a run
+    (DeviceChain, "_body"),  # a chained run's step, replayed once a step
     (StaticDrafting, "_step"),  # a static drafter's step
 )
 """(class, method) of every body a GPU records as a CUDA graph (through

@@ -69,6 +69,7 @@ __all__ = [
     "Completion",
     "ContinuousBatcher",
     "grouped_attention",
+    "shared_prefix",
 ]
 
 
@@ -104,6 +105,17 @@ def _releasing_packed(model: PreTrainedModel, route: Route) -> Iterator[None]:
     finally:
         if route == "packed":
             forget_packed(model)
+
+
+def shared_prefix(before: list[int], now: list[int]) -> int:
+    """Tokens ``now`` shares with ``before`` from the start, leaving ``now`` one to feed (a
+    continued turn prefills at least its last token)."""
+    common = 0
+    for a, b in zip(before, now[:-1], strict=False):
+        if a != b:
+            break
+        common += 1
+    return common
 
 
 class ContinuousBatcher:
@@ -268,11 +280,7 @@ class ContinuousBatcher:
             return
         key, ids = self.waiting[-1]
         held = (row.prompt + row.tokens)[: cache.lengths[index]]  # what the row's columns hold
-        common = 0
-        for before, now in zip(held, ids[:-1], strict=False):  # one token left to feed at least
-            if before != now:
-                break
-            common += 1
+        common = shared_prefix(held, ids)
         if common:
             self.waiting.pop()
             self.resuming.append((key, ids, cache.row_cache(index, common)))

@@ -12,16 +12,19 @@ captures again and again is slow for it). Sections, each printed and written to
 ``OUT/decode_figures.md`` (and ``.json``) as soon as it is measured, the later ones skipped once
 ``--budget-s`` is spent:
 
-1. bfloat16, greedy: plain captured decoding 8 tokens a run (the default) and one a run (the
-   per-step cost of the loop), the trees of ``--trees`` (8 device steps a run, the default),
-   the first tree one step a run, the cost-sized host step;
-2. float32, greedy: HF greedy with a static cache (the reference every row must equal; HF's
-   eager greedy equalled it 8/8 on 2026-11-27 and costs half a minute), the default tree and
-   the largest tree;
-3. bfloat16, temperature 1.0: plain captured sampling against the sampled device step (both
-   8 steps a run since sampled steps chain too);
+1. bfloat16, greedy: plain captured decoding a host read a token (the default) and 8 tokens a
+   run (``DecodeOptions.chain``: one step's graph replayed 8 times, one read), the trees of
+   ``--trees`` (a read a step, the default), the first tree 8 steps a run, the cost-sized
+   host step;
+2. float32, greedy: HF's eager greedy (``generate(do_sample=False)``: the reference every row
+   must equal) and its static-cache greedy (which transformers compiles on CUDA), plain
+   captured decoding (one and 8 tokens a run), the default and the largest tree, the default
+   tree 8 steps a run (on 2026-11-27 the chained rows gave 3/8 and 7/8 of HF's answers: a run
+   and a single step shared their outputs; ``tests/test_device_chain.py``);
+3. bfloat16, temperature 1.0: plain captured sampling against the sampled device step;
 4. bfloat16, ``--verify compiled`` (``torch.compile`` first: a minute or more per block size;
-   the drafter's step forwards compiled too, as ``headway generate`` runs them);
+   the drafter's step forwards compiled too, as ``headway generate`` runs them), the default
+   tree a read a step and 8 steps a run;
 5. profile: one answer of plain captured decoding and of the device step (bf16) under
    ``torch.profiler``: wall and GPU-busy time a step, the operator tables as files.
 
@@ -67,6 +70,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DRAFTER = ROOT / "drafters" / "smollm2-135m-eagle3"
 TREE_TAUS = Path(__file__).with_name("tree_taus.json")
 HF_STATIC, PLAIN = "hf greedy, static cache", "headway, no drafter, captured"
+HF_EAGER = "hf greedy (generate, dynamic cache)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -211,7 +215,7 @@ def eagle_row(
     shape: tuple[int, int, int],
     verify: str = "captured",
     temperature: float = 0.0,
-    chain: int = 8,
+    chain: int = 1,
 ) -> Row:
     """The drafter with tree ``shape`` as ``headway generate`` runs it on a GPU: static drafting,
     sized by the drafter, so each step runs on the device (``DecodeOptions.device_trees``),
@@ -223,18 +227,18 @@ def eagle_row(
     decoder = Decoder(target.model, build_drafter(spec, target), options)
     name = f"EAGLE-3, top_k {top_k}, depth {depth}, {total} tokens, device step"
     name += "" if verify == "captured" else f", {verify}"
-    name += "" if chain == 8 else f", {chain} step(s) a run"
+    name += "" if chain == 1 else f", {chain} steps a run"
     return Row(name, runner(decoder, name, temperature))
 
 
 def plain_row(
-    target: Target, verify: str = "captured", temperature: float = 0.0, chain: int = 8
+    target: Target, verify: str = "captured", temperature: float = 0.0, chain: int = 1
 ) -> Row:
     """headway without a drafter, ``chain`` tokens a run (``DecodeOptions.chain``)."""
     options = DecodeOptions(verify=verify, chain=chain)  # type: ignore[arg-type]
     decoder = Decoder(target.model, None, options)
     name = PLAIN if verify == "captured" else f"headway, no drafter, {verify}"
-    name += "" if chain == 8 else f", {chain} token(s) a run"
+    name += "" if chain == 1 else f", {chain} tokens a run"
     return Row(name, runner(decoder, name, temperature))
 
 
@@ -244,9 +248,9 @@ def section_rows(args: argparse.Namespace, section: str, target: Target) -> list
     heads = args.drafter
     if section == "bfloat16":
         rows = [Row(HF_STATIC, hf_runner(None, static=True)), plain_row(target)]
-        rows.append(plain_row(target, chain=1))  # a host read a token: what a step costs
+        rows.append(plain_row(target, chain=8))  # a host read per 8 tokens
         rows += [eagle_row(target, heads, shape) for shape in shapes]
-        rows.append(eagle_row(target, heads, shapes[0], chain=1))  # a host read a step
+        rows.append(eagle_row(target, heads, shapes[0], chain=8))  # a host read per 8 steps
         top_k, depth, total = shapes[0]
         spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total)
         options = DecodeOptions(sizing="cost", verify="captured")
@@ -254,10 +258,12 @@ def section_rows(args: argparse.Namespace, section: str, target: Target) -> list
         name = f"EAGLE-3, {total} tokens, cost-sized, host step, captured"
         rows.append(Row(name, runner(decoder, name)))
         return rows
-    if section == "float32":
-        rows = [Row(HF_STATIC, hf_runner(None, static=True)), plain_row(target)]
+    if section == "float32":  # identity against generate(do_sample=False), the quality bar's
+        rows = [Row(HF_EAGER, hf_runner(None)), Row(HF_STATIC, hf_runner(None, static=True))]
+        rows += [plain_row(target), plain_row(target, chain=8)]
         ends = dict.fromkeys((shapes[0], shapes[-1]))  # the first (default) and the last tree
-        return rows + [eagle_row(target, heads, shape) for shape in ends]
+        rows += [eagle_row(target, heads, shape) for shape in ends]
+        return [*rows, eagle_row(target, heads, shapes[0], chain=8)]
     if section == "sampled":
         return [plain_row(target, temperature=1.0)] + [
             eagle_row(target, heads, shape, temperature=1.0)
@@ -266,7 +272,8 @@ def section_rows(args: argparse.Namespace, section: str, target: Target) -> list
     if section == "compiled":
         rows = [Row(HF_STATIC, hf_runner(None, static=True)), plain_row(target)]
         rows.append(plain_row(target, "compiled"))
-        return [*rows, eagle_row(target, heads, shapes[0], "compiled")]
+        rows.append(eagle_row(target, heads, shapes[0], "compiled"))
+        return [*rows, eagle_row(target, heads, shapes[0], "compiled", chain=8)]
     raise SystemExit(f"--sections: {section!r} is none of bfloat16, float32, sampled, compiled")
 
 
