@@ -16,6 +16,7 @@ The training run's sections live in :mod:`headway.run_config`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
@@ -27,7 +28,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 import yaml
-from transformers import HfArgumentParser
 
 from headway.errors import ConfigError
 
@@ -43,16 +43,17 @@ def field_help(text: str, **metadata: Any) -> dict[str, Any]:
     return {"help": text, **metadata}
 
 
-class _SectionParser(HfArgumentParser):
-    """HfArgumentParser that raises :class:`ConfigError` instead of exiting the process."""
+def _section_parser(section_type: type[Any], where: str, section: str) -> argparse.ArgumentParser:
+    """transformers' ``HfArgumentParser`` for ``section_type``, raising :class:`ConfigError`
+    instead of exiting the process (transformers imported here, not when the module loads:
+    ``headway --help`` reads this module)."""
+    from transformers import HfArgumentParser
 
-    def __init__(self, section_type: type[Any], where: str, section: str) -> None:
-        super().__init__(typing.cast(Any, section_type), exit_on_error=False, add_help=False)
-        self._where = where
-        self._section = section
+    class SectionParser(HfArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            raise ConfigError(f"{where}: {_readable(message, section)}")
 
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{self._where}: {_readable(message, self._section)}")
+    return SectionParser(typing.cast(Any, section_type), exit_on_error=False, add_help=False)
 
 
 def _readable(message: str, section: str) -> str:
@@ -141,7 +142,7 @@ def parse_section(section_type: type[T], values: Mapping[str, Any], *, where: st
         given[key] = tokens
         # `--key=value` keeps a value that looks like an option ('-inf', '--') a value.
         argv += [f"--{key}={tokens[0]}"] if len(tokens) == 1 else [f"--{key}", *tokens]
-    parser = _SectionParser(section_type, where, name)
+    parser = _section_parser(section_type, where, name)
     try:
         namespace, remaining = parser.parse_known_args(argv)
     except ConfigError:

@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from headway.atomic import remove_dead_writers_leftovers, temporary_name
 from headway.errors import TargetError
@@ -76,6 +75,8 @@ def convert_gguf(gguf_path: Path) -> Path:
 
 def _convert(gguf_path: Path, final: Path) -> Path:
     """:func:`convert_gguf`'s conversion, under its lock (which made ``final.parent``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     # Conversions a SIGKILL interrupted (of this or any other GGUF) leave their staging folder,
     # named with their pid: remove those whose process is gone.
     remove_dead_writers_leftovers(final.parent)

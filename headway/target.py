@@ -19,14 +19,16 @@ import hashlib
 import logging
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from headway.errors import TargetError
 from headway.gguf_target import convert_gguf, converted_folder, embedded_gguf_path
+
+if TYPE_CHECKING:  # transformers loads with the first target, not with this module
+    from transformers import PreTrainedModel
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +157,8 @@ def target_config(name_or_path: str | Path, *, trust_remote_code: bool = False) 
     """The target's ``PretrainedConfig`` without loading (or converting) its weights, offline:
     a GGUF file's converted folder when there is one, else the GGUF header itself; a folder's
     ``config.json``; a model id's config in the local HF cache."""
+    from transformers import AutoConfig
+
     spec = str(name_or_path)
     gguf = embedded_gguf_path() if spec == DEFAULT_TARGET else Path(spec).expanduser()
     options = {"local_files_only": True, "trust_remote_code": trust_remote_code}
@@ -189,6 +193,8 @@ def _load_model(
 ) -> PreTrainedModel:
     """The model with the attention implementation asked for; ``"auto"`` takes sdpa where the
     model supports it and eager otherwise (both take headway's 4-D masks)."""
+    from transformers import AutoModelForCausalLM
+
     wanted = "sdpa" if attention == "auto" else attention
     try:
         return AutoModelForCausalLM.from_pretrained(
@@ -254,6 +260,8 @@ def load_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """The target's tokenizer alone, offline, as :func:`load_target` loads it (no weights are
     read; a ``.gguf`` target is still converted once)."""
+    from transformers import AutoTokenizer
+
     source = resolve_target_path(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(

@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from headway import target as target_module
 from headway.errors import TargetError
 from headway.gguf_target import convert_gguf, converted_folder
 from headway.locks import exclusive_output
@@ -131,9 +130,7 @@ def test_conversion_is_reused_once_complete(
         return tiny_model("llama")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake_load)
-    monkeypatch.setattr(
-        target_module.AutoTokenizer, "from_pretrained", lambda *a, **k: smollm2_tokenizer()
-    )
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: smollm2_tokenizer())
     first = convert_gguf(gguf)
     second = convert_gguf(gguf)
     assert first == second and (first / "config.json").is_file()

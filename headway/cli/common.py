@@ -6,18 +6,20 @@ import argparse
 import json
 import logging
 import typing
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from headway.decode.gemm import GemmChoice, apply_gemm
-from headway.decode.generate import Drafter
 from headway.decode.options import DecodeOptions, verify_path
-from headway.drafters.resolve import DrafterChoice
 from headway.drafters.specs import describe_specs
 from headway.errors import HeadwayError
 from headway.hardware import generation_dtype, regeneration_dtype
 from headway.target import Target, load_target, resolve_device
+
+if TYPE_CHECKING:  # transformers comes with these: imported where a command runs, not for --help
+    from headway.decode.generate import Drafter
+    from headway.drafters.resolve import DrafterChoice
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from headway.cli.values import text
 from headway.errors import HeadwayError
-from headway.heads.loading import ENGINE_FORMATS
+from headway.heads.format_names import FORMAT_SUMMARIES
 from headway.locks import exclusive_output
 
 MEDUSA2_TARGET = "medusa2-target"
@@ -33,6 +33,7 @@ def _export(args: argparse.Namespace, run_dir: Path, out_dir: Path) -> tuple[Pat
     """Write the export; returns where, and whether the run was a Medusa-2 run."""
     from headway.heads.export_medusa2 import export_medusa2_target
     from headway.heads.io import load_heads, with_dtype
+    from headway.heads.loading import ENGINE_FORMATS
     from headway.target import resolve_dtype
 
     medusa2_heads = False
@@ -53,7 +54,7 @@ def _export(args: argparse.Namespace, run_dir: Path, out_dir: Path) -> tuple[Pat
 
 
 def add_export(commands: argparse._SubParsersAction) -> None:
-    formats = {name: engine.summary for name, engine in ENGINE_FORMATS.items()}
+    formats = dict(FORMAT_SUMMARIES)
     formats[MEDUSA2_TARGET] = MEDUSA2_TARGET_SUMMARY
     parser = commands.add_parser(
         "export",

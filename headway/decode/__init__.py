@@ -4,14 +4,30 @@ The decode core works on token ids only (no tokenizer) and never imports ``headw
 ``headway.train``; drafters (every one lives in :mod:`headway.drafters`) plug in through the
 :class:`~headway.decode.generate.Drafter` protocol (and, to keep their trees on a GPU, the
 :class:`~headway.decode.device_step.DeviceDrafter` protocol).
+
+The names below load their modules (and torch) on first use, so that importing a light
+submodule (``headway.decode.options``, for the command line's flags) stays light. The
+decoding function is :func:`headway.decode.generate.generate` (``headway.decode.generate`` is
+its module).
 """
 
 from __future__ import annotations
 
-from headway.decode.generate import Drafter, GenerationResult, generate
-from headway.decode.sampling import SamplingParams, probs_from_logits
-from headway.decode.tree import DraftTree, StaticTree, chain, static_tree
-from headway.decode.verify import Acceptance, TypicalParams
+import importlib
+from typing import Any
+
+_HOMES = {
+    "Drafter": "generate",
+    "GenerationResult": "generate",
+    "SamplingParams": "sampling",
+    "probs_from_logits": "sampling",
+    "DraftTree": "tree",
+    "StaticTree": "tree",
+    "chain": "tree",
+    "static_tree": "tree",
+    "Acceptance": "verify",
+    "TypicalParams": "verify",
+}
 
 __all__ = [
     "Acceptance",
@@ -22,7 +38,13 @@ __all__ = [
     "StaticTree",
     "TypicalParams",
     "chain",
-    "generate",
     "probs_from_logits",
     "static_tree",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'headway.decode' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"headway.decode.{home}"), name)

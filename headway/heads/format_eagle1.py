@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from headway.heads.eagle import EagleConfig, eagle_tensor_shapes, rope_scaling_of
+from headway.heads.format_names import FORMAT_SUMMARIES
 from headway.heads.formats import (
     EngineFormat,
     ImportedHeads,
@@ -208,7 +209,7 @@ def _read(folder: Path, target_layers: int) -> ImportedHeads:
 
 EAGLE1 = EngineFormat(
     name="eagle1",
-    summary="EAGLE-1/2 reference layout (fc + one decoder layer)",
+    summary=FORMAT_SUMMARIES["eagle1"],
     method="eagle1",
     detect=is_eagle1_folder,
     read=_read,

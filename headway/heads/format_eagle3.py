@@ -53,6 +53,7 @@ from torch import Tensor
 
 from headway.heads.eagle import rope_scaling_of
 from headway.heads.eagle3 import Eagle3Config, default_feature_layers, eagle3_tensor_shapes
+from headway.heads.format_names import FORMAT_SUMMARIES
 from headway.heads.formats import (
     EngineFormat,
     ImportedHeads,
@@ -317,7 +318,7 @@ def _read(folder: Path, target_layers: int) -> ImportedHeads:
 
 EAGLE3_HF = EngineFormat(
     name="eagle3-hf",
-    summary="vLLM / SGLang EAGLE-3 (LlamaForCausalLMEagle3, d2t/t2d)",
+    summary=FORMAT_SUMMARIES["eagle3-hf"],
     method="eagle3",
     detect=is_eagle3_folder,
     read=_read,

@@ -36,6 +36,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from headway.heads.format_names import FORMAT_SUMMARIES
 from headway.heads.formats import EngineFormat, ImportedHeads, engine_config, read_weights_only
 from headway.heads.io import (
     CONFIG_NAME,
@@ -337,7 +338,7 @@ def _read(folder: Path, target_layers: int) -> ImportedHeads:
 
 MEDUSA = EngineFormat(
     name="medusa",
-    summary="FasterDecoding/Medusa reference layout (medusa_lm_head.safetensors)",
+    summary=FORMAT_SUMMARIES["medusa"],
     method="medusa1",
     detect=is_medusa_reference_folder,
     read=_read,
@@ -345,7 +346,7 @@ MEDUSA = EngineFormat(
 )
 MEDUSA_VLLM = EngineFormat(
     name="medusa-vllm",
-    summary="vLLM MedusaModel (config.json + model.safetensors, medusa_fc_bias)",
+    summary=FORMAT_SUMMARIES["medusa-vllm"],
     method="medusa1",
     detect=is_medusa_vllm_folder,
     read=_read,

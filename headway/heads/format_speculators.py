@@ -40,6 +40,7 @@ from torch import Tensor
 
 from headway.heads.eagle3 import Eagle3Config, eagle3_tensor_shapes
 from headway.heads.format_eagle3 import eagle3_config_from, feature_layers_of
+from headway.heads.format_names import FORMAT_SUMMARIES
 from headway.heads.formats import (
     EngineFormat,
     ImportedHeads,
@@ -354,7 +355,7 @@ def is_speculators_folder(folder: Path) -> bool:
 
 SPECULATORS = EngineFormat(
     name="speculators",
-    summary="vLLM-native speculators EAGLE-3 (speculators_config; vllm serve DIR)",
+    summary=FORMAT_SUMMARIES["speculators"],
     method="eagle3",
     detect=is_speculators_folder,
     read=import_speculators,

@@ -11,9 +11,9 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import Tensor
-from transformers import PreTrainedModel
 
 from headway.heads.eagle import EagleConfig
 from headway.heads.eagle3 import Eagle3Config
@@ -31,6 +31,9 @@ from headway.heads.io import (
 )
 from headway.heads.medusa import MedusaConfig
 from headway.target import check_fingerprint, fingerprint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
