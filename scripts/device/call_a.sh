@@ -2,7 +2,8 @@
 # Call A of the two-call plan (README.md, "With two calls"), carry [.gpu/A]: keep the first GGUF
 # part, the prompts and the shipped drafter under /root, install the wheels, print the software,
 # run the CUDA tests (TEST_S seconds at most; 0: none), then the step costs (random weights, no
-# GGUF needed; COSTS_S seconds at most, 0: none).
+# GGUF needed; COSTS_S seconds at most, 0: none), then the chain probe (chain_probe.py, random
+# weights, chains of 1 and 8 steps: PROBE_S seconds at most, default 0: none; ~80 s).
 source scripts/device/env.sh
 export TQDM_DISABLE=1
 mkdir -p /root/gg /root/drafter
@@ -21,3 +22,8 @@ if [ "${TEST_S:-150}" -gt 0 ]; then
 fi
 [ "${COSTS_S:-100}" -gt 0 ] && timeout "${COSTS_S:-100}" python3 scripts/device/step_costs.py \
     --out "$OUT" --verify captured --tree-taus '' 2>&1 | grep -v Warning
+if [ "${PROBE_S:-0}" -gt 0 ]; then
+    timeout "${PROBE_S}" python3 scripts/device/chain_probe.py --out "$OUT" --chains 1,8 2>&1 \
+        | grep -v -i "warn\|trained for another"
+fi
+true
