@@ -223,3 +223,19 @@ def test_env_prints_what_a_bug_report_needs(
         assert name in printed, name
     for setting in ("auto regeneration dtype", "train.mixed_precision=auto", "--gemm auto"):
         assert setting in printed, setting
+
+
+def test_chain_reaches_the_decode_options_and_zero_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--chain STEPS`` (default 1) is the decoder's ``DecodeOptions.chain``; 0 is refused by
+    the parser in one line, not by a traceback from the options."""
+    from headway.cli.common import decode_options
+
+    cpu = torch.device("cpu")
+    assert decode_options(build_parser().parse_args(["generate", "hi"]), cpu).chain == 1
+    args = build_parser().parse_args(["eval", "--chain", "4"])
+    assert decode_options(args, cpu).chain == 4
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--chain", "0", "hi"])
+    assert "--chain: 0 is not an integer >= 1" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from headway.cli.values import POSITIVE
 from headway.decode.gemm import GemmChoice, apply_gemm
 from headway.decode.options import DecodeOptions, verify_path
 from headway.drafters.specs import describe_specs
@@ -173,7 +174,7 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--chain",
-        type=int,
+        type=POSITIVE,
         default=1,
         metavar="STEPS",
         help="with --verify captured or compiled and a drafter whose trees stay on the GPU "
