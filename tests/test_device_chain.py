@@ -156,7 +156,7 @@ def test_a_run_and_a_single_step_do_not_share_outputs() -> None:
     """A run's graph and a single step's bind their outputs (the plan's ``out`` and
     ``hidden``, the drafter's kept tree) to their own tensors, each at its capture: so a run
     verifies through a plan of its own, and a static drafter whose step ran inside a run
-    drops its own graph (recaptured, rebound, at its next single step). Shared, a run
+    drops its own graph at its next single step (recaptured there, rebound). Shared, a run
     recaptured after a single step's capture left the single step reading the run's stale
     output: other tokens than greedy's on an H100 (fp32, 2026-11-27)."""
     model, _ = target_and_truth("llama")
@@ -169,11 +169,12 @@ def test_a_run_and_a_single_step_do_not_share_outputs() -> None:
     kinds = {key[-1] for key in verifier._plans}
     assert kinds == {True, False}  # a chained plan and a single step's, apart
     static._graph = object()  # as if its single-step graph were captured
-    chain = decoder._chain
-    assert chain is not None
     with static.chain_context(), torch.inference_mode():
-        static.chain_propose()
-    assert static._graph is None
+        static.chain_propose()  # in a run's capture: nothing freed there
+    assert static._graph is not None and static._rebind
+    with torch.inference_mode():
+        static._draft(on_device=True)  # the next single step: dropped (captured anew on CUDA)
+    assert static._graph is None and not static._rebind
 
 
 def test_medusa_heads_chain_their_steps(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -121,6 +121,7 @@ class StaticDrafting(EagleDrafter):
         self._out: Tensor | None = None  # float64 [2n + 2m]: tokens, parents; kept, their scores
         self._graph: Any = None
         self._pool: Any = None
+        self._rebind = False  # a chained run's step rebound the outputs: capture again
 
     def _reserve(self, columns: int) -> None:
         """Hold at least ``columns`` columns (see :meth:`StaticForward.reserve`)."""
@@ -223,12 +224,13 @@ class StaticDrafting(EagleDrafter):
     def chain_propose(self) -> tuple[Tensor, Tensor]:
         """:meth:`propose_on_device` inside a chained run (:meth:`chain_context`): the step
         run eagerly, in the caller's graph (device work only). The step rebinds ``_kept`` to
-        the run graph's tensors, so this drafter's own graph (a single step's) is dropped and
+        the run graph's tensors, so this drafter's own graph (a single step's) is marked to be
         captured again on its next use, rebinding them to its own (on CUDA a run's body runs
         only while it is captured; else a single step after a recaptured run would propose
-        the run's stale tree)."""
+        the run's stale tree). Marked, not dropped: a graph freed during another's capture
+        is a CUDA call the capture may refuse."""
         self._step()
-        self._drop_graph()
+        self._rebind = True
         return self._kept
 
     def chain_observe(self, tokens: Tensor, hidden: tuple[Tensor, ...], count: Tensor) -> None:
@@ -339,9 +341,9 @@ class StaticDrafting(EagleDrafter):
     def _draft(self, *, on_device: bool) -> None:
         """Run the step for the device or the host proposal: replayed from its graph on CUDA,
         captured on first use (and again when the other proposal is asked for)."""
-        if on_device != self._on_device:
-            self._on_device = on_device
-            self._drop_graph()  # it makes the other proposal
+        if on_device != self._on_device or self._rebind:
+            self._on_device, self._rebind = on_device, False
+            self._drop_graph()  # it makes the other proposal, or a run's step rebound its outputs
         with self._routed():
             if not self.capture:
                 self._step()
