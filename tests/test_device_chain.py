@@ -138,18 +138,19 @@ def test_a_run_can_run_again_to_the_same_end(monkeypatch: pytest.MonkeyPatch) ->
     host) stay those of runs taken eagerly, and the step is captured once, not once a run."""
     model, _ = target_and_truth("llama")
 
-    def decode() -> tuple[list[int], list[int], tuple[int, int]]:
+    def decode(chain: int) -> tuple[list[int], list[int], tuple[int, int]]:
         _, static = _pair("trained", model, SHAPES["tree"])
-        decoder = Decoder(model, static, DecodeOptions(verify="captured", chain=4))
+        decoder = Decoder(model, static, DecodeOptions(verify="captured", chain=chain))
         result = decoder.generate(PROMPT, max_new_tokens=30, eos_token_ids=())
         on_device = int(static._before + static._n)  # committed pairs, as the device has it
         return result.tokens, result.accept_lengths, (on_device, static._committed)
 
-    once = decode()
+    eager = {chain: decode(chain) for chain in (2, 4)}  # 2: fewer rows than a capture's runs
     captures = emulate_capture(monkeypatch)
-    assert decode() == once
-    assert once[2][0] == once[2][1]  # the device and the host agree
-    assert len(captures) == 1
+    for chain, once in eager.items():
+        assert decode(chain) == once
+        assert once[2][0] == once[2][1]  # the device and the host agree
+    assert len(captures) == 2  # once a decoder, not once a run
 
 
 def test_a_run_and_a_single_step_do_not_share_outputs() -> None:

@@ -232,7 +232,7 @@ class DeviceChain:
         self.drafter.chain_observe(out[1:], plan.hidden, count)
         work[0:1].copy_(out.index_select(0, count.reshape(1)))  # the last committed token
         work[1:2].add_(count)  # the cache now holds the root and the accepted nodes
-        index.add_(1)
+        index.add_(1).clamp_(max=self.steps - 1)  # a capture runs the step thrice: stay in rows
 
 
 def chained_step(session: Session, step: DeviceStep) -> bool:
