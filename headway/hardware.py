@@ -32,6 +32,7 @@ import torch
 __all__ = [
     "AVX2_PROFILE",
     "CpuFeatures",
+    "available_memory",
     "cpu_features",
     "fast_bf16",
     "generation_dtype",
@@ -139,6 +140,19 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory the kernel says a process can still take without swapping
+    (``MemAvailable`` of ``/proc/meminfo``, read afresh each call); None where there is no such
+    file (not Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 @functools.cache

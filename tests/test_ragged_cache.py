@@ -89,3 +89,28 @@ def test_step_mask_lets_each_query_see_its_row_and_itself_only() -> None:
     visible = (mask == 0)[:, 0].tolist()
     assert visible[0] == [[True, True, True, False], [True, True, True, True]]
     assert visible[1] == [[True, False, False, False], [True, True, False, False]]
+
+
+def test_a_growth_the_host_cannot_hold_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU, growing past the memory available is a HeadwayError naming the slots, the
+    columns and --batch-size (a process killed for memory says nothing); the cache is left as
+    it was, and a growth that fits goes on."""
+    from headway.errors import HeadwayError
+    from headway.generation import ragged_cache
+
+    cache = RaggedCache(num_layers=1, slots=2, capacity=4)
+    keys = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 9.0]])[:, None, :, None]
+    cache.place(prefilled(keys), [3, 1])
+    layer = cache.ragged_layers[0]
+    column = 2 * 2 * 1 * 1 * 4  # keys and values of 2 slots, 1 head, head_dim 1, fp32
+    monkeypatch.setattr(ragged_cache, "available_memory", lambda: column * 100)
+    with pytest.raises(HeadwayError, match=r"2 slots would grow to 1000 columns.*--batch-size"):
+        cache.reserve(1000)
+    assert cache.capacity == 4 and layer.key_buffer.shape[2] == 4
+    cache.reserve(40)  # (40 - 4) + 40 columns' worth fits in 100
+    assert cache.capacity == 40 and layer.key_buffer[0, 0, :3, 0].tolist() == [1.0, 2.0, 3.0]
+    monkeypatch.setattr(ragged_cache, "available_memory", lambda: None)  # not Linux: no check
+    cache.reserve(1000)
+    assert cache.capacity == 1000

@@ -26,6 +26,8 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from headway.decode.kv import window_blocked
+from headway.errors import HeadwayError
+from headway.hardware import available_memory
 
 
 class RaggedLayer(DynamicLayer):
@@ -124,13 +126,35 @@ class RaggedCache(DynamicCache):
         return self._rows, self._columns
 
     def reserve(self, width: int) -> None:
-        """Make room for ``width`` columns (growing by a quarter at least, so rarely)."""
+        """Make room for ``width`` columns (growing by a quarter at least, so rarely). On a CPU
+        a growth the host's free memory cannot hold is refused in one line (naming the slots
+        and columns, and ``--batch-size``) instead of the process being killed for memory."""
         if width <= self.capacity:
             return
-        self.capacity = max(width, self.capacity + self.capacity // 4)
+        capacity = max(width, self.capacity + self.capacity // 4)
+        self._check_memory(capacity)
+        self.capacity = capacity
         for layer in self.ragged_layers:
             if layer.is_initialized:
                 layer.grow(self.capacity)
+
+    def _check_memory(self, capacity: int) -> None:
+        """Raise :class:`HeadwayError` if growing host buffers to ``capacity`` columns needs
+        more than the memory available now (the added columns of every layer, and one layer's
+        new buffers while its old ones are copied)."""
+        layers = [layer for layer in self.ragged_layers if layer.is_initialized]
+        if not layers or layers[0].key_buffer.device.type != "cpu":
+            return
+        buffer = layers[0].key_buffer  # [slots, kv_heads, capacity, head_dim]; values alike
+        column = 2 * buffer.shape[0] * buffer.shape[1] * buffer.shape[3] * buffer.element_size()
+        needed = column * ((capacity - self.capacity) * len(layers) + capacity)
+        free = available_memory()
+        if free is not None and needed > free:
+            raise HeadwayError(
+                f"the batch's key/value cache of {self.slots} slots would grow to {capacity} "
+                f"columns ({needed / 2**30:.1f} GiB more) with {free / 2**30:.1f} GiB free: "
+                "pass a smaller --batch-size (a regeneration resumes from its last shard)"
+            )
 
     def advance(self, kept: list[int]) -> None:
         """Each live row keeps ``kept[b]`` of the tokens its last forward wrote."""
