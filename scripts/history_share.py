@@ -19,7 +19,7 @@ from pathlib import Path
 
 from headway.corpus.jsonl import read_jsonl
 from headway.generation.batched_generation import shared_prefix
-from headway.target import DEFAULT_TARGET, load_target
+from headway.target import DEFAULT_TARGET, load_tokenizer
 from headway.train.answering import prompt_token_ids
 
 
@@ -29,15 +29,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shards", type=int, default=4, help="shards read (sorted by name)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="whose tokenizer and template")
     args = parser.parse_args(argv)
-    target = load_target(args.target, dtype="float32", device="cpu")
+    tokenizer = load_tokenizer(args.target)  # the template and ids: no weights needed
     whole = continued = answers = turns = 0
     for path in sorted(args.folder.glob("part-*.jsonl*"))[: args.shards]:
         for row in read_jsonl(path):
             messages = row["messages"]
             held: list[int] = []
             for turn in range(0, len(messages) - 1, 2):
-                ids = prompt_token_ids(target, messages[: turn + 1])
-                answer = target.tokenizer(messages[turn + 1]["content"], add_special_tokens=False)
+                ids = prompt_token_ids(tokenizer, messages[: turn + 1])
+                answer = tokenizer(messages[turn + 1]["content"], add_special_tokens=False)
                 whole += len(ids)
                 continued += len(ids) - shared_prefix(held, ids)
                 answers += len(answer["input_ids"]) + 1  # and its end of turn

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from headway.target import load_target
+from headway.target import load_tokenizer
 from headway.train.answering import prompt_token_ids
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
@@ -33,8 +33,8 @@ def test_a_later_turn_shares_the_whole_history(
     script = _script()
     assert script.shared_prefix([1, 2, 3], [1, 2, 3]) == 2  # one token left to feed
     assert script.shared_prefix([1, 2, 3], [1, 5, 3, 4]) == 1
-    folder = tmp_path / "target"
-    tiny_model("llama", vocab_size=400).save_pretrained(folder)
+    folder = tmp_path / "target"  # a config and a tokenizer: the script loads no weights
+    tiny_model("llama", vocab_size=400).config.save_pretrained(folder)
     smollm2_tokenizer().save_pretrained(folder)
     messages = [
         {"role": "user", "content": "hello there"},
@@ -46,10 +46,10 @@ def test_a_later_turn_shares_the_whole_history(
     shards.mkdir()
     row = {"id": "t/0", "source": "test", "messages": messages}
     (shards / "part-00000.jsonl.gz").write_bytes(gzip.compress(json.dumps(row).encode() + b"\n"))
-    target = load_target(str(folder), dtype="float32", device="cpu")
-    first = prompt_token_ids(target, messages[:1])
-    second = prompt_token_ids(target, messages[:3])
-    answer = target.tokenizer(messages[1]["content"], add_special_tokens=False)["input_ids"]
+    tokenizer = load_tokenizer(str(folder))
+    first = prompt_token_ids(tokenizer, messages[:1])
+    second = prompt_token_ids(tokenizer, messages[:3])
+    answer = tokenizer(messages[1]["content"], add_special_tokens=False)["input_ids"]
     held = first + answer
     assert second[: len(held)] == held  # the history re-tokenizes to the same ids
     script.main([str(shards), "--target", str(folder)])

@@ -314,9 +314,14 @@ class ContinuousBatcher:
         ).logits[:, -1]
         self.prefilled += len(ids) - start
         self.reused += start
-        cache.reserve(len(ids) + self.max_new_tokens + self.lookahead + 1)  # never grows
-        cache.place(past, [len(ids)])
+        self._place(cache, past, [len(ids)])
         return int(pick_tokens(logits, self.rule, self.generator)[0])
+
+    def _place(self, cache: RaggedCache, prefilled: DynamicCache, lengths: list[int]) -> None:
+        """Put prefilled rows of ``lengths`` tokens into ``cache``, sized first for their
+        longest answer and drafts, so that decoding them never grows it."""
+        cache.reserve(max(lengths) + self.max_new_tokens + self.lookahead + 1)
+        cache.place(prefilled, lengths)
 
     def _prefill(self, cache: RaggedCache, room: int) -> tuple[list[_Row], list[int]]:
         """Prefill up to ``room`` waiting prompts (and at most ``prefill_tokens`` padded
@@ -345,8 +350,7 @@ class ContinuousBatcher:
         ).logits[:, -1]
         lengths = [len(prompt) for _, prompt in batch]
         self.prefilled += sum(lengths)
-        cache.reserve(max(lengths) + self.max_new_tokens + self.lookahead + 1)  # never grows
-        cache.place(prefilled, lengths)
+        self._place(cache, prefilled, lengths)
         rows = [self._row(key, prompt) for key, prompt in batch]
         first: Tensor = pick_tokens(logits, self.rule, self.generator)
         return rows, first.tolist()

@@ -152,12 +152,11 @@ def answer_items(
     return _answer_in_padded_batches(target, items, options)
 
 
-def prompt_token_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
-    """The ids of `messages` through the chat template, ready for the assistant to answer."""
-    text = target.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False
-    )
-    return list(target.tokenizer(text, add_special_tokens=False)["input_ids"])
+def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The ids of `messages` through ``tokenizer``'s chat template (a target's), ready for the
+    assistant to answer."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _answer_continuously(
@@ -181,7 +180,7 @@ def _answer_continuously(
     by_id = {item.id: item for item in items}
     answers: dict[str, list[Answer]] = {item.id: [] for item in items}
     for item in sorted(items, key=lambda item: len(item.user_turns[0])):
-        batcher.submit(item.id, prompt_token_ids(target, conversation_messages(item, [], 0)))
+        batcher.submit(item.id, prompt_token_ids(tokenizer, conversation_messages(item, [], 0)))
     for completion in batcher.completions():
         item = by_id[str(completion.key)]
         text = str(tokenizer.decode(completion.tokens, skip_special_tokens=True)).strip()
@@ -193,7 +192,7 @@ def _answer_continuously(
         if turn < len(item.user_turns):
             texts = [answer.text for answer in answers[item.id]]
             messages = conversation_messages(item, texts, turn)
-            batcher.submit(item.id, prompt_token_ids(target, messages))
+            batcher.submit(item.id, prompt_token_ids(tokenizer, messages))
         else:
             yield item, answers[item.id]
     logger.info(

@@ -26,6 +26,7 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from headway.decode import captured, device_chain
+from headway.decode.bench import timed
 from headway.decode.gemm import apply_gemm
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
@@ -84,11 +86,6 @@ def instrument() -> None:
     captured.record_graph = counted
 
 
-def synced(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def build(device: torch.device, dtype: torch.dtype) -> Any:
     torch.manual_seed(0)
     config = LlamaConfig(**json.loads(CONFIG.read_text(encoding="utf-8")))
@@ -111,14 +108,12 @@ def decoder(model: Any, chain: int, eagle: bool) -> Decoder:
 
 
 def measure(run: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, Any]:
-    out = run()  # warm-up: captures
+    """Median seconds of ``run`` after a warm-up (captures), and its last result."""
+    out = run()
     times = []
     for _ in range(repeats):
-        synced(device)
-        begun = time.perf_counter()
-        out = run()
-        synced(device)
-        times.append(time.perf_counter() - begun)
+        out, seconds = timed(run, device)
+        times.append(seconds)
     return sorted(times)[len(times) // 2], out
 
 
@@ -189,8 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             [ProfilerActivity.CUDA] if device.type == "cuda" else []
         )
         with profile(activities=activities) as prof:
-            dec.generate(prompt, max_new_tokens=new, eos_token_ids=())
-            synced(device)
+            timed(partial(dec.generate, prompt, max_new_tokens=new, eos_token_ids=()), device)
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
         (out / f"probe-profile-{str(dtype)[6:]}.txt").write_text(table, encoding="utf-8")
         say("```\n" + "\n".join(table.splitlines()[:22]) + "\n```")
