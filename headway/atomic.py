@@ -100,6 +100,7 @@ def _temporary_file(path: Path) -> tuple[int, str]:
     the final file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(path, "tmp")
+    remove_stale(path, "staging")  # what a killed atomic_file of this path left
     temporary = temporary_name(path, "tmp")
     handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     return handle, str(temporary)
@@ -121,24 +122,34 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 @contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success it is renamed to `path`.
+    """Yield a temporary path for `path`; on success it is renamed to `path`.
 
     For writers that insist on a file name (``safetensors.torch.save_file``)::
 
         with atomic_file(out / "model.safetensors") as temporary:
             save_file(tensors, str(temporary))
+
+    The temporary lies in a private folder beside `path` (``.NAME.staging-PID-RANDOM/NAME``):
+    writers with a temporary of their own beside the name they are given (safetensors writes
+    ``.tmpXXXXXX`` then renames it) leave it in that folder when killed, and the next write of
+    `path`, or a run taking the folder (:func:`remove_dead_writers_leftovers`), removes it whole.
     """
-    handle, temporary = _temporary_file(path)
-    mode = os.fstat(handle).st_mode & 0o777  # what a plain open() gives (0o666 less the umask)
-    os.close(handle)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(path, "tmp")
+    remove_stale(path, "staging")
+    staging = temporary_name(path, "staging")
+    staging.mkdir()
+    temporary = staging / path.name
     try:
-        yield Path(temporary)
+        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        mode = os.fstat(handle).st_mode & 0o777  # what a plain open() gives (0o666 less umask)
+        os.close(handle)
+        yield temporary
         # The writer may have re-created the file owner-only (safetensors does): restore it.
-        Path(temporary).chmod(mode)
-        Path(temporary).replace(path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+        temporary.chmod(mode)
+        temporary.replace(path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextmanager

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from headway.api import prompt_ids
+from headway.decode.gemm import apply_gemm
 from headway.evalsets import load_prompts
 from headway.target import load_target, resolve_device
 
@@ -101,6 +102,7 @@ def decode_figures(args: argparse.Namespace, dtype: str) -> list[dict[str, Any]]
         + (["--retrieval-data", args.retrieval_data] if args.retrieval_data else [])
     )
     target = load_target(args.target, dtype=dtype, device=args.device)
+    apply_gemm(target.model, options.gemm)  # as compare.py's main: headway's rows take --gemm
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
     encoded = [prompt_ids(target, p.text, chat=p.chat) for p in prompts]
     rows = compare.configurations(options, target)
