@@ -7,17 +7,20 @@ tokens over that time. A warm-up generation runs first so one-time costs are not
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from headway.decode.forwards import EagerForward, TargetForward
+from headway.decode.gemm import apply_gemm
 
 T = TypeVar("T")
 
@@ -59,6 +62,35 @@ def timed(function: Callable[[], T], device: torch.device) -> tuple[T, float]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return output, time.perf_counter() - start
+
+
+def median_timed(
+    run: Callable[[], T], device: torch.device, repeats: int, *, warm_up: bool = True
+) -> tuple[float, T]:
+    """The median wall seconds of ``repeats`` calls of ``run`` (each :func:`timed`), after one
+    untimed call when ``warm_up`` (lazy initialisation, graph captures, compiles), and the
+    last call's result (the warm-up's if ``repeats`` is 0)."""
+    out = run() if warm_up or repeats < 1 else None
+    times = []
+    for _ in range(repeats):
+        out, seconds = timed(run, device)
+        times.append(seconds)
+    return (statistics.median(times) if times else 0.0), out  # type: ignore[return-value]
+
+
+def random_model(config: Path, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
+    """A causal LM shaped as ``config`` (a ``config.json``; ``model_type`` defaults to
+    ``llama``) with seeded random weights, frozen, in eval mode: what a forward costs does not
+    depend on the weights, so device scripts time a model's shape with nothing staged. On a
+    CPU the stock GEMM route (no routes timed)."""
+    fields = json.loads(config.read_text(encoding="utf-8"))
+    shape = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(shape, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    if device.type == "cpu":
+        apply_gemm(model, "stock")
+    return model
 
 
 @torch.inference_mode()

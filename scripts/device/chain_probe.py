@@ -22,7 +22,6 @@ chained generation by self CPU time, and whether chained and single-step tokens 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -31,11 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from headway.decode import captured, device_chain
-from headway.decode.bench import timed
-from headway.decode.gemm import apply_gemm
+from headway.decode.bench import median_timed, random_model, timed
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
 from headway.drafters.build import build_drafter
@@ -86,16 +83,6 @@ def instrument() -> None:
     captured.record_graph = counted
 
 
-def build(device: torch.device, dtype: torch.dtype) -> Any:
-    torch.manual_seed(0)
-    config = LlamaConfig(**json.loads(CONFIG.read_text(encoding="utf-8")))
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
-    model.requires_grad_(False)
-    if device.type == "cpu":
-        apply_gemm(model, "stock")
-    return model
-
-
 def decoder(model: Any, chain: int, eagle: bool) -> Decoder:
     options = DecodeOptions(verify="captured", chain=chain)
     if not eagle:
@@ -105,16 +92,6 @@ def decoder(model: Any, chain: int, eagle: bool) -> Decoder:
         heads=str(DRAFTER), top_k=8, depth=6, total_tokens=32, drafting="static", force=True
     )
     return Decoder(model, build_drafter(spec, target), options)
-
-
-def measure(run: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, Any]:
-    """Median seconds of ``run`` after a warm-up (captures), and its last result."""
-    out = run()
-    times = []
-    for _ in range(repeats):
-        out, seconds = timed(run, device)
-        times.append(seconds)
-    return sorted(times)[len(times) // 2], out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     instrument()
     chains = [int(c) for c in args.chains.split(",")]
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
-        model = build(device, dtype)
+        model: Any = random_model(CONFIG, device, dtype)
         prompt = torch.randint(3, model.config.vocab_size, (args.prompt_tokens,), device=device)
         say(f"\n### {dtype}, {new} new tokens, prompt {args.prompt_tokens}")
         say("| row | chain | tok/s | steps | captures | runs | launch ms/run | run ms/run |")
@@ -155,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                 def run(dec: Decoder = dec, prompt: torch.Tensor = prompt) -> Any:
                     return dec.generate(prompt, max_new_tokens=new, eos_token_ids=())
 
-                seconds, result = measure(run, device, args.repeats)
+                seconds, result = median_timed(run, device, args.repeats)
                 runs = max(COUNTS["runs"], 1)
                 tokens[eagle, chain] = list(result.tokens)
                 steps = len(result.accept_lengths)

@@ -37,17 +37,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
+from headway.decode.bench import median_timed, random_model, timed
 from headway.decode.captured import StaticForward
 from headway.decode.costs import time_in_turn, verify_timer
-from headway.decode.gemm import apply_gemm
 from headway.decode.generate import Decoder, GenerationResult
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import GREEDY, SamplingParams
@@ -93,30 +91,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def synced(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def warm_up(run: Callable[[], object], device: torch.device) -> None:
     """Call ``run`` once untimed on CUDA (lazy initialisation, graph capture, compiles); on a
-    CPU, where this script is a smoke test of itself (uncaptured), nothing: the figures there
-    mean nothing and the test suite runs it."""
+    CPU (uncaptured) nothing."""
     if device.type == "cuda":
         run()
 
 
 def median_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``run`` after a warm-up (:func:`warm_up`)."""
-    warm_up(run, device)
-    times = []
-    for _ in range(repeats):
-        synced(device)
-        start = time.perf_counter()
-        run()
-        synced(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    """Median seconds of ``run``, warmed up once on CUDA (captures, compiles); on a CPU, where
+    this script is a smoke test of itself (uncaptured), not: the figures there mean nothing
+    and the test suite runs it."""
+    return median_timed(run, device, repeats, warm_up=device.type == "cuda")[0]
 
 
 def recording(drafter: Any) -> list[tuple[list[int], list[int]]]:
@@ -151,12 +137,8 @@ class Report:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    torch.manual_seed(0)
-    config = LlamaConfig(**json.loads(CONFIG.read_text(encoding="utf-8")))
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
-    model.requires_grad_(False)
-    if device.type == "cpu":  # a smoke test: no GEMM route timed (drafters take the target's)
-        apply_gemm(model, "stock")
+    model: Any = random_model(CONFIG, device, dtype)  # a CPU: the stock route, none timed
+    config = model.config
     target = Target(model=model, tokenizer=None, source="random smollm2-135m")  # type: ignore[arg-type]
     prompt = torch.randint(3, config.vocab_size, (args.prompt_tokens,), device=device)
     new, repeats = args.new_tokens, args.repeats
@@ -346,11 +328,8 @@ def device_step_seconds(
     decoder = Decoder(model, build_drafter(spec, target), options)
     run = generation(decoder, prompt, new, sampling)
     warm_up(run, prompt.device)  # capture
-    synced(prompt.device)
-    started = time.perf_counter()
-    result = run()
-    synced(prompt.device)
-    return (time.perf_counter() - started) / max(len(result.accept_lengths) - 1, 1)
+    result, seconds = timed(run, prompt.device)
+    return seconds / max(len(result.accept_lengths) - 1, 1)
 
 
 if __name__ == "__main__":
