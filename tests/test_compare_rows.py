@@ -4,35 +4,28 @@ usage error."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from headway.target import load_target
+from tests.scripts_loader import load_script
 from tests.test_eagle3 import tiny4
 from tests.test_formats import random_run
 from tests.tokenizers_fixture import smollm2_tokenizer
 
 
-def _compare(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "scripts" / "compare.py"
-    spec = importlib.util.spec_from_file_location("compare_script", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look it up there
-    spec.loader.exec_module(module)
-    return module
+def _compare() -> ModuleType:
+    return load_script("compare.py")
 
 
 @pytest.mark.parametrize("method", ["eagle1", "eagle3", "medusa1"])
 def test_draft_vocab_rows_narrow_each_eagle_run(
     method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    compare = _compare(monkeypatch)
+    compare = _compare()
     folder = tmp_path / "target"  # four layers, as EAGLE-3 needs; the tokenizer's 400 ids
     tiny4("llama", vocab_size=400).save_pretrained(folder)
     smollm2_tokenizer().save_pretrained(folder)

@@ -3,21 +3,17 @@ table printed, and the spread table with one row per way and block size."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from tests.scripts_loader import load_script
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 
 
 def test_both_ways_are_timed_and_tabled(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = Path(__file__).resolve().parents[1] / "scripts" / "cost_table_spread.py"
-    spec = importlib.util.spec_from_file_location("cost_table_spread", path)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("cost_table_spread.py")
     folder = tmp_path / "target"
     tiny_model("llama").save_pretrained(folder)
     smollm2_tokenizer().save_pretrained(folder)

@@ -3,7 +3,6 @@ parse, and none can stop its own shell with a self-matching ``pkill -f``."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -12,16 +11,14 @@ from types import ModuleType
 
 import pytest
 
+from tests.scripts_loader import load_script
+
 SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "scripts" / "device").glob("*.sh"))
 
 
 def device_script(name: str) -> ModuleType:
-    """``scripts/device/NAME.py`` as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS[0].parent / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``scripts/device/NAME.py`` as a module."""
+    return load_script(f"device/{name}.py")
 
 
 def test_there_are_device_scripts() -> None:

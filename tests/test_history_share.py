@@ -5,7 +5,6 @@ user turn; the script counts that over a regenerated shard."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -14,17 +13,13 @@ import pytest
 
 from headway.target import load_tokenizer
 from headway.train.answering import prompt_token_ids
+from tests.scripts_loader import load_script
 from tests.tiny import tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
 
 
 def _script() -> Any:
-    path = Path(__file__).resolve().parents[1] / "scripts" / "history_share.py"
-    spec = importlib.util.spec_from_file_location("history_share", path)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_script("history_share.py")
 
 
 def test_a_later_turn_shares_the_whole_history(

@@ -3,21 +3,16 @@ chained runs, on the real target."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from tests.scripts_loader import load_script
 
 
 @pytest.mark.slow
 def test_chained_runs_read_the_host_less_and_fault_nowhere(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    path = Path(__file__).resolve().parents[1] / "scripts" / "proxy_chain.py"
-    spec = importlib.util.spec_from_file_location("proxy_chain", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("proxy_chain.py")
     module.main(["--num-prompts", "1", "--max-new-tokens", "6", "--chains", "1,3"])
     out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if "step(s) a run" in line]

@@ -163,11 +163,13 @@ def test_every_dropped_graph_takes_its_memory_pool_with_it() -> None:
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.skipif(not has_cxx_compiler(), reason="torch.compile needs a C++ compiler")
 def test_compiled_drafting_decodes_the_eager_trees_without_recompiling() -> None:
-    """drafting="compiled" (a step's draft forwards through torch.compile, here inductor on
-    the CPU), device steps chained: the eager drafter's tokens and acceptance lengths, and a
-    second prompt compiles nothing new (the draft cache starts large enough); a GEMM route
-    applied to the draft layers is left to torch.compile (it cannot lower a packed one). The
-    compiled verify forward: tests/test_captured.py."""
+    """drafting="compiled" (the whole step, draft forwards and tree bookkeeping, through
+    torch.compile, here inductor on the CPU), device steps chained: the eager drafter's tokens
+    and acceptance lengths from ONE compiled graph (nothing in a step guards on a per-step
+    Python number, so no step compiles again), a second prompt compiles nothing new (the draft
+    cache starts large enough), and host proposals (a second graph) decode the same; a GEMM
+    route applied to the draft layers is left to torch.compile (it cannot lower a packed one).
+    The compiled verify forward: tests/test_captured.py."""
     from torch._dynamo.utils import counters
 
     model, truth = target_and_truth("llama")
@@ -184,5 +186,8 @@ def test_compiled_drafting_decodes_the_eager_trees_without_recompiling() -> None
         assert mine.accept_lengths == theirs.accept_lengths
         if new == 30:
             graphs = counters["stats"]["unique_graphs"]
-    assert counters["stats"]["unique_graphs"] == graphs
-    assert static._forward is not None and static._cache.capacity == COMPILED_CAPACITY
+    assert counters["stats"]["unique_graphs"] == graphs == 1
+    assert static._compiled_step is not None and static._cache.capacity == COMPILED_CAPACITY
+    hosted = Decoder(model, static, DecodeOptions(verify="captured", device_trees=False))
+    mine = hosted.generate(PROMPT, max_new_tokens=12, eos_token_ids=())
+    assert mine.tokens == truth[:12] and counters["stats"]["unique_graphs"] == 2

@@ -165,7 +165,7 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
         "nothing named, the shipped EAGLE drafter drafts a 32-token tree, top_k 8, depth 6, "
         "the fastest on an H100 in bf16: 385 tokens/s at tau 3.06, 1.37x HF greedy with a "
         "static cache). "
-        "compiled: as captured, the verify forward (and the default drafter's step forwards) "
+        "compiled: as captured, the verify forward (and the default drafter's whole step) "
         "compiled by torch.compile first (fused kernels; a minute or more a block size the "
         "first time, over a cache of 2,048 columns from the start so that longer prompts do "
         "not compile again; on an H100 in bf16 plain decoding ran 391 tokens/s compiled "

@@ -331,20 +331,23 @@ class StaticForward:
         logger.info("captured the verify forward of %d tokens", shape.ids.shape[1])
 
 
-def compiled(module: torch.nn.Module, what: str) -> Any:
-    """``module`` through ``torch.compile`` with static shapes (``dynamic=False``: each shape
-    gets kernels of its own, and no second compile of dynamic ones); compiled on first call.
+def compiled(function: Callable[..., Any], what: str, device: torch.device | None = None) -> Any:
+    """``function`` (a module, or a function on ``device``) through ``torch.compile`` with
+    static shapes (``dynamic=False``: each shape gets kernels of its own, and no second compile
+    of dynamic ones); compiled on first call.
 
     Raises:
         HardwareError: off CUDA without a C++ compiler (inductor's CPU kernels need one).
     """
-    on_cuda = next(module.parameters()).device.type == "cuda"
-    if not on_cuda and not has_cxx_compiler():
+    if device is None:
+        assert isinstance(function, torch.nn.Module), "a function names its device"
+        device = next(function.parameters()).device
+    if device.type != "cuda" and not has_cxx_compiler():
         raise HardwareError(
             f"{what} on a CPU needs a C++ compiler for torch.compile (none on PATH): "
             "install one (e.g. g++) or use --verify captured"
         )
-    return torch.compile(module, dynamic=False)
+    return torch.compile(function, dynamic=False)
 
 
 def run_graph(graph: Any, body: Callable[[], None], device: torch.device, capture: bool) -> Any:

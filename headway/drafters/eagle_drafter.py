@@ -262,7 +262,7 @@ class EagleDrafter:
         return torch.log_softmax(self.head.logits(features).float(), dim=-1)
 
     def _forward_frontier(
-        self, features: Tensor, tokens: Tensor, ancestors: Tensor, position: int
+        self, features: Tensor, tokens: Tensor, ancestors: Tensor, level: int
     ) -> Tensor:
         """One batched draft forward of the frontier.
 
@@ -271,7 +271,9 @@ class EagleDrafter:
             tokens: ``[F]``, the frontier nodes' tokens.
             ancestors: bool ``[F, S]``, which of the S tree entries already in the cache are
                 ancestors of each node.
-            position: the frontier's pair position (``committed + level - 1``).
+            level: the frontier's pair position past the committed pairs (0 for the root's
+                children): a constant of the tree's shape, so a compiled step (static
+                drafting) reads no per-step Python number.
 
         Returns:
             ``[F, H]``, each node's predicted feature (the cache grows by F entries).
@@ -288,7 +290,7 @@ class EagleDrafter:
         predicted = self.model(
             features[None],
             self.head.embed_tokens(tokens, self._dtype)[None],
-            position_ids=torch.full((1, count), position, device=self._device),
+            position_ids=torch.full((1, count), self._committed + level, device=self._device),
             attention_mask=additive_mask(visible, self._dtype)[None, None],
             cache=self._cache,
         )
@@ -321,10 +323,8 @@ class EagleDrafter:
         for level in range(1, self.depth):
             if limit > -math.inf and float(frontier_scores.max()) < limit:
                 break  # no descendant can pay
-            started = time.perf_counter()
-            predicted = self._forward_frontier(
-                features, frontier_tokens, ancestors, self._committed + level - 1
-            )
+            started = time.perf_counter() if timed else 0.0  # no clock read to trace when compiled
+            predicted = self._forward_frontier(features, frontier_tokens, ancestors, level - 1)
             child_logp, child_tokens = self._top_children(predicted, k)  # [F, k] each
             if timed:  # on a CPU the work is done when the call returns
                 self._time_level(time.perf_counter() - started)

@@ -164,8 +164,9 @@ class EagleSpec:
         default="eager",
         metadata=_help(
             "static: every draft forward of a step in fixed shapes over a static draft cache, "
-            "replayed from one CUDA graph per step on CUDA; compiled: static, the step's draft "
-            "forwards through torch.compile (the default with --verify compiled; a C++ "
+            "replayed from one CUDA graph per step on CUDA; compiled: static, the whole step "
+            "(draft forwards, LM head, top-k, tree masks) through torch.compile as one graph "
+            "(the default with --verify compiled; a C++ "
             "compiler off CUDA); eager: the draft cache grows and is cropped each step (the "
             "reference)"
         ),
