@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from headway.api import prompt_ids
+from headway.decode.device_step import DeviceVerify
 from headway.decode.gemm import apply_gemm
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
@@ -76,26 +77,31 @@ class OpCounter(TorchDispatchMode):
 @contextmanager
 def regions_of(counter: OpCounter) -> Iterator[None]:
     """Count the static drafter's step as ``"step"``, the step's draft forwards as
-    ``"forwards"`` (the prompt's, fed outside a step, are not counted)."""
-    patched = {"_step": "step", "_feed": "forwards"}
-    originals = {name: vars(StaticDrafting)[name] for name in patched}
+    ``"forwards"`` (the prompt's, fed outside a step, are not counted) and the device step's
+    verify forward as ``"verify"``."""
+    patches: list[tuple[type, str, str]] = [
+        (StaticDrafting, "_step", "step"),
+        (StaticDrafting, "_feed", "forwards"),
+        (DeviceVerify, "_body", "verify"),
+    ]
+    originals = [vars(owner)[name] for owner, name, _ in patches]
 
-    def wrapped(name: str) -> Callable[..., Any]:
-        def run(self: StaticDrafting, *args: Any, **kwargs: Any) -> Any:
-            if name == "_feed" and "step" not in counter.open:
-                return originals[name](self, *args, **kwargs)  # the prompt's, not a step's
-            with counter.region(patched[name]):
-                return originals[name](self, *args, **kwargs)
+    def wrapped(original: Callable[..., Any], region: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if region == "forwards" and "step" not in counter.open:
+                return original(*args, **kwargs)  # the prompt's, not a step's
+            with counter.region(region):
+                return original(*args, **kwargs)
 
         return run
 
-    for name in patched:
-        setattr(StaticDrafting, name, wrapped(name))
+    for (owner, name, region), original in zip(patches, originals, strict=True):
+        setattr(owner, name, wrapped(original, region))
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(StaticDrafting, name, original)
+        for (owner, name, _), original in zip(patches, originals, strict=True):
+            setattr(owner, name, original)
 
 
 def eager_ops(decode: Callable[[], object]) -> tuple[dict[str, Counter[str]], int]:
@@ -182,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{around:.0f} around them)")  # fmt: skip
     common = (ops.get("step", Counter()) + ops.get("forwards", Counter())).most_common(12)
     print("most frequent: " + ", ".join(f"{name} {n / steps:.0f}" for name, n in common))
+    verify = sum(ops.get("verify", Counter()).values()) / steps
+    print(f"for scale, the verify forward of the device step: {verify:.0f} ops a step")
     if args.compiled:
         with inductor_code() as codes:
             decoder("compiled").generate(ids, max_new_tokens=args.new_tokens, eos_token_ids=())

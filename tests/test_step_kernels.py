@@ -45,6 +45,8 @@ def test_a_steps_ops_split_into_the_draft_forwards_and_the_rest() -> None:
     depth = SHAPES["tree"]["depth"]
     assert ops["forwards"]["scaled_dot_product_attention"] == steps * depth  # a feed a level
     assert ops["step"]["topk"] >= steps * depth  # a level's children, around the forwards
+    layers = model.config.num_hidden_layers
+    assert ops["verify"]["scaled_dot_product_attention"] == steps * layers  # device steps
     assert "_feed" not in vars(type(static)) and "Keep" not in vars(script)  # patches undone
 
 
