@@ -165,6 +165,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the target's dtype (the drafter takes it)",
     )
     parser.add_argument("--compiled", action="store_true", help="also compile the step")
+    parser.add_argument(
+        "--compiled-verify",
+        action="store_true",
+        help="with --compiled, compile the verify forward too (--verify compiled; several "
+        "minutes on a 2-core CPU): a graph per block size, its attention calls one per layer",
+    )
     args = parser.parse_args(argv)
     target = load_target(args.target, dtype=args.dtype, device="cpu")
     apply_gemm(target.model, "stock")  # the ops a GPU's stock route dispatches
@@ -172,10 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     ids = prompt_ids(target, prompt.text, chat=prompt.chat)
     shape = {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens}
 
-    def decoder(drafting: str) -> Decoder:
+    def decoder(drafting: str, verify: str = "captured") -> Decoder:
         spec = EagleSpec(heads=args.heads, drafting=drafting, **shape)  # type: ignore[arg-type]
         drafter = build_drafter(spec, target)
-        return Decoder(target.model, drafter, DecodeOptions(verify="captured"))
+        return Decoder(target.model, drafter, DecodeOptions(verify=verify))  # type: ignore[arg-type]
 
     static = decoder("static")
     ops, steps = eager_ops(
@@ -192,7 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"for scale, the verify forward of the device step: {verify:.0f} ops a step")
     if args.compiled:
         with inductor_code() as codes:
-            decoder("compiled").generate(ids, max_new_tokens=args.new_tokens, eos_token_ids=())
+            path = "compiled" if args.compiled_verify else "captured"
+            compiled = decoder("compiled", path)
+            compiled.generate(ids, max_new_tokens=args.new_tokens, eos_token_ids=())
         for index, code in enumerate(codes):
             calls = kernel_calls(code)
             shown = ", ".join(f"{name} {n}" for name, n in calls.most_common())
