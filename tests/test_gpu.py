@@ -362,3 +362,23 @@ def test_chained_runs_then_single_steps_over_prompts_of_mixed_lengths_on_cuda(
         ids = torch.tensor(prompt, device=CUDA)
         result = decoder.generate(ids, max_new_tokens=41, eos_token_ids=())
         assert result.tokens == hf_greedy(model, prompt, 41), length
+
+
+def test_compiled_drafting_steps_equal_transformers_on_cuda() -> None:
+    """drafting="compiled" (the whole static step through torch.compile, then captured as a
+    CUDA graph), device steps one at a time and 4 a run, a long prompt between short ones:
+    transformers' greedy output, and one compiled graph for every step of them."""
+    from torch._dynamo.utils import counters
+
+    model = long_tiny(layers=4)
+    drafter = StaticEagle3Drafter(cuda_eagle3(model), TargetHead.of(model), **EAGLE3_TREE)
+    drafter.compile_steps()
+    before = counters["stats"]["unique_graphs"]
+    for chain in (1, 4):
+        decoder = Decoder(model, drafter, DecodeOptions(verify="captured", chain=chain))
+        for prompt in (PROMPT, [(7 * i) % 90 + 3 for i in range(600)], PROMPT):
+            result = decoder.generate(
+                torch.tensor(prompt, device=CUDA), max_new_tokens=40, eos_token_ids=()
+            )
+            assert result.tokens == hf_greedy(model, prompt, 40), (chain, len(prompt))
+    assert counters["stats"]["unique_graphs"] - before == 1
