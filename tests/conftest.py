@@ -10,6 +10,10 @@ from typing import Any
 # sum in an order that depends on memory alignment, so a resumed training run differed from the
 # uninterrupted one by 1e-8; strict conditional numerical reproducibility makes it bit-exact.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# Processes the tests start (command lines, scripts, two-process runs) take one thread each as the
+# tests do: a child with a thread per core beside the other xdist worker ran 2x slower (the
+# bench_gpu script's CPU run: 82 s under `make test`, 40 s alone on one thread).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
