@@ -199,6 +199,14 @@ class MedusaSection:
     num_heads: int = field(default=4, metadata=_help("heads; head k predicts token t+k+1"))
     num_layers: int = field(default=1, metadata=_help("residual blocks per head"))
     loss_decay: float = field(default=0.8, metadata=_help("head k's loss weight is decay^k"))
+    draft_vocab_size: int = field(
+        default=0,
+        metadata=_help(
+            "medusa1: each head predicts over the N most frequent trained tokens (vLLM's "
+            "truncated_vocab_size and token_map), N rows instead of the target's whole "
+            "vocabulary at every step; 0 (or N >= the vocabulary) = the whole vocabulary"
+        ),
+    )
     lora_r: int = field(default=16, metadata=_help("medusa2: LoRA rank on the target"))
     lora_alpha: int = field(default=32, metadata=_help("medusa2: LoRA alpha"))
     head_lr_multiplier: float = field(
@@ -224,6 +232,8 @@ class MedusaSection:
             raise ConfigError("medusa.num_heads must be >= 1 and medusa.num_layers >= 0")
         if not 0 < self.loss_decay <= 1:
             raise ConfigError(f"medusa.loss_decay={self.loss_decay} must be in (0, 1]")
+        if self.draft_vocab_size < 0:
+            raise ConfigError(f"medusa.draft_vocab_size={self.draft_vocab_size} must be >= 0")
         if self.lora_r < 1 or self.head_lr_multiplier <= 0 or self.heads_loss_weight <= 0:
             raise ConfigError("medusa.lora_r, head_lr_multiplier, heads_loss_weight must be > 0")
         if self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1 or self.backbone_weight < 0:

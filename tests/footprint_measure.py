@@ -32,7 +32,7 @@ from headway.run_config import RunConfig
 from headway.target import Target
 from headway.train.features import FeatureSource, OnlineFeatures
 from headway.train.method_eagle3 import Eagle3
-from headway.train.methods import METHODS, feature_layers
+from headway.train.methods import METHODS, Medusa1, feature_layers
 
 
 class LiveBytes(TorchDispatchMode):
@@ -106,13 +106,17 @@ class Measured:
 
 def measure_step(config: RunConfig, model: Any, *, autocast: torch.dtype | None = None) -> Measured:
     """One training step of ``config.train.method`` on ``model`` (module docstring); EAGLE-3
-    gets the first ``draft_vocab_size`` ids as its vocabulary (no data to count)."""
+    and Medusa-1 over a draft vocabulary get the first ``draft_vocab_size`` ids as their
+    vocabulary (no data to count)."""
     weights = storage_bytes([*model.parameters(), *model.buffers()])  # before any LoRA
     target = Target(model=model, tokenizer=None, source="test")  # type: ignore[arg-type]
     vocab = int(model.get_output_embeddings().weight.shape[0])
     if config.train.method == "eagle3":
         draft = DraftVocab.identity(min(config.eagle3.draft_vocab_size, vocab), vocab)
         method: Any = Eagle3(config, target, vocab=draft)
+    elif config.train.method == "medusa1" and 0 < config.medusa.draft_vocab_size < vocab:
+        draft = DraftVocab.identity(config.medusa.draft_vocab_size, vocab)
+        method = Medusa1(config, target, vocab=draft)
     else:
         method = METHODS[config.train.method](config, target)
     method.train()

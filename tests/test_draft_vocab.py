@@ -164,7 +164,8 @@ def test_narrowed_medusa_heads_propose_their_top_k_among_the_listed_tokens(sized
     torch.manual_seed(0)
     whole = MedusaHeads(MedusaConfig(2, 1, 8, 40), torch.randn(40, 8)).eval()
     keep = torch.arange(3, 40, 2)  # 19 odd ids
-    config, state = narrow_medusa(whole.config, whole.state_dict(), keep)
+    config, state, vocab = narrow_medusa(whole.config, whole.state_dict(), keep)
+    assert vocab is not None and torch.equal(vocab, keep)
     narrow = MedusaHeads(config)
     narrow.load_state_dict(state)
     choices = [[0], [1], [0, 0], [0, 1], [1, 0]]
@@ -197,7 +198,7 @@ def test_narrowed_medusa_heads_decode_exactly() -> None:
     heads = MedusaHeads(MedusaConfig(3, 1, model.config.hidden_size, TINY_VOCAB), lm_head)
     train_heads(model, heads, torch.cat([PROMPT, torch.tensor(truth)]), steps=60)
     keep = torch.arange(0, TINY_VOCAB, 2)  # the even ids: some of the answer's tokens
-    config, state = narrow_medusa(heads.config, heads.state_dict(), keep)
+    config, state, _ = narrow_medusa(heads.config, heads.state_dict(), keep)
     narrow = MedusaHeads(config)
     narrow.load_state_dict(state)
     layer = final_hidden_layer(model)

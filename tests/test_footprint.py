@@ -74,11 +74,14 @@ def test_live_bytes_counts_what_a_step_allocates_once() -> None:
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-@pytest.mark.parametrize("method", ["medusa1", "medusa2", "eagle1", "eagle3"])
+@pytest.mark.parametrize("method", ["medusa1", "medusa1:vocab", "medusa2", "eagle1", "eagle3"])
 def test_a_tiny_step_measures_as_planned(method: str, autocast: bool) -> None:
+    """``medusa1:vocab``: heads over a draft vocabulary (``medusa.draft_vocab_size``)."""
     model = _tiny_target()
     precision = "bf16" if autocast else "no"
+    method, _, vocab = method.partition(":")
     overrides = [f"train.method={method}", f"train.mixed_precision={precision}", *TINY_STEP]
+    overrides += ["medusa.draft_vocab_size=160"] if vocab else []
     config = load_config(RunConfig, None, overrides)
     plan = build_plan(config, recipe="test", device="cpu", model=meta_target(model.config))
     measured = measure_step(config, model, autocast=torch.bfloat16 if autocast else None)

@@ -12,11 +12,13 @@ import torch
 from headway.cli import main
 from headway.decode.tree import chain
 from headway.drafters.confident_drafter import ConfidentMedusaDrafter
+from headway.drafters.draft_vocab import narrow_medusa
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.merged import MergedDrafter, tree_paths
 from headway.drafters.oracle import OracleDrafter
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.quickstart.calibrate import choose_threshold
+from headway.quickstart.plan import TINY_PLAN
 from headway.quickstart.shipped_stage import NONE_SHIPPED
 
 
@@ -46,6 +48,10 @@ def test_tiny_quickstart_runs_every_stage_then_resumes(
     report = json.loads((out / "eval" / "report.json").read_text())
     assert report["drafter"]["export"] == str(out / "export-medusa-vllm")
     assert report["num_prompts"] == 3
+    # The heads trained over the plan's draft vocabulary, exported with vLLM's token_map.
+    assert report["drafter"]["draft_vocab_size"] == TINY_PLAN.draft_vocab_size
+    engine = json.loads((out / "export-medusa-vllm" / "config.json").read_text())
+    assert engine["truncated_vocab_size"] == TINY_PLAN.draft_vocab_size < engine["vocab_size"]
     # Rerunning resumes: every stage after the target is reported as already done.
     assert main(["quickstart", "--tiny", "--out", str(out)]) == 0
     again = json.loads((out / "quickstart.json").read_text())
@@ -135,8 +141,11 @@ def test_confident_medusa_drafts_only_above_the_threshold() -> None:
     sure.observe(torch.tensor([1]), (hidden,))
     # head 1 puts ~1.0 on token 3; head 2 is uniform (1/6), so the chain stops after one token
     assert sure.propose(torch.tensor([1])).tokens.tolist() == [3]
+    config, state, vocab = narrow_medusa(config, heads.state_dict(), torch.tensor([2, 4]))
+    narrowed = MedusaHeads(config)
+    narrowed.load_state_dict(state)
     restricted = ConfidentMedusaDrafter(
-        heads, hidden_layer=0, threshold=0.9, max_depth=1, vocab=torch.tensor([2, 4])
+        narrowed, hidden_layer=0, threshold=0.9, max_depth=1, vocab=vocab
     )
     restricted.observe(torch.tensor([1]), (hidden,))
     assert restricted.propose(torch.tensor([1])).size == 0  # token 3 is outside the vocabulary

@@ -140,9 +140,7 @@ def _medusa(found: FoundHeads, target: Target, spec: MedusaSpec) -> Drafter:
             f"heads of hidden size {config.hidden_size} and vocabulary {config.vocab_size} cannot "
             f"run on a target whose LM head is {list(lm_head.shape)}, not even with force"
         )
-    state, vocab = found.state_dict, _draft_vocab(spec, target)
-    if vocab is not None:
-        config, state = narrow_medusa(config, state, vocab)
+    config, state, vocab = narrow_medusa(config, found.state_dict, _draft_vocab(spec, target))
     heads = MedusaHeads.trained(config, state, device=lm_head.device, dtype=lm_head.dtype)
     layer = final_hidden_layer(model)
     check_final_hidden(model, layer)

@@ -21,17 +21,19 @@ class ConfidentMedusaDrafter:
     Why: on a CPU, verifying even one drafted token can cost well over a plain forward (small-M
     matrix products), so a draft pays only when it is likely accepted; an empty draft costs nothing
     beyond the heads. The same reasoning as EAGLE-2's confidence-scored trees (Li et al. 2024),
-    applied to a chain. ``vocab`` optionally restricts the heads' output to the given token ids
-    (e.g. the most frequent tokens of the training data, as EAGLE-3 / FR-Spec do), which makes
-    the heads' ``[V, H]`` projection that much cheaper; probabilities are then normalised over
-    that vocabulary.
+    applied to a chain. Heads narrowed to some token ids (trained over a draft vocabulary, or cut
+    to the most frequent tokens of the training data as FR-Spec does: :func:`~headway.drafters.
+    draft_vocab.narrow_medusa`) make the heads' ``[V, H]`` projection that much cheaper;
+    probabilities are then normalised over those tokens, and ``vocab`` maps rows to token ids.
 
     Args:
         heads: trained :class:`~headway.heads.medusa.MedusaHeads` (any dtype, target's device).
         hidden_layer: index of the LM head's input in ``output_hidden_states``.
         threshold: minimum cumulative probability of a drafted token.
         max_depth: heads used at most (chain length).
-        vocab: optional LongTensor ``[V']`` of target token ids the heads may propose.
+        vocab: the target id (LongTensor ``[V']``) of each row of the heads' LM heads, for heads
+            narrowed by :func:`~headway.drafters.draft_vocab.narrow_medusa`; ``None``: row =
+            target id.
     """
 
     def __init__(
@@ -53,8 +55,7 @@ class ConfidentMedusaDrafter:
         self.max_nodes = max_depth
         used = [cast(MedusaHead, head) for head in list(heads.heads)[:max_depth]]
         self.blocks = [head.blocks for head in used]
-        weights = [head.lm_head.weight for head in used]
-        self.weights = [w if vocab is None else w[vocab.to(w.device)].contiguous() for w in weights]
+        self.weights = [head.lm_head.weight for head in used]
         self._last_hidden: Tensor | None = None
 
     def begin(self, prompt_ids: Tensor) -> None:

@@ -16,7 +16,8 @@ token): a narrower head only trades acceptance for cheaper drafting.
   a copy of only the listed rows (:class:`~headway.drafters.eagle_drafter.EagleDrafter`'s
   ``vocab`` maps its choices back to target ids); :func:`narrow_medusa` cuts every Medusa
   head's own LM head the same way (:class:`~headway.drafters.medusa_drafter.MedusaDrafter`'s
-  ``vocab``).
+  ``vocab``), and turns heads trained over a draft vocabulary (``token_map``) into the same
+  narrowed form.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from headway.corpus.jsonl import read_jsonl
 from headway.errors import HeadwayError
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config
-from headway.heads.medusa import MedusaConfig
+from headway.heads.medusa import MedusaConfig, check_token_map
 from headway.heads.vocab import DraftVocab
 
 __all__ = [
@@ -171,23 +172,53 @@ def narrow_head(head: TargetHead, keep: Tensor) -> TargetHead:
 
 
 def narrow_medusa(
-    config: MedusaConfig, state_dict: dict[str, Tensor], keep: Tensor
-) -> tuple[MedusaConfig, dict[str, Tensor]]:
-    """Medusa heads (``config``, their ``state_dict``) drafting only the target ids ``keep``
-    (int64 ``[N]``, sorted, distinct): every head's ``lm_head.weight`` ``[V, H]`` -> ``[N, H]``.
+    config: MedusaConfig, state_dict: dict[str, Tensor], keep: Tensor | None
+) -> tuple[MedusaConfig, dict[str, Tensor], Tensor | None]:
+    """Medusa heads (``config``, their ``state_dict``) as the drafters run them: every head's
+    ``lm_head.weight`` cut to the rows of the target ids they may propose, and those ids.
+
+    The rows kept: heads trained over a draft vocabulary (``token_map``) keep theirs, and of
+    those only the ids in ``keep`` (int64 ``[N]``, sorted, distinct; FR-Spec) where given; whole
+    heads keep the rows ``keep`` names. Returns the narrowed config (``vocab_size`` the rows
+    kept, no ``token_map``), the state dict, and the target id of each row (``None``: the heads
+    are whole and nothing was cut, so row = target id).
 
     Raises:
-        HeadwayError: an id beyond the heads' vocabulary (a list for another tokenizer).
+        HeadwayError: an id beyond the heads' vocabulary (a list for another tokenizer), or no
+            id of ``keep`` in the heads' draft vocabulary.
     """
-    _check_ids(keep, config.vocab_size)
-    rows = keep.cpu()
+    if keep is not None:
+        _check_ids(keep, config.vocab_size)
+    token_map = state_dict.get("token_map")
+    if token_map is None and keep is None:
+        return config, state_dict, None
+    if token_map is None:
+        assert keep is not None
+        rows = ids = keep.cpu()
+    else:
+        try:
+            token_map = check_token_map(token_map, config)
+        except ValueError as error:
+            raise HeadwayError(f"Medusa heads: {error}; the weights are damaged") from error
+        listed = torch.ones_like(token_map, dtype=torch.bool)
+        if keep is not None:
+            listed = torch.isin(token_map, keep.cpu())
+        if not bool(listed.any()):
+            raise HeadwayError(
+                "none of the draft-vocabulary list's tokens is in the heads' own draft "
+                f"vocabulary of {token_map.numel()} tokens; drop the list"
+            )
+        rows = listed.nonzero().flatten()
+        ids = token_map[rows]
     state = {
         name: tensor[rows.to(tensor.device)].contiguous()
         if name.endswith("lm_head.weight")
         else tensor
         for name, tensor in state_dict.items()
+        if name != "token_map"
     }
-    return dataclasses.replace(config, vocab_size=rows.numel()), state
+    narrowed = dataclasses.replace(config, vocab_size=rows.numel(), draft_vocab_size=0)
+    return narrowed, state, ids
 
 
 def _check_ids(keep: Tensor, vocab_size: int) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from headway.decode.generate import Drafter
 from headway.drafters.confident_drafter import ConfidentMedusaDrafter
-from headway.drafters.draft_vocab import draft_vocabulary
+from headway.drafters.draft_vocab import draft_vocabulary, narrow_medusa
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.merged import MergedDrafter
 from headway.drafters.specs import LookupMedusaSpec
@@ -45,12 +45,13 @@ def lookup_medusa_drafter(
         raise HeadwayError(f"{spec.heads}: lookup-medusa needs Medusa heads, found {found.method}")
     device = target.model.get_output_embeddings().weight.device
     dtype = resolve_dtype(spec.draft_dtype)
-    heads = MedusaHeads.trained(found.config, found.state_dict, device=device, dtype=dtype)
+    keep = None
+    if spec.draft_vocab:
+        keep = draft_vocabulary(Path(spec.draft_vocab), target.tokenizer, spec.draft_vocab_size)
+    config, state, vocab = narrow_medusa(found.config, found.state_dict, keep)
+    heads = MedusaHeads.trained(config, state, device=device, dtype=dtype)
     layer = final_hidden_layer(target.model)
     check_final_hidden(target.model, layer)
-    vocab = None
-    if spec.draft_vocab:
-        vocab = draft_vocabulary(Path(spec.draft_vocab), target.tokenizer, spec.draft_vocab_size)
     drafters: list[Drafter] = []
     if spec.lookup:
         drafters.append(

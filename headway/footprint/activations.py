@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from headway.footprint.sizes import DrafterSizes, TargetSizes
+from headway.footprint.sizes import DrafterSizes, TargetSizes, medusa_rows
 from headway.run_config import RunConfig
 from headway.train.method_eagle3 import TTT_CHUNK
 from headway.train.soft_ce import SOFT_CE_ELEMENTS
@@ -225,10 +225,11 @@ def _medusa_logits(heads: int, rows: int, vocab: int, step: StepShape) -> int:
 def _medusa(config: RunConfig, target: TargetSizes, step: StepShape) -> dict[str, int]:
     rows, hidden = step.rows, target.hidden_size
     heads, blocks = config.medusa.num_heads, config.medusa.num_layers
+    vocab = medusa_rows(config.medusa.draft_vocab_size, target.vocab_size)
     return {
         "target features (last layer)": _features(target, step, 1),
         "residual blocks": heads * blocks * 2 * rows * hidden * step.compute,
-        "head logits [K, B, T, V]": _medusa_logits(heads, rows, target.vocab_size, step),
+        "head logits [K, B, T, V]": _medusa_logits(heads, rows, vocab, step),
     }
 
 

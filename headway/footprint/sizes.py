@@ -30,6 +30,7 @@ __all__ = [
     "drafter_sizes",
     "feature_layers",
     "lora_parameters",
+    "medusa_rows",
     "meta_target",
     "target_sizes",
 ]
@@ -143,10 +144,18 @@ def lora_parameters(model: PreTrainedModel, names: list[str], rank: int) -> tupl
     return total, layers
 
 
+def medusa_rows(draft_vocab_size: int, vocab_size: int) -> int:
+    """Rows of a Medusa-1 head's LM head: ``medusa.draft_vocab_size`` where it is below the
+    vocabulary (:class:`~headway.train.methods.Medusa1`), else the whole vocabulary."""
+    return draft_vocab_size if 0 < draft_vocab_size < vocab_size else vocab_size
+
+
 def drafter_sizes(config: RunConfig, model: PreTrainedModel) -> DrafterSizes:
     """The drafter ``config.train.method`` trains on the (meta) target ``model``."""
     method = config.train.method
     sizes = target_sizes(model)
+    rows = medusa_rows(config.medusa.draft_vocab_size, sizes.vocab_size)
+    heads_vocab = rows if method == "medusa1" and rows < sizes.vocab_size else None
     with torch.device("meta"):
         if method in ("medusa1", "medusa2"):
             heads = MedusaConfig(
@@ -154,6 +163,7 @@ def drafter_sizes(config: RunConfig, model: PreTrainedModel) -> DrafterSizes:
                 num_layers=config.medusa.num_layers,
                 hidden_size=sizes.hidden_size,
                 vocab_size=sizes.vocab_size,
+                draft_vocab_size=heads_vocab or 0,
             )
             module: nn.Module = MedusaHeads(heads)
         elif method == "eagle1":
@@ -184,7 +194,7 @@ def drafter_sizes(config: RunConfig, model: PreTrainedModel) -> DrafterSizes:
         tensors=tensors,
         buffer_bytes=buffer_bytes,
         lora_parameters=lora,
-        draft_vocab_size=draft.draft_vocab_size if eagle3 else None,
+        draft_vocab_size=draft.draft_vocab_size if eagle3 else heads_vocab,
         feature_layers=feature_layers(method, sizes.num_layers, draft if eagle3 else None),
     )
 

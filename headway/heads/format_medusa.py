@@ -15,7 +15,9 @@ Layouts (key names checked against the sources named here):
   ``model_type: medusa``, ``architectures: [MedusaModel]``, ``hidden_size``, ``vocab_size``,
   ``num_heads``, ``num_hidden_layers``, ``truncated_vocab_size``, ``medusa_fc_bias: true``;
   tensors in ``model.safetensors``: ``blocks.{h}.layers.{l}.weight`` / ``.bias``,
-  ``lm_heads.{h}.weight``.
+  ``lm_heads.{h}.weight``; heads over a draft vocabulary of D tokens also ``token_map`` int64
+  ``[D]`` (the target id of each row; vLLM scatters the D logits into the whole vocabulary) with
+  ``truncated_vocab_size: D``.
 
 Both configs also carry a ``headway`` block (method, target fingerprint) that engines ignore
 (their config classes take extra keys), so loading an export back checks its target.
@@ -29,7 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,7 +53,7 @@ from headway.heads.io import (
     write_json,
     write_safetensors,
 )
-from headway.heads.medusa import MedusaConfig, medusa_tensor_shapes
+from headway.heads.medusa import MedusaConfig, check_token_map, medusa_tensor_shapes
 from headway.target import TargetFingerprint
 
 __all__ = [
@@ -104,6 +106,8 @@ def native_key_map(config: MedusaConfig, layout: Layout) -> dict[str, str]:
             mapping[f"{native}.bias"] = f"{engine}.bias"
         lm_head = f"{h}.{last}.weight" if layout == "medusa" else f"lm_heads.{h}.weight"
         mapping[f"heads.{h}.lm_head.weight"] = lm_head
+    if config.draft_vocab_size:
+        mapping["token_map"] = "token_map"  # vLLM's name; the reference layout has none
     return mapping
 
 
@@ -124,6 +128,12 @@ def export_medusa(run: str | Path | LoadedHeads, out_dir: str | Path) -> Path:
     """Write ``run``'s Medusa heads in the FasterDecoding/Medusa reference layout (see the module
     docstring) to ``out_dir``; returns ``out_dir``."""
     loaded, config = _medusa_run(run)
+    if config.draft_vocab_size:
+        raise HeadsError(
+            f"these heads predict over a draft vocabulary of {config.draft_vocab_size} tokens, "
+            "which the FasterDecoding/Medusa layout cannot hold; export --format medusa-vllm "
+            "(vLLM's token_map)"
+        )
     tensors = _renamed(loaded.state_dict, native_key_map(config, "medusa"))
     engine_config = {
         "medusa_num_heads": config.num_heads,
@@ -139,7 +149,8 @@ def export_medusa(run: str | Path | LoadedHeads, out_dir: str | Path) -> Path:
 
 def export_medusa_vllm(run: str | Path | LoadedHeads, out_dir: str | Path) -> Path:
     """Write ``run``'s Medusa heads as vLLM's ``MedusaModel`` (see the module docstring) to
-    ``out_dir``; returns ``out_dir``. The full vocabulary is kept (no ``token_map``)."""
+    ``out_dir``; returns ``out_dir``. Heads over a draft vocabulary write ``token_map`` and
+    ``truncated_vocab_size`` (vLLM's names), whole heads ``truncated_vocab_size = vocab_size``."""
     loaded, config = _medusa_run(run)
     tensors = _renamed(loaded.state_dict, native_key_map(config, "medusa-vllm"))
     engine_config = {
@@ -149,7 +160,7 @@ def export_medusa_vllm(run: str | Path | LoadedHeads, out_dir: str | Path) -> Pa
         "vocab_size": config.vocab_size,
         "num_heads": config.num_heads,
         "num_hidden_layers": config.num_layers,
-        "truncated_vocab_size": config.vocab_size,
+        "truncated_vocab_size": config.output_size,
         "medusa_fc_bias": True,
         "headway": provenance(loaded),
     }
@@ -214,9 +225,7 @@ def _infer_config(tensors: dict[str, Tensor], layout: Layout, path: Path) -> Med
 
 def _detect_layout(tensors: dict[str, Tensor], path: Path) -> Layout:
     if "token_map" in tensors:
-        raise HeadsError(
-            f"{path} uses a truncated vocabulary (token_map); import supports full-vocabulary heads"
-        )
+        return "medusa-vllm"  # only vLLM's layout has a truncated vocabulary
     if any(name.startswith(("blocks.", "lm_heads.")) for name in tensors):
         return "medusa-vllm"
     return "medusa"
@@ -262,6 +271,38 @@ def _check_against_config(config: MedusaConfig, engine: dict[str, Any], path: Pa
             )
 
 
+def _truncated(
+    config: MedusaConfig,
+    tensors: dict[str, Tensor],
+    token_map: Tensor,
+    engine: dict[str, Any],
+    path: Path,
+) -> tuple[MedusaConfig, dict[str, Tensor]]:
+    """vLLM heads over a draft vocabulary: ``token_map`` ``[D]`` and LM heads of D rows (or of
+    the whole vocabulary, which vLLM cuts to the ``token_map`` rows on load, as done here), the
+    vocabulary's size from ``config.json``. Returned with the map in ascending order."""
+    vocab_size = engine.get("vocab_size")
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise HeadsError(f"{path}: a token_map needs config.json's vocab_size, not {vocab_size!r}")
+    if token_map.dim() != 1 or token_map.is_floating_point() or token_map.dtype == torch.bool:
+        raise HeadsError(f"{path}: token_map must be integer [D], got {token_map.dtype}")
+    ids, order = token_map.long().sort()
+    rows = config.vocab_size  # the LM heads' rows as read
+    if rows not in (ids.numel(), vocab_size):
+        raise HeadsError(
+            f"{path}: the LM heads have {rows} rows, neither the token_map's {ids.numel()} nor "
+            f"the vocabulary's {vocab_size}"
+        )
+    picked = order if rows == ids.numel() else ids  # vLLM cuts only heads of more rows
+    try:
+        truncated = replace(config, vocab_size=vocab_size, draft_vocab_size=ids.numel())
+        check_token_map(ids, truncated)
+    except ValueError as error:
+        raise HeadsError(f"{path}: {error}") from error
+    cut = {k: t[picked] if k.startswith("lm_heads.") else t for k, t in tensors.items()}
+    return truncated, {**cut, "token_map": ids}
+
+
 def import_medusa(path: str | Path) -> ImportedMedusa:
     """Read published Medusa heads (reference or vLLM layout) into headway's state-dict keys.
 
@@ -281,11 +322,14 @@ def import_medusa(path: str | Path) -> ImportedMedusa:
     )
     tensors = _strip_prefix(tensors)
     layout = _detect_layout(tensors, weights)
+    token_map = tensors.pop("token_map", None)
     config = _infer_config(tensors, layout, weights)
     if layout == "medusa-vllm":
         tensors = _add_missing_biases(tensors, config)
     engine = _read_engine_config(source)
     _check_against_config(config, engine, weights)
+    if token_map is not None:
+        config, tensors = _truncated(config, tensors, token_map, engine, weights)
     to_native = {engine: native for native, engine in native_key_map(config, layout).items()}
     unknown = sorted(set(tensors) - set(to_native))
     missing = sorted(set(to_native) - set(tensors))

@@ -26,11 +26,7 @@ from transformers import PreTrainedModel
 from headway.decode.bench import forward_seconds
 from headway.decode.gemm import gemm_route
 from headway.drafters.build import describe_spec
-from headway.drafters.draft_vocab import (
-    draft_vocabulary,
-    frequent_answer_tokens,
-    write_draft_vocabulary,
-)
+from headway.drafters.draft_vocab import narrow_medusa
 from headway.drafters.specs import DrafterSpec, LookupMedusaSpec, PromptLookupSpec
 from headway.errors import HeadwayError
 from headway.heads.format_medusa import import_medusa
@@ -64,15 +60,14 @@ def head1_scores(
         model: the target (its last hidden state feeds the head, as when drafting).
         head: Medusa head 1 (predicts the token two places after its hidden state).
         samples: ``(input_ids, loss_mask)`` pairs; position t counts iff ``loss_mask[t + 2]``.
-        vocab: optional draft vocabulary (token ids) the head is restricted to.
+        vocab: the target id of each row of the head's LM head, for a head narrowed by
+            :func:`~headway.drafters.draft_vocab.narrow_medusa`; ``None``: row = target id.
 
     Returns:
         ``(confidence [N], correct [N] bool)`` over all counted positions.
     """
     layer = int(model.config.get_text_config().num_hidden_layers)
     weight = head.lm_head.weight
-    if vocab is not None:
-        weight = weight[vocab.to(weight.device)]
     confidences, hits = [], []
     for input_ids, loss_mask in samples:
         ids = torch.as_tensor(list(input_ids), device=model.device)[None]
@@ -143,7 +138,6 @@ def _gate(
     target: Target,
     plan: QuickstartPlan,
     samples: Sequence[tuple[Sequence[int], Sequence[int]]],
-    vocab: Tensor | None,
 ) -> GateCalibration:
     """The plan's fixed confidence, or one calibrated on held-out ``samples`` with the first
     head of the exported heads."""
@@ -154,7 +148,8 @@ def _gate(
     imported = import_medusa(export_dir)
     device = target.model.get_output_embeddings().weight.device
     dtype = resolve_dtype(plan.draft_dtype)
-    heads = MedusaHeads.trained(imported.config, imported.state_dict, device=device, dtype=dtype)
+    config, state, vocab = narrow_medusa(imported.config, imported.state_dict, None)
+    heads = MedusaHeads.trained(config, state, device=device, dtype=dtype)
     prefix = torch.as_tensor(list(samples[0][0])[:256], device=target.model.device)
     break_even = verify_break_even(target.model, prefix)
     head = cast(MedusaHead, heads.heads[0])
@@ -166,7 +161,6 @@ def quickstart_spec(
     export_dir: Path,
     target: Target,
     plan: QuickstartPlan,
-    data_dir: Path,
     samples: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
 ) -> tuple[DrafterSpec, dict[str, Any]]:
     """The drafter the quickstart evaluates, as a spec anyone can build again, and its
@@ -175,12 +169,7 @@ def quickstart_spec(
     A ``lookup-medusa`` spec on the exported heads with the calibrated confidence; when the
     calibration gates the heads off (no threshold pays on this machine), prompt lookup alone.
     """
-    vocab, vocab_file = None, export_dir.parent / "draft_vocab.json"
-    if plan.draft_vocab_size:  # tokenized once, kept as a file the spec (and eval) reads back
-        ids = frequent_answer_tokens(data_dir, target.tokenizer, plan.draft_vocab_size)
-        write_draft_vocabulary(vocab_file, ids)
-        vocab = draft_vocabulary(vocab_file, target.tokenizer, plan.draft_vocab_size)
-    gate = _gate(export_dir, target, plan, samples, vocab)
+    gate = _gate(export_dir, target, plan, samples)
     spec: DrafterSpec
     if gate.threshold is None and plan.prompt_lookup:
         spec = PromptLookupSpec(
@@ -197,8 +186,6 @@ def quickstart_spec(
             lookup_min_ngram=plan.lookup_min_ngram,
             lookup_max_ngram=plan.lookup_max_ngram,
             lookup_tokens=plan.lookup_tokens,
-            draft_vocab=str(vocab_file) if vocab is not None else "",
-            draft_vocab_size=plan.draft_vocab_size or 1,
             draft_dtype=plan.draft_dtype,  # type: ignore[arg-type]
         )
     heads_name = "Medusa-1 heads"
@@ -210,7 +197,7 @@ def quickstart_spec(
         "name": f"prompt lookup + {heads_name}" if plan.prompt_lookup else heads_name,
         "spec": describe_spec(spec),
         "export": str(export_dir),
-        "draft_vocab_size": None if vocab is None else int(vocab.numel()),
+        "draft_vocab_size": import_medusa(export_dir).config.draft_vocab_size or None,
         "gate": asdict(gate),
         "command": eval_command(spec),
     }

@@ -162,6 +162,7 @@ class _Pipeline:
             f"data.sources={self.data_dir / 'data'}",
             f"train.output_dir={self.run_dir}",
             f"target.dtype={self.plan.data_dtype()}",
+            f"medusa.draft_vocab_size={self.plan.draft_vocab_size}",
             *self.plan.train_overrides,
         ]
         return load_config(RunConfig, None, overrides)
@@ -197,9 +198,7 @@ class _Pipeline:
 
         target = self.target()
         check_fingerprint(run_fingerprint(self.run_dir), fingerprint(target.model))
-        spec, info = quickstart_spec(
-            self.export_dir, target, self.plan, self.data_dir / "data", self._held_out(target)
-        )
+        spec, info = quickstart_spec(self.export_dir, target, self.plan, self._held_out(target))
         drafter = build_drafter(spec, target)
         report = evaluate(
             target,
@@ -289,6 +288,7 @@ def run_quickstart(
         return _run_quickstart(out, tiny=tiny, echo=echo, shipped_dir=shipped_dir)
 
 
+# draft_vocab.json: the drafting list quickstarts before 2026-11-28 wrote (the heads now carry it)
 _OWN_ENTRIES = ("data", "run", "eval", "eval-shipped", "quickstart.json", "draft_vocab.json")
 _OWN_TINY = ("tiny-target", "tiny-chat.jsonl", "tiny-prompts.jsonl")  # the --tiny pipeline's
 

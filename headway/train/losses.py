@@ -83,6 +83,7 @@ def medusa_loss(
     *,
     decay: float = 0.8,
     document_ids: Tensor | None = None,
+    token_map: Tensor | None = None,
 ) -> LossOutput:
     """Medusa-1 loss ``Σ_{k=1..K} decay^k · CE_k`` (see the module docstring for the alignment).
 
@@ -95,6 +96,9 @@ def medusa_loss(
         decay: λ_k = decay^k for k = 1..K.
         document_ids: ``[B, T]`` sample numbers of packed batches, if any: a label in another
             sample than its position is not trained (as if the sample ended there).
+        token_map: heads over a draft vocabulary (``V`` = D): the target id of each draft id,
+            int64 ``[D]`` ascending. A label outside it has no logit: it adds no cross-entropy
+            and counts as a miss in the accuracies.
 
     Returns:
         :class:`LossOutput`; metrics per head k (1-based): ``head{k}/ce``, ``head{k}/top1``,
@@ -103,28 +107,38 @@ def medusa_loss(
     """
     _check_shapes(head_logits, input_ids, loss_mask)
     num_heads, _, length, vocab = head_logits.shape
+    drafted = input_ids if token_map is None else _to_draft_ids(input_ids, token_map)
     total = head_logits.new_zeros((), dtype=torch.float32)
     stats = []  # per head: ce, top1 hits, top5 hits, count
     for index in range(num_heads):
         k = index + 1
         shift = min(k + 1, length)
         logits = head_logits[index, :, : length - shift]  # [B, T - k - 1, V]
-        labels = input_ids[:, shift:]
+        labels = drafted[:, shift:]  # draft ids, -1 outside a draft vocabulary
         valid = loss_mask[:, shift:].bool()
         if document_ids is not None:
             valid &= document_ids[:, shift:] == document_ids[:, : length - shift]
         count = valid.sum()
-        targets = labels.masked_fill(~valid, _IGNORE).reshape(-1)
+        trained = valid & (labels >= 0)
+        targets = labels.masked_fill(~trained, _IGNORE).reshape(-1)
         ce_sum = F.cross_entropy(
             logits.reshape(-1, vocab).float(), targets, ignore_index=_IGNORE, reduction="sum"
         )
-        ce = ce_sum / count.clamp_min(1)  # no valid position: ce_sum is 0, so is the term
+        ce = ce_sum / trained.sum().clamp_min(1)  # nothing trained: ce_sum is 0, so is the term
         total = total + decay**k * ce
         with torch.no_grad():
             top = logits.topk(min(TOP_K, vocab), dim=-1).indices  # [B, T - k - 1, 5]
             hits = (top == labels[..., None]) & valid[..., None]
             stats.append(torch.stack([ce.detach(), hits[..., 0].sum(), hits.any(-1).sum(), count]))
     return LossOutput(total, _metrics(torch.stack(stats).tolist()))
+
+
+def _to_draft_ids(input_ids: Tensor, token_map: Tensor) -> Tensor:
+    """Target ids ``[B, T]`` -> draft ids ``[B, T]`` of the sorted ``token_map`` ``[D]``, -1 for
+    tokens outside it."""
+    token_map = token_map.to(input_ids.device)
+    place = torch.searchsorted(token_map, input_ids).clamp_max(token_map.numel() - 1)
+    return torch.where(token_map[place] == input_ids, place, torch.full_like(place, -1))
 
 
 def _metrics(rows: list[list[float]]) -> dict[str, float]:

@@ -68,6 +68,7 @@ from headway.train.losses_lk import LKLoss
 
 __all__ = [
     "Eagle3",
+    "log_coverage",
     "training_token_counts",
     "ttt_attention_mask",
     "ttt_row_count",
@@ -258,8 +259,9 @@ def training_token_counts(
         cached = CachedFeatureDataset(Path(config.data.features_dir))
         if not set(feature_layers) <= set(cached.layers):
             raise ConfigError(
-                f"{config.data.features_dir} caches layers {list(cached.layers)} but eagle3 "
-                f"trains on {list(feature_layers)}; rerun `headway data cache-features` with "
+                f"{config.data.features_dir} caches layers {list(cached.layers)} but "
+                f"{config.train.method} trains on {list(feature_layers)}; rerun `headway data "
+                f"cache-features` with "
                 f"--layers {','.join(map(str, feature_layers))}"
             )
         samples = (cached[index] for index in range(len(cached)))
@@ -275,7 +277,8 @@ def training_token_counts(
     return token_counts(zip(dataset["input_ids"], dataset["loss_mask"], strict=True), vocab_size)
 
 
-def _log_coverage(vocab: DraftVocab, counts: TokenCounts) -> None:
+def log_coverage(vocab: DraftVocab, counts: TokenCounts) -> None:
+    """Log which share of the trained tokens the draft vocabulary ``vocab`` covers."""
     covered = int(counts.trained[vocab.target_ids].sum())
     logger.info(
         "draft vocabulary: %d of %d tokens, %.1f%% of the trained tokens",
@@ -321,7 +324,7 @@ class Eagle3(nn.Module):
         if vocab is None:
             counts = training_token_counts(config, target, self.feature_layers)
             vocab = choose_vocab(counts, self.head_config.draft_vocab_size)
-            _log_coverage(vocab, counts)
+            log_coverage(vocab, counts)
         # Grouped key/value heads read once per query group (the draft's own sdpa repeats
         # them): the same attention in a third less time on a CPU (module docstring).
         self.draft = Eagle3Model(self.head_config, attn_implementation=PACKED)

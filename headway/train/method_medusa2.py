@@ -138,6 +138,11 @@ class Medusa2(nn.Module):
         if config.data.features != "online":
             raise ConfigError(MEDUSA2_NEEDS_ONLINE)
         settings = config.medusa
+        if settings.draft_vocab_size:
+            raise ConfigError(
+                "medusa.draft_vocab_size is for medusa1 (medusa2's merged export keeps the "
+                "target's whole vocabulary); set it to 0"
+            )
         model = target.model
         check_lora_targets(model, settings.lora_target_modules)
         lm_head = model.get_output_embeddings().weight.detach()

@@ -15,12 +15,13 @@ from torch import Tensor, nn
 from headway.errors import ConfigError
 from headway.heads.loading import FoundHeads
 from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.heads.vocab import DraftVocab, choose_vocab
 from headway.run_config import RunConfig
 from headway.target import Target
 from headway.train.init_weights import check_head_config, initial_heads, load_initial
 from headway.train.losses import LossOutput, medusa_loss
 from headway.train.method_eagle import Eagle1
-from headway.train.method_eagle3 import Eagle3
+from headway.train.method_eagle3 import Eagle3, log_coverage, training_token_counts
 from headway.train.method_medusa2 import Medusa2
 
 
@@ -53,22 +54,46 @@ class Medusa1(nn.Module):
     name = "medusa1"
 
     def __init__(
-        self, config: RunConfig, target: Target, *, init: FoundHeads | None = None
+        self,
+        config: RunConfig,
+        target: Target,
+        *,
+        vocab: DraftVocab | None = None,
+        init: FoundHeads | None = None,
     ) -> None:
+        """``vocab``: the draft vocabulary of ``medusa.draft_vocab_size`` (default: the data's
+        most frequent trained tokens, counted now; an ``init`` run's own)."""
         super().__init__()
         text_config = target.model.config.get_text_config()
         lm_head = target.model.get_output_embeddings().weight.detach()
+        vocab_size = int(lm_head.shape[0])
+        draft_vocab_size = config.medusa.draft_vocab_size
         self.head_config = MedusaConfig(
             num_heads=config.medusa.num_heads,
             num_layers=config.medusa.num_layers,
             hidden_size=int(text_config.hidden_size),
-            vocab_size=int(lm_head.shape[0]),
+            vocab_size=vocab_size,
+            draft_vocab_size=draft_vocab_size if draft_vocab_size < vocab_size else 0,
         )
-        self.heads = MedusaHeads(self.head_config, lm_head_weight=lm_head.float())
-        self.decay = config.medusa.loss_decay
         self.feature_layers = (last_layer(target),)
+        settable = ("num_heads", "num_layers", "draft_vocab_size")
+        token_map = None
         if init is not None:
-            check_head_config(self.head_config, init, "medusa", ("num_heads", "num_layers"))
+            check_head_config(self.head_config, init, "medusa", settable)
+            token_map = init.state_dict.get("token_map")
+        elif self.head_config.draft_vocab_size and vocab is not None:
+            token_map = vocab.target_ids
+        elif self.head_config.draft_vocab_size:
+            counts = training_token_counts(config, target, self.feature_layers)
+            vocab = choose_vocab(counts, self.head_config.draft_vocab_size)
+            log_coverage(vocab, counts)
+            token_map = vocab.target_ids
+        try:
+            self.heads = MedusaHeads(self.head_config, lm_head.float(), token_map=token_map)
+        except ValueError as error:  # an init_from folder's damaged token_map
+            raise ConfigError(f"train.init_from: {error}") from error
+        self.decay = config.medusa.loss_decay
+        if init is not None:
             load_initial(self.heads, init)
 
     def forward(self, batch: dict[str, Tensor], hidden: dict[int, Tensor]) -> LossOutput:
@@ -79,6 +104,7 @@ class Medusa1(nn.Module):
             batch["loss_mask"],
             decay=self.decay,
             document_ids=batch.get("document_ids"),
+            token_map=self.heads.token_map,
         )
 
     @property
