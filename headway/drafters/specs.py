@@ -125,7 +125,8 @@ class MedusaSpec:
         metadata=_help(
             "draft only over the draft_vocab_size most frequent answer tokens of this chat-data "
             "folder or draft-vocabulary file (`headway data vocab`; FR-Spec: every head's LM "
-            "head cut to their rows)"
+            "head cut to their rows; heads trained over a draft vocabulary keep those of its "
+            "tokens that are listed)"
         ),
     )
     draft_vocab_size: int = field(default=4096, metadata=_help("size of that vocabulary"))
@@ -211,7 +212,8 @@ class LookupMedusaSpec:
         default="",
         metadata=_help(
             "draft only the most frequent answer tokens of this chat-data folder, or the ids in "
-            "this draft-vocabulary file (the quickstart writes draft_vocab.json)"
+            "this draft-vocabulary file (`headway data vocab`); heads trained over a draft "
+            "vocabulary keep only its tokens that are listed"
         ),
     )
     draft_vocab_size: int = field(default=4096, metadata=_help("size of that vocabulary"))
