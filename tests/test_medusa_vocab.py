@@ -183,3 +183,31 @@ def test_medusa2_refuses_a_draft_vocabulary(workspace: Path) -> None:  # noqa: F
     target = load_target(str(workspace / "target"), dtype="float32", device="cpu")
     with pytest.raises(ConfigError, match="medusa1"):
         build_method(config, target)
+
+
+@pytest.mark.parametrize("method", ["medusa1", "eagle3"])
+def test_a_method_rebuilt_for_its_own_weights_does_not_count_the_data(
+    workspace: Path,  # noqa: F811
+    trained: Path,
+    method: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A resumed run or ``eval --heads-only`` loads the run's weights, vocabulary included,
+    right after building the method: no pass over the data to count tokens first."""
+    from headway.train import method_eagle3, methods
+
+    def counted(*args: object) -> None:
+        raise AssertionError("the data was counted")
+
+    monkeypatch.setattr(methods, "training_token_counts", counted)
+    monkeypatch.setattr(method_eagle3, "training_token_counts", counted)
+    target = load_target(str(workspace / "target"), dtype="float32", device="cpu")
+    config = run_config(workspace, "rebuilt", f"train.method={method}")
+    rebuilt = methods.build_method(config, target, from_init=False)
+    if isinstance(rebuilt, methods.Medusa1):
+        saved = load_heads(trained).state_dict
+        rebuilt.heads.load_state_dict(saved)
+        assert rebuilt.heads.token_map is not None
+        assert torch.equal(rebuilt.heads.token_map, saved["token_map"])
+    with pytest.raises(AssertionError, match="counted"):
+        methods.build_method(config, target)  # a new run counts

@@ -147,11 +147,29 @@ def build_method(config: RunConfig, target: Target, *, from_init: bool = True) -
 
     ``from_init=False`` leaves ``train.init_from`` unread, for a caller that loads the run's own
     weights next (a resumed run's checkpoint, a finished run's heads): the folder it started
-    from may since have moved."""
+    from may since have moved. Nor does it count the data's tokens for a draft vocabulary
+    (a pass over the whole dataset): the weights loaded next carry the run's own."""
     builder = METHODS.get(config.train.method)
     if builder is None:
         raise ConfigError(
             f"train.method={config.train.method!r} is not available yet; "
             f"available: {', '.join(sorted(METHODS))}"
         )
-    return builder(config, target, init=initial_heads(config, target) if from_init else None)
+    if from_init:
+        return builder(config, target, init=initial_heads(config, target))
+    placeholder = _placeholder_vocab(config, target)
+    if placeholder is None:
+        return builder(config, target)
+    assert builder is Eagle3 or builder is Medusa1
+    return builder(config, target, vocab=placeholder)
+
+
+def _placeholder_vocab(config: RunConfig, target: Target) -> DraftVocab | None:
+    """A draft vocabulary of the run's size for a method whose weights are loaded next (its
+    buffers then hold the run's own), or None where the method has none."""
+    vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
+    size = {"eagle3": config.eagle3.draft_vocab_size, "medusa1": config.medusa.draft_vocab_size}
+    wanted = size.get(config.train.method, 0)
+    if wanted <= 0 or (config.train.method == "medusa1" and wanted >= vocab_size):
+        return None
+    return DraftVocab.identity(min(wanted, vocab_size), vocab_size)
