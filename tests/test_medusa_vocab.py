@@ -23,7 +23,7 @@ from headway.run_config import RunConfig
 from headway.target import load_target
 from headway.train import loop
 from headway.train.losses import medusa_loss, medusa_loss_reference
-from headway.train.method_eagle3 import training_token_counts
+from headway.train.vocab_counts import training_token_counts
 from tests.test_eagle3_training import workspace  # noqa: F401 (a fixture)
 from tests.test_generate import hf_greedy
 from tests.test_init_from import config
@@ -194,13 +194,12 @@ def test_a_method_rebuilt_for_its_own_weights_does_not_count_the_data(
 ) -> None:
     """A resumed run or ``eval --heads-only`` loads the run's weights, vocabulary included,
     right after building the method: no pass over the data to count tokens first."""
-    from headway.train import method_eagle3, methods
+    from headway.train import methods, vocab_counts
 
     def counted(*args: object) -> None:
         raise AssertionError("the data was counted")
 
-    monkeypatch.setattr(methods, "training_token_counts", counted)
-    monkeypatch.setattr(method_eagle3, "training_token_counts", counted)
+    monkeypatch.setattr(vocab_counts, "training_token_counts", counted)
     target = load_target(str(workspace / "target"), dtype="float32", device="cpu")
     config = run_config(workspace, "rebuilt", f"train.method={method}")
     rebuilt = methods.build_method(config, target, from_init=False)

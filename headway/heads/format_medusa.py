@@ -53,7 +53,12 @@ from headway.heads.io import (
     write_json,
     write_safetensors,
 )
-from headway.heads.medusa import MedusaConfig, check_token_map, medusa_tensor_shapes
+from headway.heads.medusa import (
+    MedusaConfig,
+    check_token_map,
+    medusa_tensor_shapes,
+    token_map_ids,
+)
 from headway.target import TargetFingerprint
 
 __all__ = [
@@ -278,15 +283,17 @@ def _truncated(
     engine: dict[str, Any],
     path: Path,
 ) -> tuple[MedusaConfig, dict[str, Tensor]]:
-    """vLLM heads over a draft vocabulary: ``token_map`` ``[D]`` and LM heads of D rows (or of
-    the whole vocabulary, which vLLM cuts to the ``token_map`` rows on load, as done here), the
-    vocabulary's size from ``config.json``. Returned with the map in ascending order."""
+    """vLLM heads over ``token_map`` ``[D]``: LM heads of D rows, or of the whole vocabulary
+    (cut to the map's rows, as vLLM does); returned with the map sorted, rows alike."""
     vocab_size = engine.get("vocab_size")
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
         raise HeadsError(f"{path}: a token_map needs config.json's vocab_size, not {vocab_size!r}")
-    if token_map.dim() != 1 or token_map.is_floating_point() or token_map.dtype == torch.bool:
-        raise HeadsError(f"{path}: token_map must be integer [D], got {token_map.dtype}")
-    ids, order = token_map.long().sort()
+    try:
+        ids, order = token_map_ids(token_map).sort()
+        truncated = replace(config, vocab_size=vocab_size, draft_vocab_size=ids.numel())
+        check_token_map(ids, truncated)
+    except ValueError as error:
+        raise HeadsError(f"{path}: {error}") from error
     rows = config.vocab_size  # the LM heads' rows as read
     if rows not in (ids.numel(), vocab_size):
         raise HeadsError(
@@ -294,11 +301,6 @@ def _truncated(
             f"the vocabulary's {vocab_size}"
         )
     picked = order if rows == ids.numel() else ids  # vLLM cuts only heads of more rows
-    try:
-        truncated = replace(config, vocab_size=vocab_size, draft_vocab_size=ids.numel())
-        check_token_map(ids, truncated)
-    except ValueError as error:
-        raise HeadsError(f"{path}: {error}") from error
     cut = {k: t[picked] if k.startswith("lm_heads.") else t for k, t in tensors.items()}
     return truncated, {**cut, "token_map": ids}
 

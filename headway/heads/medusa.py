@@ -243,6 +243,18 @@ class MedusaHeads(nn.Module):
         return torch.stack([head(hidden) for head in used])
 
 
+def token_map_ids(token_map: Tensor) -> Tensor:
+    """``token_map`` as int64 ``[D]`` on the CPU, in the order given.
+
+    Raises:
+        ValueError: a map of another dtype (float, bool) or shape.
+    """
+    ids = token_map.detach().cpu()
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 1:
+        raise ValueError(f"token_map must be integer [D], got {ids.dtype} {list(ids.shape)}")
+    return ids.long()
+
+
 def check_token_map(token_map: Tensor, config: MedusaConfig) -> Tensor:
     """``token_map`` as int64 on the CPU, checked: ``[draft_vocab_size]`` distinct target ids in
     ascending order, each below ``vocab_size``.
@@ -250,10 +262,7 @@ def check_token_map(token_map: Tensor, config: MedusaConfig) -> Tensor:
     Raises:
         ValueError: anything else (a damaged file, or a map for another vocabulary).
     """
-    ids = token_map.detach().cpu()
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() != 1:
-        raise ValueError(f"token_map must be integer [D], got {ids.dtype} {list(ids.shape)}")
-    ids = ids.long()
+    ids = token_map_ids(token_map)
     if ids.numel() != config.draft_vocab_size:
         raise ValueError(
             f"token_map holds {ids.numel()} ids but draft_vocab_size is {config.draft_vocab_size}"

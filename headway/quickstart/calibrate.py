@@ -29,7 +29,7 @@ from headway.drafters.build import describe_spec
 from headway.drafters.draft_vocab import narrow_medusa
 from headway.drafters.specs import DrafterSpec, LookupMedusaSpec, PromptLookupSpec
 from headway.errors import HeadwayError
-from headway.heads.format_medusa import import_medusa
+from headway.heads.format_medusa import ImportedMedusa, import_medusa
 from headway.heads.medusa import MedusaHead, MedusaHeads
 from headway.quickstart.plan import QuickstartPlan
 from headway.target import Target, resolve_dtype
@@ -134,18 +134,17 @@ def choose_threshold(
 
 
 def _gate(
-    export_dir: Path,
+    imported: ImportedMedusa,
     target: Target,
     plan: QuickstartPlan,
     samples: Sequence[tuple[Sequence[int], Sequence[int]]],
 ) -> GateCalibration:
     """The plan's fixed confidence, or one calibrated on held-out ``samples`` with the first
-    head of the exported heads."""
+    head of the exported heads ``imported``."""
     if plan.confidence is not None:
         return GateCalibration(plan.confidence, 0.0, 0, 0.0, 0.0)
     if not samples:
         raise HeadwayError("calibrating the confidence gate needs held-out samples")
-    imported = import_medusa(export_dir)
     device = target.model.get_output_embeddings().weight.device
     dtype = resolve_dtype(plan.draft_dtype)
     config, state, vocab = narrow_medusa(imported.config, imported.state_dict, None)
@@ -169,7 +168,8 @@ def quickstart_spec(
     A ``lookup-medusa`` spec on the exported heads with the calibrated confidence; when the
     calibration gates the heads off (no threshold pays on this machine), prompt lookup alone.
     """
-    gate = _gate(export_dir, target, plan, samples)
+    imported = import_medusa(export_dir)
+    gate = _gate(imported, target, plan, samples)
     spec: DrafterSpec
     if gate.threshold is None and plan.prompt_lookup:
         spec = PromptLookupSpec(
@@ -197,7 +197,7 @@ def quickstart_spec(
         "name": f"prompt lookup + {heads_name}" if plan.prompt_lookup else heads_name,
         "spec": describe_spec(spec),
         "export": str(export_dir),
-        "draft_vocab_size": import_medusa(export_dir).config.draft_vocab_size or None,
+        "draft_vocab_size": imported.config.draft_vocab_size or None,
         "gate": asdict(gate),
         "command": eval_command(spec),
     }

@@ -33,43 +33,37 @@ over the window of step-0 keys its rows can see (its own packed sample, not the 
 (``tests/test_eagle3.py``; ``scripts/bench_train.py`` prints the gain).
 
 **Draft vocabulary.** The N most frequent trained tokens of the training data
-(:func:`~headway.heads.vocab.choose_vocab`), counted over the same dataset the loop builds (all
-of it, held-out rows included, as the reference's ``scandata`` counts its whole training file).
-The draft LM head starts from the target's rows for those tokens (``eagle3.lm_head_init=target``;
-the reference starts from a random ``nn.Linear``).
+(:func:`~headway.train.vocab_counts.training_vocab`). The draft LM head starts from the target's
+rows for those tokens (``eagle3.lm_head_init=target``; the reference starts from a random
+``nn.Linear``).
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from headway.errors import ConfigError
 from headway.generation.grouped_attention import PACKED
 from headway.heads.eagle import TargetHead, additive_mask
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.loading import FoundHeads
-from headway.heads.vocab import DraftVocab, TokenCounts, choose_vocab, token_counts
+from headway.heads.vocab import DraftVocab
 from headway.run_config import RunConfig
 from headway.target import Target
 from headway.train.batching import document_attention_mask
-from headway.train.data import build_datasets
-from headway.train.features import CachedFeatureDataset
 from headway.train.init_weights import check_head_config, load_initial
 from headway.train.losses import LossOutput
 from headway.train.losses_eagle import eagle3_loss, eagle3_rows
 from headway.train.losses_lk import LKLoss
+from headway.train.vocab_counts import training_vocab
 
 __all__ = [
     "Eagle3",
-    "log_coverage",
-    "training_token_counts",
     "ttt_attention_mask",
     "ttt_row_count",
     "ttt_unroll",
@@ -247,47 +241,6 @@ def ttt_unroll_reference(
     return outputs
 
 
-def training_token_counts(
-    config: RunConfig, target: Target, feature_layers: tuple[int, ...]
-) -> TokenCounts:
-    """Token counts of the data the loop trains on: the offline feature cache (checked to hold
-    ``feature_layers``), else the tokenized ``data.sources`` (the loop's own
-    :func:`~headway.train.data.build_datasets` call)."""
-    vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
-    if config.data.features == "offline":
-        assert config.data.features_dir is not None  # checked by DataConfig
-        cached = CachedFeatureDataset(Path(config.data.features_dir))
-        if not set(feature_layers) <= set(cached.layers):
-            raise ConfigError(
-                f"{config.data.features_dir} caches layers {list(cached.layers)} but "
-                f"{config.train.method} trains on {list(feature_layers)}; rerun `headway data "
-                f"cache-features` with "
-                f"--layers {','.join(map(str, feature_layers))}"
-            )
-        samples = (cached[index] for index in range(len(cached)))
-        return token_counts(((s["input_ids"], s["loss_mask"]) for s in samples), vocab_size)
-    dataset, _ = build_datasets(
-        target.tokenizer,
-        config.data.sources,
-        max_length=config.data.max_length,
-        skip_bad_rows=config.data.skip_bad_rows,
-        limit=config.data.limit,
-        loop_repeats=config.data.loop_repeats,
-    )
-    return token_counts(zip(dataset["input_ids"], dataset["loss_mask"], strict=True), vocab_size)
-
-
-def log_coverage(vocab: DraftVocab, counts: TokenCounts) -> None:
-    """Log which share of the trained tokens the draft vocabulary ``vocab`` covers."""
-    covered = int(counts.trained[vocab.target_ids].sum())
-    logger.info(
-        "draft vocabulary: %d of %d tokens, %.1f%% of the trained tokens",
-        vocab.size,
-        vocab.vocab_size,
-        100.0 * covered / max(int(counts.trained.sum()), 1),
-    )
-
-
 class Eagle3(nn.Module):
     """The ``eagle3`` method: an EAGLE-3 drafter trained with training-time test."""
 
@@ -322,9 +275,9 @@ class Eagle3(nn.Module):
             )
             vocab = DraftVocab.from_tensors(init.state_dict["d2t"], init.state_dict["t2d"])
         if vocab is None:
-            counts = training_token_counts(config, target, self.feature_layers)
-            vocab = choose_vocab(counts, self.head_config.draft_vocab_size)
-            log_coverage(vocab, counts)
+            vocab = training_vocab(
+                config, target, self.feature_layers, self.head_config.draft_vocab_size
+            )
         # Grouped key/value heads read once per query group (the draft's own sdpa repeats
         # them): the same attention in a third less time on a CPU (module docstring).
         self.draft = Eagle3Model(self.head_config, attn_implementation=PACKED)

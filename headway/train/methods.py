@@ -15,14 +15,15 @@ from torch import Tensor, nn
 from headway.errors import ConfigError
 from headway.heads.loading import FoundHeads
 from headway.heads.medusa import MedusaConfig, MedusaHeads
-from headway.heads.vocab import DraftVocab, choose_vocab
+from headway.heads.vocab import DraftVocab
 from headway.run_config import RunConfig
 from headway.target import Target
 from headway.train.init_weights import check_head_config, initial_heads, load_initial
 from headway.train.losses import LossOutput, medusa_loss
 from headway.train.method_eagle import Eagle1
-from headway.train.method_eagle3 import Eagle3, log_coverage, training_token_counts
+from headway.train.method_eagle3 import Eagle3
 from headway.train.method_medusa2 import Medusa2
+from headway.train.vocab_counts import training_vocab
 
 
 class Method(Protocol):
@@ -84,10 +85,8 @@ class Medusa1(nn.Module):
         elif self.head_config.draft_vocab_size and vocab is not None:
             token_map = vocab.target_ids
         elif self.head_config.draft_vocab_size:
-            counts = training_token_counts(config, target, self.feature_layers)
-            vocab = choose_vocab(counts, self.head_config.draft_vocab_size)
-            log_coverage(vocab, counts)
-            token_map = vocab.target_ids
+            size = self.head_config.draft_vocab_size
+            token_map = training_vocab(config, target, self.feature_layers, size).target_ids
         try:
             self.heads = MedusaHeads(self.head_config, lm_head.float(), token_map=token_map)
         except ValueError as error:  # an init_from folder's damaged token_map
