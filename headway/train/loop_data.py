@@ -8,6 +8,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import datasets
 import torch
 from torch.utils.data import Dataset
 
@@ -16,7 +17,7 @@ from headway.hardware import mixed_precision
 from headway.run_config import RunConfig
 from headway.target import Target, fingerprint
 from headway.train.batching import pack, padding_share
-from headway.train.data import build_datasets, pad_collate, pad_id_of
+from headway.train.data import DataReport, build_datasets, pad_collate, pad_id_of
 from headway.train.features import (
     CachedFeatureDataset,
     FeatureSource,
@@ -30,6 +31,19 @@ from headway.train.packed_features import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def source_datasets(config: RunConfig, target: Target) -> tuple[datasets.Dataset, list[DataReport]]:
+    """``data.sources`` tokenized as the loop trains on them (no features, no packing): the
+    dataset and a report per source."""
+    return build_datasets(
+        target.tokenizer,
+        config.data.sources,
+        max_length=config.data.max_length,
+        skip_bad_rows=config.data.skip_bad_rows,
+        limit=config.data.limit,
+        loop_repeats=config.data.loop_repeats,
+    )
 
 
 def split_held_out(dataset: Any, eval_fraction: float, seed: int) -> tuple[Any, Any]:
@@ -63,14 +77,7 @@ def training_data(config: RunConfig, target: Target) -> tuple[Dataset[Any], Data
         )
         train_set, eval_set = split_held_out(blocks, config.data.eval_fraction, config.train.seed)
         return train_set, eval_set, collate_packed_features
-    dataset, reports = build_datasets(
-        target.tokenizer,
-        config.data.sources,
-        max_length=config.data.max_length,
-        skip_bad_rows=config.data.skip_bad_rows,
-        limit=config.data.limit,
-        loop_repeats=config.data.loop_repeats,
-    )
+    dataset, reports = source_datasets(config, target)
     for report in reports:
         logger.info("%s", report.summary())
     if config.data.pack:

@@ -15,8 +15,8 @@ from headway.errors import ConfigError
 from headway.heads.vocab import DraftVocab, TokenCounts, choose_vocab, token_counts
 from headway.run_config import RunConfig
 from headway.target import Target
-from headway.train.data import build_datasets
 from headway.train.features import CachedFeatureDataset
+from headway.train.loop_data import source_datasets
 
 __all__ = ["log_coverage", "training_token_counts", "training_vocab"]
 
@@ -37,8 +37,8 @@ def training_token_counts(
     config: RunConfig, target: Target, feature_layers: tuple[int, ...]
 ) -> TokenCounts:
     """Token counts of the data the loop trains on: the offline feature cache (checked to hold
-    ``feature_layers``), else the tokenized ``data.sources`` (the loop's own
-    :func:`~headway.train.data.build_datasets` call)."""
+    ``feature_layers``), else the tokenized ``data.sources``
+    (:func:`~headway.train.loop_data.source_datasets`)."""
     vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
     if config.data.features == "offline":
         assert config.data.features_dir is not None  # checked by DataConfig
@@ -52,14 +52,7 @@ def training_token_counts(
             )
         samples = (cached[index] for index in range(len(cached)))
         return token_counts(((s["input_ids"], s["loss_mask"]) for s in samples), vocab_size)
-    dataset, _ = build_datasets(
-        target.tokenizer,
-        config.data.sources,
-        max_length=config.data.max_length,
-        skip_bad_rows=config.data.skip_bad_rows,
-        limit=config.data.limit,
-        loop_repeats=config.data.loop_repeats,
-    )
+    dataset, _ = source_datasets(config, target)
     return token_counts(zip(dataset["input_ids"], dataset["loss_mask"], strict=True), vocab_size)
 
 
