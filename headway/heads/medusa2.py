@@ -34,9 +34,8 @@ import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from peft.utils import set_peft_model_state_dict
 from torch import Tensor
 from transformers import PreTrainedModel
 
@@ -48,6 +47,9 @@ from headway.heads.io import (
     staged_directory,
     write_safetensors,
 )
+
+if TYPE_CHECKING:  # peft is imported where it is used: decoding without Medusa-2 never needs it
+    from peft import LoraConfig, PeftModel
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -83,6 +85,8 @@ def add_lora(model: PreTrainedModel, config: LoraConfig) -> PeftModel:
     """Wrap ``model`` in LoRA adapters *in place* (peft injects them into its modules): the base
     weights are frozen, only ``lora_A`` / ``lora_B`` require grad, and ``lora_B`` starts at zero
     so the adapted model equals the original until it is trained."""
+    from peft import PeftModel, get_peft_model
+
     with _quiet_peft():
         peft_model = get_peft_model(model, config)
     if not isinstance(peft_model, PeftModel):  # get_peft_model(mixed=True) returns another type
@@ -128,6 +132,8 @@ def read_adapter(run_dir: Path, weights_id: str) -> tuple[LoraConfig, dict[str, 
         HeadsError: the folder or a file is missing or corrupt, or the adapter was not saved with
             the heads whose ``weights_id`` is given.
     """
+    from peft import LoraConfig
+
     folder = Path(run_dir) / ADAPTER_DIR
     if not (folder / ADAPTER_CONFIG).is_file():
         raise HeadsError(
@@ -157,6 +163,9 @@ def set_adapter_weights(
         HeadsError: missing, unexpected or mis-shaped tensors (another ``lora_r`` or other
             target modules than the model was wrapped with).
     """
+    from peft import get_peft_model_state_dict
+    from peft.utils import set_peft_model_state_dict
+
     fresh = get_peft_model_state_dict(peft_model)
     expected = {name: tuple(tensor.shape) for name, tensor in fresh.items()}
     check_tensors(tensors, expected, Path(run_dir) / ADAPTER_DIR / ADAPTER_WEIGHTS)

@@ -30,7 +30,6 @@ from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
 from headway.atomic import write_text_atomic
 from headway.config import to_dict
@@ -46,6 +45,7 @@ from headway.train.held_out import evaluate, first_samples
 from headway.train.loop_data import feature_source, training_data
 from headway.train.methods import build_method, feature_layers
 from headway.train.ranks import end_training
+from headway.train.schedule import cosine_with_warmup
 from headway.train.sharding import shard_target, should_shard, take_fsdp_launch
 
 logger = logging.getLogger(__name__)
@@ -221,9 +221,7 @@ def _train(config: RunConfig, run_dir: Path, *, resume: bool) -> Path:
     optimizer = torch.optim.AdamW(
         method.parameter_groups(config.train.lr, config.train.weight_decay)  # type: ignore[operator]
     )
-    scheduler = get_cosine_schedule_with_warmup(
-        optimizer, config.train.warmup_steps, config.train.max_steps
-    )
+    scheduler = cosine_with_warmup(optimizer, config.train.warmup_steps, config.train.max_steps)
     layers = feature_layers(method)
     prepared = accelerator.prepare(method, optimizer, train_loader, eval_loader, scheduler)
     method, optimizer, train_loader, eval_loader, scheduler = prepared
