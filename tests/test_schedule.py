@@ -1,11 +1,8 @@
 """The learning-rate schedule equals transformers' ``get_cosine_schedule_with_warmup`` to the bit
-(so runs and their checkpoints behave as they did with it), resumes from a checkpoint's state,
-and neither training nor decoding imports peft unless a Medusa-2 run needs it."""
+(so runs and their checkpoints behave as they did with it) and resumes from a checkpoint's state
+(that training and decoding start without peft: ``tests/test_cli_imports.py``)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -51,22 +48,3 @@ def test_a_resumed_schedule_continues_where_it_stopped() -> None:
     for _ in range(15):
         assert resumed.get_last_lr() == run.get_last_lr()
         _step(run, resumed)
-
-
-def test_training_and_decoding_start_without_peft() -> None:
-    """peft (0.4-0.5 s of a process's start on a CPU) loads only for Medusa-2."""
-    code = (
-        "import sys\n"
-        "import headway.train.loop, headway.api, headway.drafters.build, headway.eval.speed\n"
-        "print('peft' in sys.modules)\n"
-        "from headway.heads.medusa2 import read_adapter\n"
-        "try:\n"
-        "    read_adapter(__import__('pathlib').Path('/nonexistent'), 'x')\n"
-        "except Exception:\n"
-        "    pass\n"
-        "print('peft' in sys.modules)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
-    )
-    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
