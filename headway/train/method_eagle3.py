@@ -40,7 +40,6 @@ rows for those tokens (``eagle3.lm_head_init=target``; the reference starts from
 
 from __future__ import annotations
 
-import logging
 from typing import Any, cast
 
 import torch
@@ -69,8 +68,6 @@ __all__ = [
     "ttt_unroll",
     "ttt_unroll_reference",
 ]
-
-logger = logging.getLogger(__name__)
 
 TTT_CHUNK = 64  # rows per chunk of TTT steps >= 1 (ttt_unroll)
 
