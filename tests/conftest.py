@@ -14,6 +14,9 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # tests do: a child with a thread per core beside the other xdist worker ran 2x slower (the
 # bench_gpu script's CPU run: 82 s under `make test`, 40 s alone on one thread).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every test times what it times: no GEMM route or verify cost table kept from an earlier test or
+# run (headway/timings.py; tests/test_timings.py turns it on in a folder of its own).
+os.environ.setdefault("HEADWAY_TIMINGS", "off")
 
 import pytest
 import torch

@@ -117,7 +117,9 @@ def add_gemm_flag(parser: argparse.ArgumentParser, *, note: str = "") -> None:
         choices=typing.get_args(GemmChoice),
         help="how decoding forwards multiply the linear layers on a CPU, decided once per model "
         "when it is loaded (the drafter's layers take the target's choice): auto (default) "
-        "times the model's linear layers on 1, 2, 4 and 8 rows (once per model) and takes, for "
+        "times the model's linear layers on 1, 2, 4 and 8 rows (once per machine, thread count "
+        "and layer shapes: kept in ~/.cache/headway/timings.json, HEADWAY_TIMINGS=retime times "
+        "again) and takes, for "
         "fp32 or bf16 on CPU, the faster of packed (oneDNN on weights reordered once; one more "
         "copy of the weights in memory; only where this CPU runs oneDNN for the dtype) and "
         "transposed ((W x^T)^T for blocks of 2-8 tokens, fp32) where clearly faster than stock, "
@@ -137,7 +139,8 @@ def add_decode_flags(parser: argparse.ArgumentParser) -> None:
         choices=["drafter", "cost"],
         help="drafter (the default): each drafter sizes its own trees (a fixed Medusa tree, "
         "EAGLE's total_tokens, prompt lookup's adaptive length, retrieval's min_share); cost: "
-        "time the target's verify forward once and send, every step, only the drafted nodes that "
+        "time the target's verify forward once (per machine, model shapes, GEMM route and verify "
+        "path, kept like --gemm auto's route) and send, every step, only the drafted nodes that "
         "pay for it, ranked by the drafter's acceptance estimates. A shipped drafter used because "
         "no drafter is named runs cost-sized unless --sizing says otherwise",
     )

@@ -73,6 +73,7 @@ from headway.decode.packed import (
     packing_available,
 )
 from headway.errors import HardwareError
+from headway.timings import remembered, shapes_digest
 
 __all__ = [
     "FASTER_BY",
@@ -212,7 +213,14 @@ def _auto_route(model: nn.Module) -> Route:
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return "stock"
     room = _room_for_a_copy(linears)
-    return fastest_route(linears, packing=room)
+    packs = room and all(packing_available(module.weight.dtype) for module in linears)
+    return remembered(  # timed once per machine and layer shapes (headway.timings)
+        "the GEMM route",
+        {"layers": shapes_digest(nn.ModuleList(linears)), "packing": room},
+        lambda: fastest_route(linears, packing=room),
+        device=weight.device,
+        valid=lambda route: route in ("stock", "transposed") or (route == "packed" and packs),
+    )
 
 
 def _room_for_a_copy(linears: list[nn.Linear]) -> bool:
@@ -238,12 +246,10 @@ def _median_seconds(function: Callable[[], object], repeats: int = 3) -> float:
 
 
 TIMED_ROWS = (1, 2, 4, MAX_ROWS)
-"""The blocks :func:`fastest_route` times every route on: one token (plain decoding, a drafter's
-chain steps) and the verify blocks drafters send on a CPU. On 1 and 8 rows alone, a 2-core
-AVX2-only EPYC (2026-11-27) timed transposed at 0.74-0.93 of stock, astride :data:`FASTER_BY`,
-so ``auto`` flipped between the two from run to run, while its 2-8 token verify forwards took
-0.57-0.77 of stock's and the shipped drafter ran 1.47x HF greedy there against 1.08x on stock
-(docs/benchmarks.md); on 1, 2, 4 and 8 rows: 0.56-0.79."""
+"""The blocks :func:`fastest_route` times every route on: one token and the verify blocks
+drafters send on a CPU. On 1 and 8 rows alone a 2-core AVX2 EPYC timed transposed astride
+:data:`FASTER_BY` and ``auto`` flipped from run to run; on 1, 2, 4 and 8 rows it does not
+(2026-11-27, docs/benchmarks.md)."""
 
 
 def _linear_pass(linears: Sequence[nn.Linear], route: Route) -> Callable[[], None]:

@@ -42,6 +42,7 @@ from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits, s
 from headway.decode.session import Drafter, Session, StopReason, commit
 from headway.decode.tree import DraftTree, empty_tree, limit_depth
 from headway.decode.verify import verify
+from headway.timings import remembered, shapes_digest
 
 __all__ = ["Decoder", "Drafter", "GenerationResult", "StopReason", "generate"]
 
@@ -245,17 +246,33 @@ class Decoder:
         verify forward for cost sizing), so that per-generation timings leave it out."""
         self._tree_sizer()
 
+    def _timed_costs(self, sizes: int) -> list[float]:
+        """The verify cost table for blocks of 1 .. ``sizes`` tokens, timed once per machine,
+        model shapes, GEMM route and verify forward (:mod:`headway.timings`)."""
+        weight = self.model.get_output_embeddings().weight
+        key: dict[str, object] = {"model": shapes_digest(self.model), "sizes": sizes}
+        key |= {"route": gemm_route(self.model), "forward": type(self.target).__name__}
+        return remembered(
+            "the verify cost table",
+            key,
+            lambda: verify_cost_table(
+                self.model, sizes, seconds=verify_timer(self.model, 128, forward=self.target)
+            ),
+            device=weight.device,
+            valid=lambda table: (
+                isinstance(table, list)
+                and len(table) == sizes
+                and all(isinstance(t, float) and 0 < t < math.inf for t in table)
+            ),
+        )
+
     def _tree_sizer(self) -> TreeSizer | None:
         """The cost sizer, built on first use (timing the verify forward takes a second or so)."""
         if self.options.sizing != "cost" or self.drafter.max_nodes < 1:
             return None
         if self.sizer is None:
             nodes = self.drafter.max_nodes
-            costs = self._costs or verify_cost_table(
-                self.model,
-                nodes + 1,
-                seconds=verify_timer(self.model, 128, forward=self.target),
-            )
+            costs = self._costs or self._timed_costs(nodes + 1)
             self.sizer = TreeSizer(costs, nodes, budget=f"a drafter of max_nodes={nodes}")
         self.sizer.forget()  # a tree the last generation stopped after is never verified
         return self.sizer

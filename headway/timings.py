@@ -1,0 +1,138 @@
+"""Timings measured on this machine, remembered between runs.
+
+Two decisions are timed rather than guessed: ``--gemm auto``'s route (:mod:`headway.decode.gemm`)
+and cost sizing's verify cost table (:mod:`headway.decode.costs`). Each took seconds at the start
+of every command (the embedded SmolLM2 on a 2-core EPYC: ~2 s per model for the route, ~7 s for
+the table, 2026-11-28), and a timing made while something else loads the machine may choose worse
+than one made at rest. So the first measurement is kept in ``$HEADWAY_CACHE/timings.json``
+(default ``~/.cache/headway``) under a key naming everything the measurement depends on: this
+machine (architecture, CPU model, cores, torch threads, torch version, the device), and what the
+caller adds (the layers' shapes and dtypes, the route, the verify forward, the sizes).
+
+``HEADWAY_TIMINGS``: ``on`` (default) remembers; ``retime`` measures again and replaces what was
+kept; ``off`` neither reads nor writes (the test suite runs so). A file that cannot be read or
+written is never an error: the value is measured and used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import torch
+from torch import nn
+
+from headway.atomic import write_text_atomic
+
+__all__ = ["TIMINGS_NAME", "cache_dir", "machine_key", "remembered", "shapes_digest"]
+
+logger = logging.getLogger(__name__)
+
+TIMINGS_NAME = "timings.json"
+SCHEMA = "headway.timings/1"
+MODES = ("on", "retime", "off")
+_SAID: set[str] = set()  # the kinds this process has logged a kept timing of
+
+T = TypeVar("T")
+
+
+def cache_dir() -> Path:
+    """The headway cache: ``$HEADWAY_CACHE``, default ``~/.cache/headway``."""
+    return Path(os.environ.get("HEADWAY_CACHE", Path.home() / ".cache" / "headway"))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith(("model name", "Model", "CPU part")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_key(device: torch.device) -> dict[str, Any]:
+    """What any timing on ``device`` depends on beyond the caller's own key."""
+    key: dict[str, Any] = {
+        "machine": platform.machine(),
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": device.type,
+    }
+    if device.type == "cuda":
+        key["gpu"] = torch.cuda.get_device_name(device)
+    return key
+
+
+def shapes_digest(module: nn.Module) -> str:
+    """A hash of ``module``'s class and its parameters' names, shapes and dtypes (what a forward
+    costs depends on; the values do not matter)."""
+    parts = [type(module).__name__]
+    parts += [f"{name}:{list(p.shape)}:{p.dtype}" for name, p in module.named_parameters()]
+    return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()[:16]
+
+
+def _mode() -> str:
+    mode = os.environ.get("HEADWAY_TIMINGS", "on").strip().lower()
+    return mode if mode in MODES else "on"
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def remembered(
+    kind: str,
+    key: Mapping[str, Any],
+    measure: Callable[[], T],
+    *,
+    device: torch.device,
+    valid: Callable[[Any], bool],
+) -> T:
+    """The value ``measure()`` gave when first called for ``kind`` and ``key`` on this machine
+    (:func:`machine_key` of ``device``), measured now if none was kept, ``valid`` rejects the
+    kept one, or ``HEADWAY_TIMINGS`` says ``retime``. The value must be plain JSON (a string,
+    a list of floats)."""
+    mode = _mode()
+    if mode == "off":
+        return measure()
+    full = {"kind": kind, **machine_key(device), **key}
+    digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()
+    path = cache_dir() / TIMINGS_NAME
+    entry = _read(path).get(digest) if mode == "on" else None
+    if isinstance(entry, dict) and valid(entry.get("value")):
+        log = logger.debug if kind in _SAID else logger.info  # once a process per kind
+        _SAID.add(kind)
+        log(
+            "%s as timed here on %s (kept in %s; HEADWAY_TIMINGS=retime times it again)",
+            kind,
+            entry.get("measured", "an earlier run"),
+            path,
+        )
+        return cast(T, entry["value"])
+    value = measure()
+    measured = time.strftime("%Y-%m-%d %H:%M", time.localtime())
+    try:
+        entries = _read(path)  # again: another process may have added its own since
+        entries[digest] = {"key": full, "value": value, "measured": measured}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({"schema": SCHEMA, "entries": entries}, indent=1))
+    except (OSError, TypeError, ValueError) as error:
+        logger.debug("could not keep the %s timing in %s: %s", kind, path, error)
+    return value

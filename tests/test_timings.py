@@ -1,0 +1,157 @@
+"""Timings remembered between runs (``headway/timings.py``): measured once per key, kept in the
+cache folder, measured again under ``HEADWAY_TIMINGS=retime`` or another machine key, never read
+under ``off``; an unreadable or unwritable file costs a measurement, never an error. The GEMM
+route and the verify cost table go through it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from headway.decode import gemm
+from headway.decode import generate as generate_module
+from headway.decode.generate import Decoder
+from headway.decode.options import DecodeOptions
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.timings import TIMINGS_NAME, remembered, shapes_digest
+from tests.tiny import tiny_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Timings on, kept in a cache folder of this test's own; the file's path."""
+    monkeypatch.setenv("HEADWAY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HEADWAY_TIMINGS", "on")
+    return tmp_path / "cache" / TIMINGS_NAME
+
+
+class Counted:
+    """A measurement that returns ``value`` and counts its calls."""
+
+    def __init__(self, value: Any) -> None:
+        self.value, self.calls = value, 0
+
+    def __call__(self) -> Any:
+        self.calls += 1
+        return self.value
+
+
+def _remember(measure: Counted, **key: Any) -> Any:
+    return remembered("a test timing", key, measure, device=CPU, valid=lambda v: v is not None)
+
+
+def test_a_timing_is_measured_once_per_key_and_kept_in_the_file(kept: Path) -> None:
+    measure = Counted([0.1, 0.2])
+    assert _remember(measure, size=2) == [0.1, 0.2]
+    assert _remember(measure, size=2) == [0.1, 0.2]
+    assert measure.calls == 1
+    assert _remember(Counted("other"), size=3) == "other"  # another key: measured
+    data = json.loads(kept.read_text())
+    assert data["schema"] == "headway.timings/1" and len(data["entries"]) == 2
+    (entry, _) = data["entries"].values()
+    assert entry["key"]["threads"] == torch.get_num_threads() and entry["key"]["size"] == 2
+
+
+def test_retime_measures_again_and_off_never_reads_or_writes(
+    kept: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _remember(Counted("first"), size=1)
+    monkeypatch.setenv("HEADWAY_TIMINGS", "retime")
+    assert _remember(Counted("second"), size=1) == "second"
+    monkeypatch.setenv("HEADWAY_TIMINGS", "on")
+    assert _remember(Counted("third"), size=1) == "second"  # the retimed value was kept
+    kept.unlink()
+    monkeypatch.setenv("HEADWAY_TIMINGS", "off")
+    measure = Counted("fresh")
+    assert _remember(measure, size=1) == _remember(measure, size=1) == "fresh"
+    assert measure.calls == 2 and not kept.exists()
+
+
+def test_another_thread_count_is_another_machine(kept: Path) -> None:
+    measure = Counted("x")
+    threads = torch.get_num_threads()
+    try:
+        _remember(measure)
+        torch.set_num_threads(threads + 1)
+        _remember(measure)
+    finally:
+        torch.set_num_threads(threads)
+    assert measure.calls == 2
+
+
+DAMAGED = ["not json", '{"schema": "other"}', '{"schema": "headway.timings/1", "entries": 3}']
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+def test_a_damaged_file_is_measured_over(kept: Path, damage: str) -> None:
+    kept.parent.mkdir(parents=True)
+    kept.write_text(damage)
+    measure = Counted(1.5)
+    assert _remember(measure) == 1.5 and _remember(measure) == 1.5
+    assert measure.calls == 1  # the file was rewritten whole
+
+
+def test_a_kept_value_the_caller_rejects_is_measured_again(kept: Path) -> None:
+    _remember(Counted(None))  # kept, but rejected by _remember's validity check
+    measure = Counted("good")
+    assert _remember(measure) == "good" and measure.calls == 1
+
+
+def test_an_unwritable_cache_folder_still_gives_the_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("HEADWAY_CACHE", str(blocker))
+    monkeypatch.setenv("HEADWAY_TIMINGS", "on")
+    assert _remember(Counted(7)) == 7
+
+
+def test_the_shapes_digest_follows_shapes_and_dtypes_not_values() -> None:
+    one, same = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    assert shapes_digest(one) == shapes_digest(same)
+    assert shapes_digest(one) != shapes_digest(tiny_model("qwen2"))
+    assert shapes_digest(one) != shapes_digest(tiny_model("llama").to(torch.bfloat16))
+
+
+def test_the_gemm_route_of_a_model_of_the_same_shapes_is_not_timed_again(
+    kept: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+
+    def fastest(*args: Any, **kwargs: Any) -> str:
+        calls.append("timed")
+        return "transposed"
+
+    monkeypatch.setattr(gemm, "fastest_route", fastest)
+    assert gemm.apply_gemm(tiny_model("llama", seed=0), "auto") == "transposed"
+    assert gemm.apply_gemm(tiny_model("llama", seed=1), "auto") == "transposed"
+    assert calls == ["timed"]
+    entry = next(iter(json.loads(kept.read_text())["entries"].values()))
+    assert entry["key"]["kind"] == "the GEMM route" and entry["value"] == "transposed"
+
+
+def test_cost_sizing_times_the_verify_forward_once_per_shapes(
+    kept: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def table(model: Any, sizes: int, **kwargs: Any) -> list[float]:
+        calls.append(sizes)
+        return [0.01 * (1 + m / 8) for m in range(sizes)]
+
+    monkeypatch.setattr(generate_module, "verify_cost_table", table)
+    prompt = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    outputs = []
+    for seed in (0, 1):  # two loads of one model: a second process, say
+        model = tiny_model("llama", seed=seed)
+        gemm.apply_gemm(model, "stock")
+        decoder = Decoder(model, PromptLookupDrafter(), DecodeOptions(sizing="cost"))
+        outputs.append(decoder.generate(prompt[0], max_new_tokens=6, eos_token_ids=()).tokens)
+    assert len(calls) == 1 and len(outputs[1]) == 6
