@@ -143,8 +143,8 @@ def _signature(model: nn.Module) -> Signature:
 
 def apply_gemm(model: nn.Module, choice: GemmChoice = "auto") -> Route:
     """Decide once how ``model``'s decoding forwards multiply its plain linear layers, record it
-    beside the model, and return the route. ``"auto"`` times the layers now
-    (:func:`fastest_route`, a one-off cost per model); a choice this model already resolved
+    beside the model, and return the route. ``"auto"`` times the layers (:func:`fastest_route`)
+    once per machine and layer shapes (:mod:`headway.timings`); a choice this model resolved
     (for its current dtype and device) is not timed again. For ``"packed"``, every plain linear
     weight is reordered on return (unless already held), so the first forward does not pay for
     it.
