@@ -155,3 +155,15 @@ def test_cost_sizing_times_the_verify_forward_once_per_shapes(
         decoder = Decoder(model, PromptLookupDrafter(), DecodeOptions(sizing="cost"))
         outputs.append(decoder.generate(prompt[0], max_new_tokens=6, eos_token_ids=()).tokens)
     assert len(calls) == 1 and len(outputs[1]) == 6
+
+
+def test_a_kept_packed_route_the_probe_now_refuses_is_timed_again(
+    kept: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    routes = iter(["packed", "stock"])
+    monkeypatch.setattr(gemm, "fastest_route", lambda *args, **kwargs: next(routes))
+    monkeypatch.setattr(gemm, "packing_available", lambda dtype=None: True)
+    monkeypatch.setattr(gemm, "packed_weight", lambda module: None)  # no reorder in this test
+    assert gemm.apply_gemm(tiny_model("llama", seed=0), "auto") == "packed"
+    monkeypatch.setattr(gemm, "packing_available", lambda dtype=None: False)
+    assert gemm.apply_gemm(tiny_model("llama", seed=1), "auto") == "stock"

@@ -19,13 +19,13 @@ for the same product exist here:
   others. One-token forwards stay stock.
 
 ``"auto"`` considers fp32 and bf16 models on a CPU only (CUDA is not this problem) and picks, by
-a one-time timing of the model's linear layers on 1, 2, 4 and 8 rows (:func:`fastest_route`),
-the fastest of packed and transposed (fp32 only) that takes at most :data:`FASTER_BY` of the
-stock time, else stock: other CPUs and BLAS builds differ. Packing is
-considered only where the copy takes at most half of the free memory and where
+timing the model's linear layers on 1, 2, 4 and 8 rows (:func:`fastest_route`; once per machine
+and layer shapes, :mod:`headway.timings`), the fastest of packed and transposed (fp32 only) that
+takes at most :data:`FASTER_BY` of the stock time, else stock: other CPUs and BLAS builds differ.
+Packing is considered only where the copy takes at most half of the free memory and where
 :func:`packing_available` says this CPU runs oneDNN's kernels for the weights' dtype (bf16 does
-not on an AVX2-only CPU: the probe says so and never raises).
-``scripts/bench_decode.py`` prints the whole-model tables.
+not on an AVX2-only CPU: the probe says so and never raises). ``scripts/bench_decode.py`` prints
+the whole-model tables.
 
 The route is applied once per model, not passed down: :func:`apply_gemm` decides it (timing
 ``"auto"`` once) and records it beside the model; every decoding forward of that model
@@ -34,14 +34,12 @@ engine) takes the recorded route, and a model nobody applied a choice to gets ``
 first use (:func:`gemm_route`). ``headway`` commands apply ``--gemm`` to the target when they load
 it, and build a drafter's layers on the target's choice. A model whose dtype or device changed
 since is decided again. The records and the reordered weights are the only state this module
-keeps; nothing else in the model changes, and forwards outside decoding (training, HF's own
-``generate``) stay stock.
+keeps; forwards outside decoding (training, HF's own ``generate``) stay stock.
 
-Nothing in the modeling code changes. While a forward runs under :func:`routed_linears`, every
-plain ``nn.Linear`` of the model (exact type; quantized or adapter layers keep their own
-forward) gets an instance-level ``forward`` taking the route; afterwards the class
-forward is back. Every route equals ``F.linear`` up to fp32 summation order, the same kind of
-difference that already separates a multi-token forward from one-token forwards; greedy
+Nothing in the modeling code changes. Under :func:`routed_linears` every plain ``nn.Linear``
+(exact type; quantized or adapter layers keep their own forward) gets an instance-level
+``forward`` taking the route, removed afterwards. Every route equals ``F.linear`` up to fp32
+summation order, as a multi-token forward already differs from one-token forwards; greedy
 equivalence with ``generate`` is tested under each.
 
 :func:`contiguous_head` works round another slow CPU product: the LM head on the strided last
@@ -144,10 +142,8 @@ def _signature(model: nn.Module) -> Signature:
 def apply_gemm(model: nn.Module, choice: GemmChoice = "auto") -> Route:
     """Decide once how ``model``'s decoding forwards multiply its plain linear layers, record it
     beside the model, and return the route. ``"auto"`` times the layers (:func:`fastest_route`)
-    once per machine and layer shapes (:mod:`headway.timings`); a choice this model resolved
-    (for its current dtype and device) is not timed again. For ``"packed"``, every plain linear
-    weight is reordered on return (unless already held), so the first forward does not pay for
-    it.
+    once per machine and layer shapes (:mod:`headway.timings`), a model's choice once per dtype
+    and device. ``"packed"`` reorders every plain linear weight now (unless held already).
 
     Raises:
         HardwareError: ``"packed"`` for weights this CPU's oneDNN cannot multiply.
@@ -213,13 +209,12 @@ def _auto_route(model: nn.Module) -> Route:
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return "stock"
     room = _room_for_a_copy(linears)
-    packs = room and all(packing_available(module.weight.dtype) for module in linears)
     return remembered(  # timed once per machine and layer shapes (headway.timings)
         "the GEMM route",
         {"layers": shapes_digest(nn.ModuleList(linears)), "packing": room},
         lambda: fastest_route(linears, packing=room),
         device=weight.device,
-        valid=lambda route: route in ("stock", "transposed") or (route == "packed" and packs),
+        valid=lambda route: route == "stock" or route in _candidates(linears, room),
     )
 
 
@@ -285,6 +280,15 @@ def _stock(module: nn.Linear, x: Tensor) -> Tensor:
     return functional.linear(x, module.weight, module.bias)
 
 
+def _candidates(linears: Sequence[nn.Linear], packing: bool) -> list[Route]:
+    """The routes besides stock :func:`fastest_route` times: packed where ``packing`` allows it
+    and the probe found the reorder runs for the weights' dtypes; transposed for fp32 weights."""
+    dtypes = {module.weight.dtype for module in linears}
+    packs = packing and all(packing_available(dtype) for dtype in dtypes)
+    routes: list[Route] = ["packed"] if packs else []
+    return routes + (["transposed"] if dtypes == {torch.float32} else [])
+
+
 def fastest_route(
     linears: Sequence[nn.Linear],
     *,
@@ -297,17 +301,13 @@ def fastest_route(
     ``packing`` allows it and :func:`packing_available` holds for the weights' dtype) and
     transposed (fp32 only) if it takes at most :data:`FASTER_BY` of the stock time, else stock.
     The reordered copies made for the test are dropped unless packed is taken."""
-    dtypes = {module.weight.dtype for module in linears}
-    # Whatever the caller allows, the reorder runs only where the probe found that it runs.
-    packing = packing and all(packing_available(dtype) for dtype in dtypes)
-    candidates: list[Route] = ["packed"] if packing else []
-    candidates += ["transposed"] if dtypes == {torch.float32} else []
+    candidates = _candidates(linears, packing)
     with torch.inference_mode():
         stock = seconds(_linear_pass(linears, "stock"))
         timed = {route: seconds(_linear_pass(linears, route)) for route in candidates}
     paying = [route for route in candidates if timed[route] <= FASTER_BY * stock]
     best: Route = min(paying, key=timed.__getitem__, default="stock")
-    if packing and best != "packed":
+    if "packed" in candidates and best != "packed":
         for module in linears:
             forget_packed(module)
     return best
