@@ -20,7 +20,7 @@ from transformers.pytorch_utils import Conv1D
 from headway.errors import ConfigError, TargetError
 from headway.heads.eagle import EagleConfig, EagleModel
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model, default_feature_layers
-from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.heads.medusa import MedusaConfig, MedusaHeads, medusa_draft_size
 from headway.run_config import RunConfig
 from headway.target import target_config
 
@@ -145,9 +145,10 @@ def lora_parameters(model: PreTrainedModel, names: list[str], rank: int) -> tupl
 
 
 def medusa_rows(draft_vocab_size: int, vocab_size: int) -> int:
-    """Rows of a Medusa-1 head's LM head: ``medusa.draft_vocab_size`` where it is below the
-    vocabulary (:class:`~headway.train.methods.Medusa1`), else the whole vocabulary."""
-    return draft_vocab_size if 0 < draft_vocab_size < vocab_size else vocab_size
+    """Rows of a Medusa-1 head's LM head for ``medusa.draft_vocab_size``
+    (:func:`~headway.heads.medusa.medusa_draft_size`, as :class:`~headway.train.methods.Medusa1`
+    builds it)."""
+    return medusa_draft_size(draft_vocab_size, vocab_size) or vocab_size
 
 
 def drafter_sizes(config: RunConfig, model: PreTrainedModel) -> DrafterSizes:

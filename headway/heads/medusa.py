@@ -40,7 +40,9 @@ __all__ = [
     "MedusaHeads",
     "ResidualBlock",
     "check_token_map",
+    "medusa_draft_size",
     "medusa_tensor_shapes",
+    "token_map_ids",
 ]
 
 
@@ -241,6 +243,13 @@ class MedusaHeads(nn.Module):
         """
         used = self.heads if num_heads is None else self.heads[:num_heads]
         return torch.stack([head(hidden) for head in used])
+
+
+def medusa_draft_size(requested: int, vocab_size: int) -> int:
+    """The ``draft_vocab_size`` of heads asked for ``requested`` rows (``medusa.draft_vocab_size``)
+    over a vocabulary of ``vocab_size``: 0, the whole vocabulary, for 0 or ``requested >=
+    vocab_size``; else ``requested``."""
+    return requested if requested < vocab_size else 0
 
 
 def token_map_ids(token_map: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from headway.errors import ConfigError
 from headway.heads.loading import FoundHeads
-from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.heads.medusa import MedusaConfig, MedusaHeads, medusa_draft_size
 from headway.heads.vocab import DraftVocab
 from headway.run_config import RunConfig
 from headway.target import Target
@@ -68,13 +68,12 @@ class Medusa1(nn.Module):
         text_config = target.model.config.get_text_config()
         lm_head = target.model.get_output_embeddings().weight.detach()
         vocab_size = int(lm_head.shape[0])
-        draft_vocab_size = config.medusa.draft_vocab_size
         self.head_config = MedusaConfig(
             num_heads=config.medusa.num_heads,
             num_layers=config.medusa.num_layers,
             hidden_size=int(text_config.hidden_size),
             vocab_size=vocab_size,
-            draft_vocab_size=draft_vocab_size if draft_vocab_size < vocab_size else 0,
+            draft_vocab_size=medusa_draft_size(config.medusa.draft_vocab_size, vocab_size),
         )
         self.feature_layers = (last_layer(target),)
         settable = ("num_heads", "num_layers", "draft_vocab_size")
@@ -167,8 +166,7 @@ def _placeholder_vocab(config: RunConfig, target: Target) -> DraftVocab | None:
     """A draft vocabulary of the run's size for a method whose weights are loaded next (its
     buffers then hold the run's own), or None where the method has none."""
     vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
-    size = {"eagle3": config.eagle3.draft_vocab_size, "medusa1": config.medusa.draft_vocab_size}
-    wanted = size.get(config.train.method, 0)
-    if wanted <= 0 or (config.train.method == "medusa1" and wanted >= vocab_size):
-        return None
-    return DraftVocab.identity(min(wanted, vocab_size), vocab_size)
+    medusa = medusa_draft_size(config.medusa.draft_vocab_size, vocab_size)
+    wanted = {"eagle3": config.eagle3.draft_vocab_size, "medusa1": medusa}
+    size = wanted.get(config.train.method, 0)
+    return DraftVocab.identity(min(size, vocab_size), vocab_size) if size > 0 else None
