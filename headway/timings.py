@@ -16,6 +16,7 @@ written is never an error: the value is measured and used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -48,6 +49,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HEADWAY_CACHE", Path.home() / ".cache" / "headway"))
 
 
+@functools.cache
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
