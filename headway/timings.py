@@ -32,7 +32,17 @@ from torch import nn
 
 from headway.atomic import write_text_atomic
 
-__all__ = ["TIMINGS_NAME", "cache_dir", "machine_key", "remembered", "shapes_digest"]
+__all__ = [
+    "TIMINGS_NAME",
+    "cache_dir",
+    "forget_timings",
+    "kept_timings",
+    "machine_key",
+    "remembered",
+    "shapes_digest",
+    "timings_mode",
+    "timings_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +93,9 @@ def shapes_digest(module: nn.Module) -> str:
     return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()[:16]
 
 
-def _mode() -> str:
+def timings_mode() -> str:
+    """``HEADWAY_TIMINGS`` as this process reads it: ``on``, ``retime`` or ``off`` (anything else
+    reads as ``on``)."""
     mode = os.environ.get("HEADWAY_TIMINGS", "on").strip().lower()
     return mode if mode in MODES else "on"
 
@@ -111,12 +123,12 @@ def remembered(
     (:func:`machine_key` of ``device``), measured now if none was kept, ``valid`` rejects the
     kept one, or ``HEADWAY_TIMINGS`` says ``retime``. The value must be plain JSON (a string,
     a list of floats)."""
-    mode = _mode()
+    mode = timings_mode()
     if mode == "off":
         return measure()
     full = {"kind": kind, **machine_key(device), **key}
     digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()
-    path = cache_dir() / TIMINGS_NAME
+    path = timings_path()
     entry = _read(path).get(digest) if mode == "on" else None
     if isinstance(entry, dict) and valid(entry.get("value")):
         log = logger.debug if kind in _SAID else logger.info  # once a process per kind
@@ -138,3 +150,22 @@ def remembered(
     except (OSError, TypeError, ValueError) as error:
         logger.debug("could not keep the %s timing in %s: %s", kind, path, error)
     return value
+
+
+def timings_path() -> Path:
+    """The file kept timings live in."""
+    return cache_dir() / TIMINGS_NAME
+
+
+def kept_timings() -> list[dict[str, Any]]:
+    """Every timing kept on this machine (``headway env --timings``), oldest first: each entry's
+    ``key`` (kind, machine and caller key), ``value`` and ``measured`` date."""
+    entries = [entry for entry in _read(timings_path()).values() if isinstance(entry, dict)]
+    return sorted(entries, key=lambda entry: str(entry.get("measured", "")))
+
+
+def forget_timings() -> int:
+    """Remove the kept timings (the next command times again); returns how many there were."""
+    count = len(_read(timings_path()))
+    timings_path().unlink(missing_ok=True)
+    return count

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from headway.decode import gemm, packed
+from headway.decode import gemm, gemm_routes, packed
 from headway.decode.gemm import (
     MAX_PACKED_ROWS,
     MAX_ROWS,
@@ -118,7 +118,8 @@ def test_apply_gemm_follows_device_dtype_choice_and_measurement(
         return "transposed"
 
     monkeypatch.setattr(gemm, "fastest_route", transposed)
-    monkeypatch.setattr(gemm, "packing_available", lambda dtype: True)
+    for module in (gemm, gemm_routes):  # the route's check and the timed candidates
+        monkeypatch.setattr(module, "packing_available", lambda dtype: True)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 16))
     assert gemm_choice(model) == "auto" and gemm.gemm_route(model) == "transposed"  # lazily
     assert measured == [[(4, 4), (16, 4)]]  # fp32 CPU: every plain layer timed, in order
@@ -146,7 +147,8 @@ def test_auto_packs_only_with_room_for_a_copy(
         return "stock"
 
     monkeypatch.setattr(gemm, "fastest_route", route)
-    monkeypatch.setattr(gemm, "packing_available", lambda dtype: True)
+    for module in (gemm, gemm_routes):  # the route's check and the timed candidates
+        monkeypatch.setattr(module, "packing_available", lambda dtype: True)
     monkeypatch.setattr(gemm.os, "sysconf", lambda name: free_pages if "PAGES" in name else 4096)
     apply_gemm(nn.Linear(64, 64), "auto")  # 16 KiB of weights: needs 8 free pages
     assert offered == [room]
@@ -169,7 +171,8 @@ def test_packed_route_is_refused_off_the_cpu() -> None:
 
 
 def test_packed_route_is_refused_without_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemm, "packing_available", lambda dtype: False)
+    for module in (gemm, gemm_routes):  # the route's check and the timed candidates
+        monkeypatch.setattr(module, "packing_available", lambda dtype: False)
     with pytest.raises(ValueError, match="oneDNN lacks the kernels here"):
         apply_gemm(nn.Linear(4, 4), "packed")
     timings = iter([1.0, 0.5])  # stock, transposed: packed is not even timed
@@ -182,7 +185,7 @@ def test_gemm_module_keeps_no_state_but_per_model_records() -> None:
     this CPU runs (one answer per dtype)."""
     state = {
         (module.__name__, name): value
-        for module in (gemm, packed)
+        for module in (gemm, gemm_routes, packed)
         for name, value in vars(module).items()
         if not name.startswith("__") and isinstance(value, dict | list | set | MutableMapping)
     }
@@ -234,9 +237,9 @@ def test_the_timed_pass_streams_every_layer_on_each_verify_block_size(
     calls: list[tuple[int, int]] = []
     layers = [nn.Linear(4, 8), nn.Linear(8, 4)]
     monkeypatch.setattr(
-        gemm, "_stock", lambda module, x: calls.append((module.in_features, x.shape[0]))
+        gemm_routes, "_stock", lambda module, x: calls.append((module.in_features, x.shape[0]))
     )
-    gemm._linear_pass(layers, "stock")()
+    gemm_routes._linear_pass(layers, "stock")()
     assert calls == [(features, rows) for rows in (1, 2, 4, MAX_ROWS) for features in (4, 8)]
 
 

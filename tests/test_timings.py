@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from headway.decode import gemm
+from headway.decode import gemm, gemm_routes
 from headway.decode import generate as generate_module
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
@@ -162,8 +162,36 @@ def test_a_kept_packed_route_the_probe_now_refuses_is_timed_again(
 ) -> None:
     routes = iter(["packed", "stock"])
     monkeypatch.setattr(gemm, "fastest_route", lambda *args, **kwargs: next(routes))
-    monkeypatch.setattr(gemm, "packing_available", lambda dtype=None: True)
+    for module in (gemm, gemm_routes):  # the route's check and the timed candidates
+        monkeypatch.setattr(module, "packing_available", lambda dtype=None: True)
     monkeypatch.setattr(gemm, "packed_weight", lambda module: None)  # no reorder in this test
     assert gemm.apply_gemm(tiny_model("llama", seed=0), "auto") == "packed"
-    monkeypatch.setattr(gemm, "packing_available", lambda dtype=None: False)
+    for module in (gemm, gemm_routes):  # the route's check and the timed candidates
+        monkeypatch.setattr(module, "packing_available", lambda dtype=None: False)
     assert gemm.apply_gemm(tiny_model("llama", seed=1), "auto") == "stock"
+
+
+def test_env_lists_and_forgets_the_kept_timings(
+    kept: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``headway env --timings`` prints one line per kept timing (a route as is, a cost table as
+    milliseconds per block size), ``--forget-timings`` removes them and the next run times again."""
+    from headway.cli import main
+
+    assert _remember(Counted("transposed"), layers="abc") == "transposed"
+    table = [0.1 + 0.01 * m for m in range(16)]
+    assert remembered(
+        "the verify cost table", {"sizes": 16}, Counted(table), device=CPU, valid=bool
+    )
+    assert main(["env", "--timings"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"2 kept timings in {kept}:")
+    assert "a test timing: transposed" in printed and "layers abc" in printed
+    assert "ms per verify of N tokens, 1: 100.0, 2: 110.0, 4: 130.0, 8: 170.0, 16: 250.0" in printed
+    assert main(["env", "--forget-timings"]) == 0
+    assert f"removed 2 kept timings from {kept}" in capsys.readouterr().out
+    assert not kept.exists()
+    measure = Counted("stock")
+    assert _remember(measure, layers="abc") == "stock" and measure.calls == 1  # timed again
+    assert main(["env", "--timings"]) == 0
+    assert capsys.readouterr().out.startswith("1 kept timings in")

@@ -20,6 +20,7 @@ from headway.cli.common import dtype_for
 from headway.decode.gemm import fastest_route
 from headway.decode.packed import packing_available
 from headway.hardware import cpu_features, fast_bf16, mixed_precision, regeneration_dtype
+from headway.timings import forget_timings, kept_timings, timings_mode, timings_path
 
 __all__ = ["add_env", "environment_report"]
 
@@ -107,10 +108,51 @@ def environment_report() -> list[tuple[str, str]]:
         ("train.mixed_precision=auto", f"{mixed_precision('auto', device)} ({bf16_reason})"),
         ("--gemm auto, float32", _gemm_choice(torch.float32)),
         ("--gemm auto, bfloat16", _gemm_choice(torch.bfloat16)),
+        ("kept timings", _kept_summary()),
     ]
 
 
+def _kept_summary() -> str:
+    mode = timings_mode()
+    where = f"{len(kept_timings())} in {timings_path()}"
+    return f"{where} (HEADWAY_TIMINGS={mode}; `headway env --timings` lists them)"
+
+
+def _value_summary(value: object) -> str:
+    """A kept value in a few words: a route as is, a cost table as ms per block size."""
+    if isinstance(value, list) and all(isinstance(t, int | float) for t in value):
+        sizes = [size for size in (1, 2, 4, 8, 16, 32, 64) if size <= len(value)]
+        shown = ", ".join(f"{size}: {1e3 * value[size - 1]:.1f}" for size in sizes)
+        return f"ms per verify of N tokens, {shown}"
+    return str(value)
+
+
+def timings_report() -> list[str]:
+    """One line per kept timing (``headway env --timings``): when, what, the value, and what
+    it was kept for (threads, device, and the caller's key beyond the machine's)."""
+    lines = []
+    machine = {"machine", "cpu", "cores", "torch", "kind"}
+    for entry in kept_timings():
+        key = entry.get("key") if isinstance(entry.get("key"), dict) else {}
+        rest = ", ".join(f"{name} {value}" for name, value in key.items() if name not in machine)
+        lines.append(
+            f"{entry.get('measured', '?')}  {key.get('kind', '?')}: "
+            f"{_value_summary(entry.get('value'))}  [{key.get('cpu', '?')}, torch "
+            f"{key.get('torch', '?')}; {rest}]"
+        )
+    return lines
+
+
 def run_env(args: argparse.Namespace) -> int:
+    if args.forget_timings:
+        print(f"removed {forget_timings()} kept timings from {timings_path()}")
+        return 0
+    if args.timings:
+        lines = timings_report()
+        print(f"{len(lines)} kept timings in {timings_path()}:")
+        for line in lines:
+            print(f"- {line}")
+        return 0
     rows = environment_report()
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
@@ -127,5 +169,18 @@ def add_env(commands: argparse._SubParsersAction) -> None:
         "AVX-512, AVX-512 BF16, AMX, and the kernel level torch runs at: ATEN_CPU_CAPABILITY "
         "lowers it); the CUDA device when present; and the dtype, mixed precision and GEMM "
         "route each 'auto' setting picks on this machine, with the reason.",
+    )
+    parser.add_argument(
+        "--timings",
+        action="store_true",
+        help="list the timings kept on this machine instead (the --gemm auto route and cost "
+        "sizing's verify cost table, each timed once per machine, thread count and model shapes "
+        "and reused by later commands; HEADWAY_TIMINGS=retime times them again, off never keeps)",
+    )
+    parser.add_argument(
+        "--forget-timings",
+        action="store_true",
+        help="remove the kept timings, so the next command times again (e.g. after one was "
+        "taken while the machine was busy)",
     )
     parser.set_defaults(handler=run_env)

@@ -18,14 +18,15 @@ for the same product exist here:
   faster for 2..:data:`MAX_ROWS` rows on some CPUs but not beyond, and is slower than stock on
   others. One-token forwards stay stock.
 
-``"auto"`` considers fp32 and bf16 models on a CPU only (CUDA is not this problem) and picks, by
-timing the model's linear layers on 1, 2, 4 and 8 rows (:func:`fastest_route`; once per machine
-and layer shapes, :mod:`headway.timings`), the fastest of packed and transposed (fp32 only) that
-takes at most :data:`FASTER_BY` of the stock time, else stock: other CPUs and BLAS builds differ.
-Packing is considered only where the copy takes at most half of the free memory and where
-:func:`packing_available` says this CPU runs oneDNN's kernels for the weights' dtype (bf16 does
-not on an AVX2-only CPU: the probe says so and never raises). ``scripts/bench_decode.py`` prints
-the whole-model tables.
+The routes' forwards and their timing live in :mod:`headway.decode.gemm_routes`; this module
+applies a route to a model. ``"auto"`` considers fp32 and bf16 models on a CPU only (CUDA is not
+this problem) and picks, by timing the model's linear layers on 1, 2, 4 and 8 rows
+(:func:`fastest_route`; once per machine and layer shapes, :mod:`headway.timings`), the fastest
+of packed and transposed (fp32 only) that takes at most :data:`FASTER_BY` of the stock time,
+else stock: other CPUs and BLAS builds differ. Packing is considered only where the copy takes
+at most half of the free memory and where :func:`packing_available` says this CPU runs oneDNN's
+kernels for the weights' dtype (bf16 does not on an AVX2-only CPU: the probe says so and never
+raises). ``scripts/bench_decode.py`` prints the whole-model tables.
 
 The route is applied once per model, not passed down: :func:`apply_gemm` decides it (timing
 ``"auto"`` once) and records it beside the model; every decoding forward of that model
@@ -49,20 +50,25 @@ positions of a batched prefill.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 import typing
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional
 
+from headway.decode.gemm_routes import (
+    FASTER_BY,
+    MAX_ROWS,
+    Route,
+    fastest_route,
+    route_candidates,
+    route_forward,
+    small_block_linear,
+)
 from headway.decode.packed import (
     MAX_PACKED_ROWS,
     forget_packed,
@@ -97,19 +103,6 @@ linear layers finds fastest (:func:`fastest_route`); stock on other devices and 
 ``"stock"``: never route. ``"transposed"``, ``"packed"``: always that route (any dtype; packed
 needs a CPU whose oneDNN runs the weights' dtype, else a one-line error; for tests and
 measurements)."""
-
-Route = Literal["stock", "transposed", "packed"]
-"""How a model's linear layers multiply, as :func:`apply_gemm` decided it (see the module
-docstring)."""
-
-FASTER_BY = 0.8
-"""``"auto"`` takes a route only if it takes at most this share of the stock time: where a route
-pays it wins by a far wider margin (docs/benchmarks.md), so timing noise cannot flip the
-choice."""
-
-MAX_ROWS = 8
-"""Largest block the transposed route takes: where it pays, it is faster at every size from 2 to
-8 rows, and from 9 on its margin shrinks to nothing (docs/benchmarks.md)."""
 
 
 def _checked(choice: GemmChoice) -> GemmChoice:
@@ -214,7 +207,7 @@ def _auto_route(model: nn.Module) -> Route:
         {"layers": shapes_digest(nn.ModuleList(linears)), "packing": room},
         lambda: fastest_route(linears, packing=room),
         device=weight.device,
-        valid=lambda route: route == "stock" or route in _candidates(linears, room),
+        valid=lambda route: route == "stock" or route in route_candidates(linears, room),
     )
 
 
@@ -228,117 +221,6 @@ def _room_for_a_copy(linears: list[nn.Linear]) -> bool:
     except (AttributeError, ValueError, OSError):
         return True
     return needed <= free // 2
-
-
-def _median_seconds(function: Callable[[], object], repeats: int = 3) -> float:
-    function()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-TIMED_ROWS = (1, 2, 4, MAX_ROWS)
-"""The blocks :func:`fastest_route` times every route on: one token and the verify blocks
-drafters send on a CPU. On 1 and 8 rows alone a 2-core AVX2 EPYC timed transposed astride
-:data:`FASTER_BY` and ``auto`` flipped from run to run; on 1, 2, 4 and 8 rows it does not
-(2026-11-27, docs/benchmarks.md)."""
-
-
-def _linear_pass(linears: Sequence[nn.Linear], route: Route) -> Callable[[], None]:
-    """One call multiplies, for each block size of :data:`TIMED_ROWS`, an input by every layer
-    of ``linears`` in order, on ``route``: the weights stream from memory as in a forward (a
-    single layer timed alone sits in the cache, which favoured the packed route on CPUs where a
-    whole forward then ran slower with it)."""
-    forwards = [
-        packed_linear(module)
-        if route == "packed"
-        else small_block_linear(module)
-        if route == "transposed"
-        else partial(_stock, module)
-        for module in linears
-    ]
-    device = linears[0].weight.device
-    shapes = {(module.in_features, module.weight.dtype) for module in linears}
-    inputs = {
-        (rows, features, dtype): torch.randn(rows, features, dtype=dtype, device=device)
-        for rows in TIMED_ROWS
-        for features, dtype in shapes
-    }  # keyed by dtype too: a model may keep some layers in another dtype
-
-    def run() -> None:
-        for rows in TIMED_ROWS:
-            for module, forward in zip(linears, forwards, strict=True):
-                forward(inputs[rows, module.in_features, module.weight.dtype])
-
-    return run
-
-
-def _stock(module: nn.Linear, x: Tensor) -> Tensor:
-    return functional.linear(x, module.weight, module.bias)
-
-
-def _candidates(linears: Sequence[nn.Linear], packing: bool) -> list[Route]:
-    """The routes besides stock :func:`fastest_route` times: packed where ``packing`` allows it
-    and the probe found the reorder runs for the weights' dtypes; transposed for fp32 weights."""
-    dtypes = {module.weight.dtype for module in linears}
-    packs = packing and all(packing_available(dtype) for dtype in dtypes)
-    routes: list[Route] = ["packed"] if packs else []
-    return routes + (["transposed"] if dtypes == {torch.float32} else [])
-
-
-def fastest_route(
-    linears: Sequence[nn.Linear],
-    *,
-    seconds: Callable[[Callable[[], object]], float] = _median_seconds,
-    packing: bool = True,
-) -> Route:
-    """The route ``"auto"`` takes for a model whose plain linear layers are ``linears`` (in
-    module order), timed now (``seconds`` times a call) as a forward streams them, on each
-    block size of :data:`TIMED_ROWS` (:func:`_linear_pass`): the faster of packed (where
-    ``packing`` allows it and :func:`packing_available` holds for the weights' dtype) and
-    transposed (fp32 only) if it takes at most :data:`FASTER_BY` of the stock time, else stock.
-    The reordered copies made for the test are dropped unless packed is taken."""
-    candidates = _candidates(linears, packing)
-    with torch.inference_mode():
-        stock = seconds(_linear_pass(linears, "stock"))
-        timed = {route: seconds(_linear_pass(linears, route)) for route in candidates}
-    paying = [route for route in candidates if timed[route] <= FASTER_BY * stock]
-    best: Route = min(paying, key=timed.__getitem__, default="stock")
-    if "packed" in candidates and best != "packed":
-        for module in linears:
-            forget_packed(module)
-    return best
-
-
-def small_block_linear(
-    module: nn.Linear, *, pad_single: bool = False
-) -> Callable[[Tensor], Tensor]:
-    """A forward for ``module``: ``x [..., in]`` → ``[..., out]``, computed as ``(W · xᵀ)ᵀ`` when
-    x holds 2..``MAX_ROWS`` rows and with ``F.linear`` otherwise. With ``pad_single`` a single
-    row is computed as the first of two (a copy of it added): on some CPUs the 2-column product
-    is much faster than the one-row matrix-vector call (docs/benchmarks.md). Drafters use it for
-    their own layers; the target's one-token forwards never pad, so they stay exactly stock.
-    Reads the weight at call time, so weights replaced later (e.g. a merged adapter) are
-    used."""
-    smallest = 1 if pad_single else 2
-
-    def forward(x: Tensor) -> Tensor:
-        features = x.shape[-1]
-        rows = x.numel() // features if features else 0
-        if not smallest <= rows <= MAX_ROWS:
-            return functional.linear(x, module.weight, module.bias)
-        flat = x.reshape(rows, features)
-        if rows == 1:
-            flat = torch.cat([flat, flat])
-        out = torch.mm(module.weight, flat.t())[:, :rows].t().contiguous()
-        if module.bias is not None:
-            out += module.bias
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-    return forward
 
 
 def _plain_linears(model: nn.Module) -> list[nn.Linear]:
@@ -366,11 +248,7 @@ def routed_linears(
     try:
         for module in _plain_linears(model):
             if "forward" not in module.__dict__:
-                module.__dict__["forward"] = (
-                    packed_linear(module)
-                    if route == "packed"
-                    else small_block_linear(module, pad_single=pad_single)
-                )
+                module.__dict__["forward"] = route_forward(module, route, pad_single=pad_single)
                 installed.append(module)
         yield
     finally:
