@@ -11,6 +11,7 @@ import argparse
 import importlib.metadata
 import platform
 import sys
+from typing import Any
 
 import torch
 from torch import nn
@@ -133,7 +134,8 @@ def timings_report() -> list[str]:
     lines = []
     machine = {"machine", "cpu", "cores", "torch", "kind"}
     for entry in kept_timings():
-        key = entry.get("key") if isinstance(entry.get("key"), dict) else {}
+        found = entry.get("key")
+        key: dict[str, Any] = found if isinstance(found, dict) else {}
         rest = ", ".join(f"{name} {value}" for name, value in key.items() if name not in machine)
         lines.append(
             f"{entry.get('measured', '?')}  {key.get('kind', '?')}: "
