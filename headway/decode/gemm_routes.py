@@ -34,8 +34,8 @@ __all__ = [
 ]
 
 Route = Literal["stock", "transposed", "packed"]
-"""How a model's linear layers multiply, as :func:`apply_gemm` decided it (see the module
-docstring)."""
+"""How a model's linear layers multiply, as :func:`headway.decode.gemm.apply_gemm` decided it
+(that module's docstring says what each route is)."""
 
 FASTER_BY = 0.8
 """``"auto"`` takes a route only if it takes at most this share of the stock time: where a route
