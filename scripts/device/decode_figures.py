@@ -21,7 +21,8 @@ captures again and again is slow for it). Sections, each printed and written to
    captured decoding (one and 8 tokens a run), the default and the largest tree, the default
    tree 8 steps a run (on 2026-11-27 the chained rows gave 3/8 and 7/8 of HF's answers: a run
    and a single step shared their outputs; ``tests/test_device_chain.py``);
-3. bfloat16, temperature 1.0: plain captured sampling against the sampled device step;
+3. bfloat16, temperature 1.0: plain captured sampling against the sampled device step (the
+   first and the last tree, and :data:`SAMPLED_WIDE`'s wider root);
 4. bfloat16, ``--verify compiled`` (``torch.compile`` first: a minute or more per block size;
    the drafter's step forwards compiled too, as ``headway generate`` runs them), the default
    tree a read a step and 8 steps a run;
@@ -71,6 +72,11 @@ DRAFTER = ROOT / "drafters" / "smollm2-135m-eagle3"
 TREE_TAUS = Path(__file__).with_name("tree_taus.json")
 HF_STATIC, PLAIN = "hf greedy, static cache", "headway, no drafter, captured"
 HF_EAGER = "hf greedy (generate, dynamic cache)"
+SAMPLED_WIDE = (16, 4, 64)
+"""A sampled row's extra tree (top_k, depth, tokens): at temperature 1.0 the first position's
+acceptance is the target's probability mass over the root's children, so a wider root pays
+there. On the AVX2 EPYC (fp32, MT-bench x8, 128 tokens, 2026-11-28, docs/benchmarks.md): tau
+2.12 with this tree against 1.95 with top_k 8 at 64 tokens and 1.89-1.94 at 32 tokens."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -267,7 +273,7 @@ def section_rows(args: argparse.Namespace, section: str, target: Target) -> list
     if section == "sampled":
         return [plain_row(target, temperature=1.0)] + [
             eagle_row(target, heads, shape, temperature=1.0)
-            for shape in dict.fromkeys((shapes[0], shapes[-1]))
+            for shape in dict.fromkeys((shapes[0], shapes[-1], SAMPLED_WIDE))
         ]
     if section == "compiled":
         rows = [Row(HF_STATIC, hf_runner(None, static=True)), plain_row(target)]
