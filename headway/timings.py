@@ -9,6 +9,11 @@ than one made at rest. So the first measurement is kept in ``$HEADWAY_CACHE/timi
 machine (architecture, CPU model, cores, torch threads, torch version, the device), and what the
 caller adds (the layers' shapes and dtypes, the route, the verify forward, the sizes).
 
+A timing taken while other processes keep the CPU busy is used by the run that took it but not
+kept (:data:`BUSY_LIMIT`): a busy neighbour slows one-token forwards more than blocks (both are
+bound by memory bandwidth on small CPUs), and on a 2-core EPYC such a cost table, kept, had the
+drafter verify blocks that no longer paid (2026-11-28, docs/benchmarks.md).
+
 ``HEADWAY_TIMINGS``: ``on`` (default) remembers; ``retime`` measures again and replaces what was
 kept; ``off`` neither reads nor writes (the test suite runs so). A file that cannot be read or
 written is never an error: the value is measured and used.
@@ -33,6 +38,7 @@ from torch import nn
 from headway.atomic import write_text_atomic
 
 __all__ = [
+    "BUSY_LIMIT",
     "TIMINGS_NAME",
     "cache_dir",
     "forget_timings",
@@ -52,6 +58,13 @@ MODES = ("on", "retime", "off")
 _SAID: set[str] = set()  # the kinds this process has logged a kept timing of
 
 T = TypeVar("T")
+
+BUSY_LIMIT = 0.25
+"""Cores other processes kept busy, on average over a measurement, above which the measurement
+is not kept (Linux: ``/proc/stat`` against this process's own CPU time; elsewhere always kept)."""
+MIN_JUDGED_S = 0.5
+"""Measurements shorter than this are kept without judging the load (the kernel counts CPU time
+in 10 ms ticks, too coarse for them)."""
 
 
 def cache_dir() -> Path:
@@ -140,7 +153,14 @@ def remembered(
             path,
         )
         return cast(T, entry["value"])
-    value = measure()
+    value, others = _with_load(measure)
+    if others is not None and others > BUSY_LIMIT:
+        logger.info(
+            "%s timed while other processes kept %.1f cores busy: used for this run, not kept",
+            kind,
+            others,
+        )
+        return value
     measured = time.strftime("%Y-%m-%d %H:%M", time.localtime())
     try:
         entries = _read(path)  # again: another process may have added its own since
@@ -150,6 +170,34 @@ def remembered(
     except (OSError, TypeError, ValueError) as error:
         logger.debug("could not keep the %s timing in %s: %s", kind, path, error)
     return value
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds every process on this machine has spent busy since boot (``/proc/stat``:
+    user, nice, system, irq, softirq and steal time), or None where that cannot be read."""
+    try:
+        fields = Path("/proc/stat").read_text(encoding="ascii").split("\n", 1)[0].split()
+        ticks = [int(field) for field in fields[1:9]]
+        per_second = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    if fields[0] != "cpu" or len(ticks) < 7:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = ticks[:7]
+    steal = ticks[7] if len(ticks) > 7 else 0
+    return (user + nice + system + irq + softirq + steal) / per_second
+
+
+def _with_load(measure: Callable[[], T]) -> tuple[T, float | None]:
+    """``measure()`` and the cores other processes kept busy meanwhile, on average (None where
+    unknown or the measurement took under :data:`MIN_JUDGED_S`)."""
+    busy, own, start = _busy_seconds(), time.process_time(), time.perf_counter()
+    value = measure()
+    wall = time.perf_counter() - start
+    busy_after, own_after = _busy_seconds(), time.process_time()
+    if busy is None or busy_after is None or wall < MIN_JUDGED_S:
+        return value, None
+    return value, max(0.0, (busy_after - busy) - (own_after - own)) / wall
 
 
 def timings_path() -> Path:

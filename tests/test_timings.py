@@ -6,6 +6,8 @@ route and the verify cost table go through it."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +197,45 @@ def test_env_lists_and_forgets_the_kept_timings(
     assert _remember(measure, layers="abc") == "stock" and measure.calls == 1  # timed again
     assert main(["env", "--timings"]) == 0
     assert capsys.readouterr().out.startswith("1 kept timings in")
+
+
+@pytest.mark.parametrize(("others_s", "kept_file"), [(3.0, False), (0.0, True), (None, True)])
+def test_a_timing_taken_while_other_processes_are_busy_is_used_not_kept(
+    kept: Path, monkeypatch: pytest.MonkeyPatch, others_s: float | None, kept_file: bool
+) -> None:
+    """Other processes' CPU time during a measurement (``/proc/stat`` less this process's own)
+    above ``BUSY_LIMIT`` cores: the value is used but the next run measures again; an idle
+    machine, or one whose load cannot be read, keeps it."""
+    from headway import timings
+
+    monkeypatch.setattr(timings, "MIN_JUDGED_S", 0.0)
+    readings = iter([100.0, 100.0 + others_s] if others_s is not None else [None, None])
+    monkeypatch.setattr(timings, "_busy_seconds", lambda: next(readings, None))
+    monkeypatch.setattr(timings.time, "process_time", lambda: 5.0)  # this process: no CPU time
+    measure = Counted("transposed")
+    assert _remember(measure, layers="abc") == "transposed"
+    assert kept.exists() == kept_file
+    monkeypatch.setattr(timings, "_busy_seconds", lambda: None)
+    assert _remember(measure, layers="abc") == "transposed"
+    assert measure.calls == (1 if kept_file else 2)
+
+
+def test_the_load_of_a_measurement_is_read_from_this_machine() -> None:
+    """On Linux the busy time since boot is readable and grows; a measurement of this process
+    alone is judged (it spins long enough), and its own CPU time is not counted as others'."""
+    from headway import timings
+
+    before = timings._busy_seconds()
+    if before is None:
+        pytest.skip("no /proc/stat here")
+
+    def spin() -> int:
+        start = time.perf_counter()
+        while time.perf_counter() - start < timings.MIN_JUDGED_S + 0.1:
+            pass
+        return 7
+
+    value, others = timings._with_load(spin)
+    assert value == 7 and others is not None and 0.0 <= others <= (os.cpu_count() or 1)
+    after = timings._busy_seconds()
+    assert after is not None and after >= before + timings.MIN_JUDGED_S * 0.5
