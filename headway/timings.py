@@ -10,7 +10,7 @@ machine (architecture, CPU model, cores, torch threads, torch version, the devic
 caller adds (the layers' shapes and dtypes, the route, the verify forward, the sizes).
 
 A timing taken while other processes keep the CPU busy is used by the run that took it but not
-kept (:data:`BUSY_LIMIT`): a busy neighbour slows one-token forwards more than blocks (both are
+kept (:data:`BUSY_SHARE`): a busy neighbour slows one-token forwards more than blocks (both are
 bound by memory bandwidth on small CPUs), and on a 2-core EPYC such a cost table, kept, had the
 drafter verify blocks that no longer paid (2026-11-28, docs/benchmarks.md).
 
@@ -36,9 +36,10 @@ import torch
 from torch import nn
 
 from headway.atomic import write_text_atomic
+from headway.errors import HeadwayError
 
 __all__ = [
-    "BUSY_LIMIT",
+    "BUSY_SHARE",
     "TIMINGS_NAME",
     "cache_dir",
     "forget_timings",
@@ -59,9 +60,10 @@ _SAID: set[str] = set()  # the kinds this process has logged a kept timing of
 
 T = TypeVar("T")
 
-BUSY_LIMIT = 0.25
-"""Cores other processes kept busy, on average over a measurement, above which the measurement
-is not kept (Linux: ``/proc/stat`` against this process's own CPU time; elsewhere always kept)."""
+BUSY_SHARE = 0.125
+"""The share of this machine's cores other processes may keep busy, on average over a
+measurement, for it to be kept (a quarter of a core on 2 cores, two on 16; Linux: ``/proc/stat``
+against this process's own CPU time; elsewhere always kept)."""
 MIN_JUDGED_S = 0.5
 """Measurements shorter than this are kept without judging the load (the kernel counts CPU time
 in 10 ms ticks, too coarse for them)."""
@@ -154,7 +156,7 @@ def remembered(
         )
         return cast(T, entry["value"])
     value, others = _with_load(measure)
-    if others is not None and others > BUSY_LIMIT:
+    if others is not None and others > BUSY_SHARE * (os.cpu_count() or 1):
         logger.info(
             "%s timed while other processes kept %.1f cores busy: used for this run, not kept",
             kind,
@@ -215,5 +217,8 @@ def kept_timings() -> list[dict[str, Any]]:
 def forget_timings() -> int:
     """Remove the kept timings (the next command times again); returns how many there were."""
     count = len(_read(timings_path()))
-    timings_path().unlink(missing_ok=True)
+    try:
+        timings_path().unlink(missing_ok=True)
+    except OSError as error:
+        raise HeadwayError(f"cannot remove {timings_path()}: {error.strerror or error}") from None
     return count

@@ -204,7 +204,7 @@ def test_a_timing_taken_while_other_processes_are_busy_is_used_not_kept(
     kept: Path, monkeypatch: pytest.MonkeyPatch, others_s: float | None, kept_file: bool
 ) -> None:
     """Other processes' CPU time during a measurement (``/proc/stat`` less this process's own)
-    above ``BUSY_LIMIT`` cores: the value is used but the next run measures again; an idle
+    above ``BUSY_SHARE`` of the cores: the value is used but the next run measures again; an idle
     machine, or one whose load cannot be read, keeps it."""
     from headway import timings
 
@@ -239,3 +239,14 @@ def test_the_load_of_a_measurement_is_read_from_this_machine() -> None:
     assert value == 7 and others is not None and 0.0 <= others <= (os.cpu_count() or 1)
     after = timings._busy_seconds()
     assert after is not None and after >= before + timings.MIN_JUDGED_S * 0.5
+
+
+def test_forgetting_timings_that_cannot_be_removed_is_a_one_line_error(
+    kept: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from headway.cli import main
+
+    (kept / "in the way").mkdir(parents=True)  # a folder where the file would be
+    assert main(["env", "--forget-timings"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and f"cannot remove {kept}" in error
