@@ -177,12 +177,13 @@ def add_env(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="list the timings kept on this machine instead (the --gemm auto route and cost "
         "sizing's verify cost table, each timed once per machine, thread count and model shapes "
-        "and reused by later commands; HEADWAY_TIMINGS=retime times them again, off never keeps)",
+        "and reused by later commands, not kept when other processes kept the CPU busy "
+        "meanwhile; HEADWAY_TIMINGS=retime times them again, off never keeps)",
     )
     parser.add_argument(
         "--forget-timings",
         action="store_true",
-        help="remove the kept timings, so the next command times again (e.g. after one was "
-        "taken while the machine was busy)",
+        help="remove the kept timings, so the next command times again (e.g. after a hardware, "
+        "driver or BIOS change the key does not name)",
     )
     parser.set_defaults(handler=run_env)
