@@ -34,6 +34,7 @@ __all__ = [
     "CpuFeatures",
     "available_memory",
     "cpu_features",
+    "cpu_model",
     "fast_bf16",
     "generation_dtype",
     "has_cxx_compiler",
@@ -132,10 +133,13 @@ def onednn_supports(dtype: torch.dtype) -> bool:
         return False
 
 
-def _cpu_model() -> str:
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's name as ``/proc/cpuinfo`` gives it (x86 ``model name``; on ARM the board's
+    ``Model`` or the core's ``CPU part``), read once a process; elsewhere the platform's."""
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
+            if line.startswith(("model name", "Model", "CPU part")):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
@@ -159,7 +163,7 @@ def available_memory() -> int | None:
 def cpu_features() -> CpuFeatures:
     """This machine's :class:`CpuFeatures`, probed once per process (never raises)."""
     return CpuFeatures(
-        model=_cpu_model(),
+        model=cpu_model(),
         machine=platform.machine(),
         kernels=str(torch.backends.cpu.get_cpu_capability()),
         avx2=_flag("_is_avx2_supported"),

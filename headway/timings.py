@@ -21,7 +21,6 @@ written is never an error: the value is measured and used.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -37,6 +36,7 @@ from torch import nn
 
 from headway.atomic import write_text_atomic
 from headway.errors import HeadwayError
+from headway.hardware import cpu_model
 
 __all__ = [
     "BUSY_SHARE",
@@ -74,22 +74,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HEADWAY_CACHE", Path.home() / ".cache" / "headway"))
 
 
-@functools.cache
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith(("model name", "Model", "CPU part")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def machine_key(device: torch.device) -> dict[str, Any]:
     """What any timing on ``device`` depends on beyond the caller's own key."""
     key: dict[str, Any] = {
         "machine": platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
