@@ -102,6 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "static (fixed shapes over a static draft cache, one CUDA graph per step on CUDA)",
     )
     parser.add_argument(
+        "--draft-dtype",
+        default="auto",
+        help="comma-separated draft-model dtypes for the default drafter's rows, a row each: "
+        "auto (default: int8 draft layers where timed faster on a CPU), target, int8, bfloat16",
+    )
+    parser.add_argument(
         "--draft-vocab",
         type=_draft_vocab,
         metavar="FILE:N[,N...]",
@@ -244,9 +250,15 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
 
     for verify in paths:  # what `headway generate --verify VERIFY` runs when nothing is named
         default = resolve_drafter(target.model, verify=verify)  # type: ignore[arg-type]
-        if default.spec is not None:
-            name = f"default drafter, as headway generate runs it ({default.reason})"
-            add(name, default.spec, default.sizing, only=[verify])
+        if default.spec is None:
+            continue
+        name = f"default drafter, as headway generate runs it ({default.reason})"
+        for dtype in args.draft_dtype.split(","):
+            if dtype == "auto" or not isinstance(default.spec, EagleSpec):
+                add(name, default.spec, default.sizing, only=[verify])
+            else:
+                typed = replace(default.spec, dtype=dtype)
+                add(f"{name}, draft dtype {dtype}", typed, default.sizing, only=[verify])
     add("prompt lookup", PromptLookupSpec(num_draft_tokens=args.lookup_tokens))
     # cost-sized: full-length continuations ranked by share (the sizer replaces adaptation)
     sized_lookup = PromptLookupSpec(num_draft_tokens=args.lookup_tokens, adaptive=False)

@@ -5,6 +5,7 @@ float32 on a CPU, its outputs equal to the target's greedy ones."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -175,9 +176,25 @@ def test_only_reproducible_lossless_runs_make_gates() -> None:
     for message, change in bad.items():
         with pytest.raises(HeadwayError, match=message):
             gates_from_report(_report(**change), spec, options={}, command="c")
-    timed = EagleSpec(heads="somewhere", top_k=1, total_tokens="auto")
+    timed = EagleSpec(heads="somewhere", top_k=1, total_tokens="auto", dtype="target")
     with pytest.raises(HeadwayError, match="total_tokens"):  # chosen by timing the machine
         gates_from_report(_report(), timed, options={}, command="c")
+    int8_where_faster = EagleSpec(heads="somewhere", top_k=1, total_tokens=5)  # dtype=auto
+    with pytest.raises(HeadwayError, match="dtype"):
+        gates_from_report(_report(), int8_where_faster, options={}, command="c")
+
+
+def test_eagle_gates_that_name_no_dtype_decode_in_the_targets() -> None:
+    """Gates written before the draft dtype defaulted to ``auto`` (int8 where timed faster)
+    were measured in the target's dtype, and are checked so; a recorded dtype is kept."""
+    from headway.drafters.specs import EagleSpec
+    from headway.eval.gates import gate_spec
+
+    old = read_gates(SHIPPED / GATES_NAME)
+    drafter = {k: v for k, v in old.drafter.items() if k != "dtype"}
+    for recorded, expected in ((drafter, "target"), ({**drafter, "dtype": "int8"}, "int8")):
+        spec = gate_spec(dataclasses.replace(old, drafter=recorded), SHIPPED)
+        assert isinstance(spec, EagleSpec) and spec.dtype == expected
 
 
 def test_eval_writes_gates_that_decoding_again_reproduces(

@@ -19,6 +19,7 @@ from torch import nn
 from headway import __version__
 from headway.cli.common import dtype_for
 from headway.decode.gemm import fastest_route
+from headway.decode.int8_linear import int8_available
 from headway.decode.packed import packing_available
 from headway.hardware import cpu_features, fast_bf16, mixed_precision, regeneration_dtype
 from headway.timings import forget_timings, kept_timings, timings_mode, timings_path
@@ -109,8 +110,17 @@ def environment_report() -> list[tuple[str, str]]:
         ("train.mixed_precision=auto", f"{mixed_precision('auto', device)} ({bf16_reason})"),
         ("--gemm auto, float32", _gemm_choice(torch.float32)),
         ("--gemm auto, bfloat16", _gemm_choice(torch.bfloat16)),
+        ("int8 draft layers", _int8_row()),
         ("kept timings", _kept_summary()),
     ]
+
+
+def _int8_row() -> str:
+    """Whether EAGLE-3 drafters can draft with int8 layers here (``dtype=auto`` times them)."""
+    engine = torch.backends.quantized.engine
+    if not int8_available():
+        return f"unavailable (quantised engine {engine!r}): drafts in the target's dtype"
+    return f"run here ({engine} kernels); EAGLE-3 dtype=auto takes them where timed faster"
 
 
 def _kept_summary() -> str:

@@ -52,7 +52,7 @@ Examples:
   headway eval --heads drafters/smollm2-135m-eagle3 --dtype float32 --device cpu \
     --num-prompts 8 --max-new-tokens 48 --sizing drafter --gemm stock \
     --draft-option top_k=1 --draft-option depth=4 --draft-option total_tokens=5 \
-    --write-gates drafters/smollm2-135m-eagle3/gates.json
+    --draft-option dtype=target --write-gates drafters/smollm2-135m-eagle3/gates.json
 """
 
 
@@ -213,7 +213,7 @@ def run_eval(args: argparse.Namespace) -> int:
         prompts,
         settings,
         Path(args.out),
-        drafter_info=describe_drafter(choice.spec),
+        drafter_info=describe_drafter(choice.spec, drafter),
         prompt_set=args.prompts,
         options=options,
     )

@@ -28,9 +28,12 @@ __all__ = [
     "TIMED_ROWS",
     "Route",
     "fastest_route",
+    "median_seconds",
     "route_candidates",
     "route_forward",
+    "route_seconds",
     "small_block_linear",
+    "streamed_pass",
 ]
 
 Route = Literal["stock", "transposed", "packed"]
@@ -47,7 +50,8 @@ MAX_ROWS = 8
 8 rows, and from 9 on its margin shrinks to nothing (docs/benchmarks.md)."""
 
 
-def _median_seconds(function: Callable[[], object], repeats: int = 3) -> float:
+def median_seconds(function: Callable[[], object], repeats: int = 3) -> float:
+    """The median of ``repeats`` timed calls of ``function``, after one untimed warm-up."""
     function()  # warm-up
     times = []
     for _ in range(repeats):
@@ -77,11 +81,17 @@ def route_forward(
 
 
 def _linear_pass(linears: Sequence[nn.Linear], route: Route) -> Callable[[], None]:
+    """:func:`streamed_pass` of ``linears`` on ``route``."""
+    return streamed_pass(linears, [route_forward(module, route) for module in linears])
+
+
+def streamed_pass(
+    linears: Sequence[nn.Linear], forwards: Sequence[Callable[[Tensor], Tensor]]
+) -> Callable[[], None]:
     """One call multiplies, for each block size of :data:`TIMED_ROWS`, an input by every layer
-    of ``linears`` in order, on ``route``: the weights stream from memory as in a forward (a
-    single layer timed alone sits in the cache, which favoured the packed route on CPUs where a
-    whole forward then ran slower with it)."""
-    forwards = [route_forward(module, route) for module in linears]
+    of ``linears`` in order, each through its entry of ``forwards``: the weights stream from
+    memory as in a forward (a single layer timed alone sits in the cache, which favoured the
+    packed route on CPUs where a whole forward then ran slower with it)."""
     device = linears[0].weight.device
     shapes = {(module.in_features, module.weight.dtype) for module in linears}
     inputs = {
@@ -114,7 +124,7 @@ def route_candidates(linears: Sequence[nn.Linear], packing: bool) -> list[Route]
 def fastest_route(
     linears: Sequence[nn.Linear],
     *,
-    seconds: Callable[[Callable[[], object]], float] = _median_seconds,
+    seconds: Callable[[Callable[[], object]], float] = median_seconds,
     packing: bool = True,
 ) -> Route:
     """The route ``"auto"`` takes for a model whose plain linear layers are ``linears`` (in
@@ -124,15 +134,25 @@ def fastest_route(
     transposed (fp32 only) if it takes at most :data:`FASTER_BY` of the stock time, else stock.
     The reordered copies made for the test are dropped unless packed is taken."""
     candidates = route_candidates(linears, packing)
-    with torch.inference_mode():
-        stock = seconds(_linear_pass(linears, "stock"))
-        timed = {route: seconds(_linear_pass(linears, route)) for route in candidates}
+    timed = route_seconds(linears, ["stock", *candidates], seconds)
+    stock = timed["stock"]
     paying = [route for route in candidates if timed[route] <= FASTER_BY * stock]
     best: Route = min(paying, key=timed.__getitem__, default="stock")
     if "packed" in candidates and best != "packed":
         for module in linears:
             forget_packed(module)
     return best
+
+
+def route_seconds(
+    linears: Sequence[nn.Linear],
+    routes: Sequence[Route],
+    seconds: Callable[[Callable[[], object]], float] = median_seconds,
+) -> dict[Route, float]:
+    """The time ``seconds`` gives a streamed pass (:func:`streamed_pass`) of ``linears`` on each
+    of ``routes``, timed in that order."""
+    with torch.inference_mode():
+        return {route: seconds(_linear_pass(linears, route)) for route in routes}
 
 
 def small_block_linear(

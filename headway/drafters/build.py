@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 
 from headway.decode.gemm import apply_gemm, gemm_choice
 from headway.decode.generate import Drafter
+from headway.decode.int8_linear import int8_available, int8_pays, to_int8
 from headway.drafters.draft_vocab import (
     draft_vocabulary,
     narrow_eagle3,
@@ -45,13 +46,14 @@ from headway.drafters.specs import (
 from headway.drafters.static_eagle import StaticDrafting, StaticEagle3Drafter, StaticEagleDrafter
 from headway.errors import ConfigError
 from headway.heads.eagle import EagleConfig, TargetHead
-from headway.heads.eagle3 import Eagle3Config
+from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.hidden_states import check_final_hidden, final_hidden_layer
 from headway.heads.io import HeadsError
 from headway.heads.loading import FoundHeads, find_heads, heads_family
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.heads.medusa2 import merge_adapter
 from headway.target import Target
+from headway.timings import remembered, shapes_digest
 
 __all__ = ["build_drafter", "describe_spec", "spec_for"]
 
@@ -211,11 +213,56 @@ def _draft_vocab(spec: MedusaSpec | EagleSpec, target: Target) -> Tensor | None:
 DraftModel = TypeVar("DraftModel", bound=nn.Module)
 
 
+INT8_LAYERS: dict[type[nn.Module], tuple[str, ...]] = {Eagle3Model: ("midlayer", "lm_head")}
+"""The draft layers int8 drafting converts, per draft model: those whose inputs are normalised.
+EAGLE-3's ``fc`` reads the raw target states (outlier channels) and stays as it is: converting it
+too cut the shipped drafter's MT-bench tau from 2.41 to 1.88 (docs/benchmarks.md). EAGLE-1's
+layer reads ``fc``'s output unnormalised, so it drafts in the target's dtype."""
+
+
 def _draft(draft: DraftModel, spec: EagleSpec, target_model: nn.Module) -> DraftModel:
-    """``draft`` in the spec's dtype, the target's GEMM choice applied to its own layers."""
+    """``draft`` in the spec's dtype (int8 layers where :func:`_drafts_in_int8` says so), the
+    target's GEMM choice applied to its other layers."""
     draft = _in_dtype(draft, spec.dtype)
+    if _drafts_in_int8(draft, spec):
+        count = to_int8(draft, INT8_LAYERS[type(draft)])
+        logger.info("drafting with %d int8 layers (dtype=%s)", count, spec.dtype)
     apply_gemm(draft, gemm_choice(target_model))
     return draft
+
+
+def _drafts_in_int8(draft: nn.Module, spec: EagleSpec) -> bool:
+    """``dtype=int8``: yes, where it can run (else a one-line error); ``auto``: where eager
+    drafting on a CPU multiplies the layers faster in int8 (:func:`int8_pays`, timed once per
+    machine and layer shapes, :mod:`headway.timings`)."""
+    names = INT8_LAYERS.get(type(draft))
+    on_cpu = all(p.device.type == "cpu" for p in draft.parameters())
+    if spec.dtype == "int8":
+        if names is None:
+            raise HeadsError(
+                f"{spec.heads}: dtype=int8 is for EAGLE-3 drafters (their draft layer and LM "
+                "head); this EAGLE-1 drafter reads unnormalised states: use dtype=target"
+            )
+        if not on_cpu:
+            raise HeadsError(f"{spec.heads}: dtype=int8 drafts on a CPU; use dtype=auto here")
+        if not int8_available():
+            raise HeadsError(
+                f"{spec.heads}: dtype=int8: this machine's torch has no working int8 linear "
+                "kernels (`headway env` says so); use dtype=auto or target"
+            )
+        return True
+    if spec.dtype != "auto" or names is None or spec.drafting != "eager" or not on_cpu:
+        return False
+    layers = nn.ModuleList([draft.get_submodule(name) for name in names])
+    return bool(
+        remembered(
+            "int8 drafting",
+            {"layers": shapes_digest(layers)},
+            lambda: int8_pays(draft, names),
+            device=torch.device("cpu"),
+            valid=lambda value: isinstance(value, bool),
+        )
+    )
 
 
 def _head(target_model: PreTrainedModel, vocab: Tensor | None = None) -> TargetHead:

@@ -248,6 +248,8 @@ def gate_spec(gates: AcceptanceGates, heads: Path | None = None) -> DrafterSpec:
     """The drafter spec the gates were measured with; ``heads`` is the drafter folder (the one
     holding the gates file) for drafters that load heads."""
     options = {k: v for k, v in gates.drafter.items() if k != "name"}
+    if gates.drafter["name"] == "eagle":  # gates that name no dtype predate dtype=auto (int8
+        options.setdefault("dtype", "target")  # drafting where timed faster): the target's
     return spec_for(gates.drafter["name"], heads=heads, options=options)
 
 

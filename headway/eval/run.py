@@ -18,8 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from headway.decode.gemm import gemm_choice, gemm_route
 from headway.decode.generate import Drafter
+from headway.decode.int8_linear import int8_layer_count
 from headway.decode.options import DecodeOptions
 from headway.drafters.build import describe_spec
 from headway.drafters.specs import DrafterSpec
@@ -38,13 +41,17 @@ from headway.target import Target
 __all__ = ["describe_drafter", "describe_heads", "evaluate", "timing"]
 
 
-def describe_drafter(spec: DrafterSpec) -> dict[str, Any]:
-    """The report's ``drafter`` block: the spec's name and options, and for heads their method
-    and head config."""
+def describe_drafter(spec: DrafterSpec, drafter: object = None) -> dict[str, Any]:
+    """The report's ``drafter`` block: the spec's name and options, for heads their method and
+    head config, and for a built EAGLE ``drafter`` how many of its draft layers multiply in int8
+    (what ``dtype=auto`` chose on this machine)."""
     info = describe_spec(spec)
     heads = getattr(spec, "heads", None)
     if heads:
         info.update(describe_heads(Path(heads)))
+    model = getattr(drafter, "model", None)
+    if isinstance(model, nn.Module):
+        info["int8_draft_layers"] = int8_layer_count(model)
     return info
 
 

@@ -40,13 +40,14 @@ def evaluate_shipped(
     # named by folder, sized as a shipped default runs (the resolver's rule, not a literal)
     choice = resolve_drafter(target.model, heads=str(found[0]), sizing=DEFAULT_SIZING)
     assert choice.spec is not None
+    drafter = build_drafter(choice.spec, target)
     report = evaluate(
         target,
-        build_drafter(choice.spec, target),
+        drafter,
         prompts,
         settings,
         out_dir,
-        drafter_info=describe_drafter(choice.spec),
+        drafter_info=describe_drafter(choice.spec, drafter),
         prompt_set=prompt_set,
         options=DecodeOptions(sizing=choice.sizing),
     )
