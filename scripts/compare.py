@@ -253,11 +253,13 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
         if default.spec is None:
             continue
         name = f"default drafter, as headway generate runs it ({default.reason})"
-        for dtype in args.draft_dtype.split(","):
-            if dtype == "auto" or not isinstance(default.spec, EagleSpec):
-                add(name, default.spec, default.sizing, only=[verify])
+        chosen = default.spec
+        dtypes = args.draft_dtype.split(",") if isinstance(chosen, EagleSpec) else ["auto"]
+        for dtype in dtypes:
+            if dtype == "auto" or not isinstance(chosen, EagleSpec):
+                add(name, chosen, default.sizing, only=[verify])
             else:
-                typed = replace(default.spec, dtype=dtype)
+                typed = replace(chosen, dtype=typing.cast(Any, dtype))  # EagleSpec checks it
                 add(f"{name}, draft dtype {dtype}", typed, default.sizing, only=[verify])
     add("prompt lookup", PromptLookupSpec(num_draft_tokens=args.lookup_tokens))
     # cost-sized: full-length continuations ranked by share (the sizer replaces adaptation)

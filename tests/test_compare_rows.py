@@ -46,3 +46,18 @@ def test_draft_vocab_rows_narrow_each_eagle_run(
     for bad in ("x.json", "x.json:0", "x.json:a,4"):
         with pytest.raises(SystemExit):
             compare.parse_args(["--draft-vocab", bad])
+
+
+def test_draft_dtype_rows_apply_to_an_eagle_default_only(tmp_path: Path) -> None:
+    """``--draft-dtype target,auto`` gives the default drafter a row per dtype where it is an
+    EAGLE drafter; a tiny target's default (no shipped drafter fits: prompt lookup or retrieval)
+    has no draft model, so it keeps its one row."""
+    compare = _compare()
+    folder = tmp_path / "target"
+    tiny4("llama", vocab_size=400).save_pretrained(folder)
+    smollm2_tokenizer().save_pretrained(folder)
+    target = load_target(folder, device="cpu")
+    args = compare.parse_args(["--draft-dtype", "target,auto"])
+    names = [row.name for row in compare.configurations(args, target)]
+    assert len([name for name in names if name.startswith("default drafter")]) == 1
+    assert not [name for name in names if "draft dtype" in name]

@@ -164,7 +164,11 @@ def test_the_probe_says_no_when_the_kernels_fail(monkeypatch: pytest.MonkeyPatch
     int8_available.cache_clear()
     monkeypatch.setattr(torch.ops.quantized, "linear_prepack", missing)
     try:
+        torch.manual_seed(5)
+        expected = torch.rand(3)
+        torch.manual_seed(5)
         assert int8_available() is False
+        assert torch.equal(torch.rand(3), expected)  # probing drew nothing from the global seed
     finally:
         int8_available.cache_clear()
 
@@ -175,3 +179,5 @@ def test_int8_where_it_cannot_draft_is_a_clear_error(tmp_path: Path) -> None:
         build_drafter(EagleSpec(heads=str(run), dtype="int8", **TREE), target)
     with pytest.raises(ConfigError, match="not compiled"):
         EagleSpec(heads=str(run), dtype="int8", drafting="compiled")
+    with pytest.raises(ConfigError, match="choose auto, target, bfloat16 or int8"):
+        EagleSpec(heads=str(run), dtype="float16")  # type: ignore[arg-type]

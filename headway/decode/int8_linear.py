@@ -94,7 +94,8 @@ def int8_available() -> bool:
     the ops built in) and its product agrees with fp32 on a small seeded layer; probed once a
     process, never raises."""
     generator = torch.Generator().manual_seed(0)
-    layer = nn.Linear(64, 16)
+    with torch.random.fork_rng(devices=[]):  # the layer's init leaves the global seed alone
+        layer = nn.Linear(64, 16)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(16, 64, generator=generator) / 8)
         x = torch.randn(3, 64, generator=generator)

@@ -193,6 +193,8 @@ class EagleSpec:
         _at_least(self, 1, "top_k", "depth", "draft_vocab_size")
         if self.drafting not in ("eager", "static", "compiled"):
             raise ConfigError(f"drafting={self.drafting!r}: choose 'eager', 'static' or 'compiled'")
+        if self.dtype not in ("auto", "target", "bfloat16", "int8"):
+            raise ConfigError(f"dtype={self.dtype!r}: choose auto, target, bfloat16 or int8")
         if self.dtype == "int8" and self.drafting == "compiled":
             raise ConfigError(
                 "dtype=int8 drafts eagerly or statically, not compiled: drop one of the two"
