@@ -27,9 +27,12 @@ from headway.target import Target
 from tests.test_eagle3 import NEW_TOKENS, PROMPT, TREE, target_and_truth, trained
 from tests.test_formats import random_run
 
-pytestmark = pytest.mark.skipif(not int8_available(), reason="no int8 kernels in this torch")
+needs_kernels = pytest.mark.skipif(not int8_available(), reason="no int8 kernels in this torch")
+"""For the tests that multiply in int8; the fallback's tests simulate the kernels' absence and
+run everywhere."""
 
 
+@needs_kernels
 @pytest.mark.parametrize("shape", [(5, 96), (2, 3, 96), (1, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_int8_product_is_close_to_fp32(shape: tuple[int, ...], bias: bool) -> None:
@@ -44,6 +47,7 @@ def test_the_int8_product_is_close_to_fp32(shape: tuple[int, ...], bias: bool) -
         assert Int8Linear(layer)(x.bfloat16()).dtype == torch.bfloat16
 
 
+@needs_kernels
 def test_only_the_named_layers_become_int8() -> None:
     draft = Eagle3Model(trained("llama").config)
     assert to_int8(draft, ("midlayer", "lm_head")) == 8  # q, k, v, o, gate, up, down, head
@@ -54,6 +58,7 @@ def test_only_the_named_layers_become_int8() -> None:
     assert not [m for m in draft.midlayer.modules() if type(m) is nn.Linear]
 
 
+@needs_kernels
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_int8_drafting_keeps_the_greedy_output(family: str) -> None:
     """The target verifies every draft: int8 layers change drafts at most, never the output;
@@ -78,6 +83,7 @@ def _int8_layers(drafter: Any) -> int:
     return sum(isinstance(module, Int8Linear) for module in drafter.model.modules())
 
 
+@needs_kernels
 @pytest.mark.parametrize("drafting", ["eager", "static"])
 def test_dtype_int8_builds_a_drafter_with_int8_layers(tmp_path: Path, drafting: str) -> None:
     target, run, truth = _target(tmp_path)
@@ -91,6 +97,7 @@ def test_dtype_int8_builds_a_drafter_with_int8_layers(tmp_path: Path, drafting: 
     assert describe_drafter(spec, drafter)["int8_draft_layers"] == 8  # the eval report says so
 
 
+@needs_kernels
 @pytest.mark.parametrize("pays", [True, False])
 def test_dtype_auto_follows_the_timing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pays: bool
@@ -112,6 +119,7 @@ def test_dtype_auto_follows_the_timing(
     assert _int8_layers(plain) == 0 and len(asked) == 1
 
 
+@needs_kernels
 def test_the_timing_takes_int8_only_where_it_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     """:func:`int8_pays` compares a streamed pass of the layers in int8 with their fastest fp32
     route (here: every fp32 pass takes 1 s, the int8 one 0.5 or 0.9 s)."""

@@ -12,7 +12,7 @@ QNNPACK on ARM): the weight is stored as int8 per output channel (symmetric, one
 each input is quantised per tensor as it arrives, and the product comes back in the input's
 dtype. A per-tensor input scale suits inputs that are normalised; raw target states carry
 outlier channels, and quantising EAGLE-3's ``fc`` (which reads them) cut the shipped drafter's
-MT-bench tau from 2.41 to 1.88, so callers name the layers to convert (:func:`to_int8`).
+MT-bench tau from 2.39 to 1.88, so callers name the layers to convert (:func:`to_int8`).
 
 torch 2.13 warns that quantised tensors (which the kernels take their weights as) will be removed
 in a future release; where they are gone, the probe says no and drafting stays in the target's

@@ -216,7 +216,7 @@ DraftModel = TypeVar("DraftModel", bound=nn.Module)
 INT8_LAYERS: dict[type[nn.Module], tuple[str, ...]] = {Eagle3Model: ("midlayer", "lm_head")}
 """The draft layers int8 drafting converts, per draft model: those whose inputs are normalised.
 EAGLE-3's ``fc`` reads the raw target states (outlier channels) and stays as it is: converting it
-too cut the shipped drafter's MT-bench tau from 2.41 to 1.88 (docs/benchmarks.md). EAGLE-1's
+too cut the shipped drafter's MT-bench tau from 2.39 to 1.88 (docs/benchmarks.md). EAGLE-1's
 layer reads ``fc``'s output unnormalised, so it drafts in the target's dtype."""
 
 
