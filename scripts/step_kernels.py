@@ -179,7 +179,12 @@ def main(argv: list[str] | None = None) -> None:
     shape = {"top_k": args.top_k, "depth": args.depth, "total_tokens": args.total_tokens}
 
     def decoder(drafting: str, verify: str = "captured") -> Decoder:
-        spec = EagleSpec(heads=args.heads, drafting=drafting, **shape)  # type: ignore[arg-type]
+        spec = EagleSpec(
+            heads=args.heads,
+            drafting=drafting,  # type: ignore[arg-type]
+            dtype="target",  # the ops a GPU dispatches, not a CPU's int8 draft layers
+            **shape,
+        )
         drafter = build_drafter(spec, target)
         return Decoder(target.model, drafter, DecodeOptions(verify=verify))  # type: ignore[arg-type]
 

@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                 depth=depth,
                 total_tokens=total,
                 drafting=drafting,
+                dtype="target",  # as on a GPU: a CPU's int8 draft layers would change the trees
                 force=True,
             )
             timed = TimedDrafter(build_drafter(spec, target), device)
