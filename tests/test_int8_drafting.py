@@ -13,7 +13,13 @@ from torch import nn
 
 from headway.decode import int8_linear
 from headway.decode.generate import generate
-from headway.decode.int8_linear import Int8Linear, int8_available, int8_pays, to_int8
+from headway.decode.int8_linear import (
+    Int8Linear,
+    int8_available,
+    int8_layer_count,
+    int8_pays,
+    to_int8,
+)
 from headway.drafters import build
 from headway.drafters.build import build_drafter
 from headway.drafters.eagle3_drafter import Eagle3Drafter
@@ -80,7 +86,7 @@ def _target(tmp_path: Path, method: str = "eagle3") -> tuple[Target, Path, list[
 
 
 def _int8_layers(drafter: Any) -> int:
-    return sum(isinstance(module, Int8Linear) for module in drafter.model.modules())
+    return int8_layer_count(drafter.model)
 
 
 @needs_kernels
