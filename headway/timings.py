@@ -9,10 +9,11 @@ than one made at rest. So the first measurement is kept in ``$HEADWAY_CACHE/timi
 machine (architecture, CPU model, cores, torch threads, torch version, the device), and what the
 caller adds (the layers' shapes and dtypes, the route, the verify forward, the sizes).
 
-A timing taken while other processes keep the CPU busy is used by the run that took it but not
-kept (:data:`BUSY_SHARE`): a busy neighbour slows one-token forwards more than blocks (both are
-bound by memory bandwidth on small CPUs), and on a 2-core EPYC such a cost table, kept, had the
-drafter verify blocks that no longer paid (2026-11-28, docs/benchmarks.md).
+A timing taken while other processes keep the CPU busy is used by the process that took it (for
+every later ask of it too) but not kept (:data:`BUSY_SHARE`): a busy neighbour slows one-token
+forwards more than blocks (both are bound by memory bandwidth on small CPUs), and on a 2-core
+EPYC such a cost table, kept, had the drafter verify blocks that no longer paid (2026-11-28,
+docs/benchmarks.md).
 
 ``HEADWAY_TIMINGS``: ``on`` (default) remembers; ``retime`` measures again and replaces what was
 kept; ``off`` neither reads nor writes (the test suite runs so). A file that cannot be read or
@@ -57,6 +58,9 @@ TIMINGS_NAME = "timings.json"
 SCHEMA = "headway.timings/1"
 MODES = ("on", "retime", "off")
 _SAID: set[str] = set()  # the kinds this process has logged a kept timing of
+_TAKEN: dict[tuple[str, str], Any] = {}
+"""What this process measured or read, per timings file and full key's digest: asked again (a
+new decoder per ``headway.generate`` call), it neither times again nor rereads the file."""
 
 T = TypeVar("T")
 
@@ -125,13 +129,30 @@ def remembered(
 ) -> T:
     """The value ``measure()`` gave when first called for ``kind`` and ``key`` on this machine
     (:func:`machine_key` of ``device``), measured now if none was kept, ``valid`` rejects the
-    kept one, or ``HEADWAY_TIMINGS`` says ``retime``. The value must be plain JSON (a string,
-    a list of floats)."""
+    kept one, or ``HEADWAY_TIMINGS`` says ``retime``; asked again in this process, the value it
+    took (:data:`_TAKEN`). The value must be plain JSON (a string, a list of floats)."""
     mode = timings_mode()
     if mode == "off":
         return measure()
     full = {"kind": kind, **machine_key(device), **key}
     digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()
+    taken = (str(timings_path()), digest)
+    if mode == "on" and taken in _TAKEN and valid(_TAKEN[taken]):
+        return cast(T, _TAKEN[taken])
+    _TAKEN[taken] = value = _kept_or_measured(kind, full, digest, measure, mode, valid)
+    return value
+
+
+def _kept_or_measured(
+    kind: str,
+    full: dict[str, Any],
+    digest: str,
+    measure: Callable[[], T],
+    mode: str,
+    valid: Callable[[Any], bool],
+) -> T:
+    """:func:`remembered`'s value for the key hashed to ``digest``, read from the file or
+    measured (and kept unless other processes kept the CPU busy meanwhile)."""
     path = timings_path()
     entry = _read(path).get(digest) if mode == "on" else None
     if isinstance(entry, dict) and valid(entry.get("value")):
@@ -206,6 +227,7 @@ def kept_timings() -> list[dict[str, Any]]:
 def forget_timings() -> int:
     """Remove the kept timings (the next command times again); returns how many there were."""
     count = len(_read(timings_path()))
+    _TAKEN.clear()
     try:
         timings_path().unlink(missing_ok=True)
     except OSError as error:

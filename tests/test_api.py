@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 import headway
+from headway import api
+from headway.decode.generate import Drafter
+from headway.drafters.resolve import DrafterChoice
+from headway.drafters.specs import DrafterSpec, PromptLookupSpec
 from headway.errors import HeadwayError
 from headway.target import Target
 from tests.tiny import tiny_model
@@ -48,3 +54,61 @@ def test_chat_prompt_needs_a_template() -> None:
         headway.generate(bare, "hi", drafter=None, max_new_tokens=2)
     raw = headway.generate(bare, "hi", drafter=None, max_new_tokens=2, chat=False)
     assert len(raw.token_ids) <= 2
+
+
+def test_a_named_drafter_is_built_once_per_target_and_lent_to_one_call_at_a_time(
+    target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repeated ``headway.generate`` calls reuse the drafter a name resolved to (building the
+    default took ~0.3 s a call): outputs as with a fresh one, greedy and sampled; a call that
+    raises gives nothing back; the spares go with their target."""
+    built: list[str] = []
+    real = api.build_drafter
+
+    def counted(spec: DrafterSpec, on: Target) -> Drafter:
+        built.append(spec.name)  # not the target: the spares must go with it below
+        return real(spec, on)
+
+    monkeypatch.setattr(api, "build_drafter", counted)
+    plain = headway.generate(target, "Tell me a joke", drafter=None, max_new_tokens=24)
+    for _ in range(3):
+        again = headway.generate(
+            target, "Tell me a joke", drafter="prompt-lookup", max_new_tokens=24
+        )
+        assert again.token_ids == plain.token_ids
+    assert len(built) == 1
+    sampled = [
+        headway.generate(target, "Hi", drafter="prompt-lookup", temperature=1.0, seed=3).token_ids
+        for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1] and len(built) == 1
+
+    def fail(text: str) -> None:
+        raise RuntimeError("the caller's callback failed")
+
+    with pytest.raises(RuntimeError, match="callback"):
+        headway.generate(target, "Hello", drafter="prompt-lookup", on_text=fail)
+    headway.generate(target, "Hello", drafter="prompt-lookup", max_new_tokens=4)
+    assert len(built) == 2  # the failed call's drafter was dropped
+    own = Target(tiny_model("llama", vocab_size=400), target.tokenizer, "own")  # no fixture's
+    headway.generate(own, "Hello", drafter="prompt-lookup", max_new_tokens=2)
+    key = id(own)
+    assert key in api._SPARES
+    del own
+    gc.collect()
+    assert key not in api._SPARES
+
+
+def test_a_heads_folder_or_a_captured_path_builds_its_drafter_each_call(
+    target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    choice = DrafterChoice(PromptLookupSpec(), "drafter", "named")
+    monkeypatch.setattr(api, "_choice", lambda *a, **k: choice)
+    for name, verify in (("runs/my-heads", "eager"), ("prompt-lookup", "captured")):
+        (first, drafter), give_back = api._borrow(name, target, verify)  # type: ignore[arg-type]
+        give_back()
+        (_, other), _ = api._borrow(name, target, verify)  # type: ignore[arg-type]
+        assert first is choice and other is not drafter
+    (_, drafter), give_back = api._borrow("prompt-lookup", target, "eager")
+    give_back()
+    assert api._borrow("prompt-lookup", target, "eager")[0][1] is drafter

@@ -136,9 +136,9 @@ def test_apply_gemm_follows_device_dtype_choice_and_measurement(
         apply_gemm(model, "fast")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("free_pages", "room"), [(1, False), (10**9, True)])
+@pytest.mark.parametrize(("free", "room"), [(4096, False), (2**40, True), (None, True)])
 def test_auto_packs_only_with_room_for_a_copy(
-    monkeypatch: pytest.MonkeyPatch, free_pages: int, room: bool
+    monkeypatch: pytest.MonkeyPatch, free: int | None, room: bool
 ) -> None:
     offered: list[bool] = []
 
@@ -149,8 +149,8 @@ def test_auto_packs_only_with_room_for_a_copy(
     monkeypatch.setattr(gemm, "fastest_route", route)
     for module in (gemm, gemm_routes):  # the route's check and the timed candidates
         monkeypatch.setattr(module, "packing_available", lambda dtype: True)
-    monkeypatch.setattr(gemm.os, "sysconf", lambda name: free_pages if "PAGES" in name else 4096)
-    apply_gemm(nn.Linear(64, 64), "auto")  # 16 KiB of weights: needs 8 free pages
+    monkeypatch.setattr(gemm, "available_memory", lambda: free)  # None: unknown (not Linux)
+    apply_gemm(nn.Linear(64, 64), "auto")  # 16 KiB of weights: needs 32 KiB available
     assert offered == [room]
 
 

@@ -72,6 +72,21 @@ def test_fingerprint_is_dtype_independent_but_weight_sensitive(saved_target: Pat
     assert other.differences(fp32) == ["output_embedding_sha256"]
 
 
+def test_a_kept_fingerprint_follows_changes_of_the_head_weight() -> None:
+    """The hash is kept per LM head (the default drafter asks twice per build) and taken again
+    when the weight changes in place or is replaced."""
+    model = tiny_model("llama")
+    first = fingerprint(model)
+    assert fingerprint(model) == first
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        head.weight.mul_(2.0)  # tracked in place: a new version
+    doubled = fingerprint(model)
+    assert doubled.differences(first) == ["output_embedding_sha256"]
+    head.weight = torch.nn.Parameter(head.weight.detach() / 2.0)  # a new tensor
+    assert fingerprint(model) == first
+
+
 def test_check_fingerprint_refuses_other_target_unless_forced() -> None:
     llama, qwen = fingerprint(tiny_model("llama")), fingerprint(tiny_model("qwen2"))
     check_fingerprint(llama, llama)

@@ -60,6 +60,15 @@ def test_a_timing_is_measured_once_per_key_and_kept_in_the_file(kept: Path) -> N
     assert entry["key"]["threads"] == torch.get_num_threads() and entry["key"]["size"] == 2
 
 
+def test_a_timing_asked_again_in_this_process_reads_no_file(kept: Path) -> None:
+    """A second decoder in the same process (``headway.generate`` makes one per call) takes the
+    value this process already has: the file is not read again, let alone the layers timed."""
+    measure = Counted([0.1, 0.2])
+    assert _remember(measure, size=2) == [0.1, 0.2]
+    kept.write_text('{"schema": "headway.timings/1", "entries": {}}')  # emptied by another run
+    assert _remember(measure, size=2) == [0.1, 0.2] and measure.calls == 1
+
+
 def test_retime_measures_again_and_off_never_reads_or_writes(
     kept: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -204,8 +213,8 @@ def test_a_timing_taken_while_other_processes_are_busy_is_used_not_kept(
     kept: Path, monkeypatch: pytest.MonkeyPatch, others_s: float | None, kept_file: bool
 ) -> None:
     """Other processes' CPU time during a measurement (``/proc/stat`` less this process's own)
-    above ``BUSY_SHARE`` of the cores: the value is used but the next run measures again; an idle
-    machine, or one whose load cannot be read, keeps it."""
+    above ``BUSY_SHARE`` of the cores: the value is used for the rest of this process but the
+    next process measures again; an idle machine, or one whose load cannot be read, keeps it."""
     from headway import timings
 
     monkeypatch.setattr(timings, "MIN_JUDGED_S", 0.0)
@@ -216,6 +225,8 @@ def test_a_timing_taken_while_other_processes_are_busy_is_used_not_kept(
     assert _remember(measure, layers="abc") == "transposed"
     assert kept.exists() == kept_file
     monkeypatch.setattr(timings, "_busy_seconds", lambda: None)
+    assert _remember(measure, layers="abc") == "transposed" and measure.calls == 1  # taken
+    monkeypatch.setattr(timings, "_TAKEN", {})  # as in the next process
     assert _remember(measure, layers="abc") == "transposed"
     assert measure.calls == (1 if kept_file else 2)
 

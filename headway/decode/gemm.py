@@ -49,7 +49,6 @@ positions of a batched prefill.
 
 from __future__ import annotations
 
-import os
 import typing
 import weakref
 from collections.abc import Iterator
@@ -77,6 +76,7 @@ from headway.decode.packed import (
     packing_available,
 )
 from headway.errors import HardwareError
+from headway.hardware import available_memory
 from headway.timings import remembered, shapes_digest
 
 __all__ = [
@@ -213,14 +213,11 @@ def _auto_route(model: nn.Module) -> Route:
 
 def _room_for_a_copy(linears: list[nn.Linear]) -> bool:
     """Whether a reordered copy of ``linears``' weights takes at most half of the memory this
-    machine has free now (always true where the free memory is unknown): ``"auto"`` never packs
-    a model that would then crowd the machine."""
+    machine has available now (:func:`~headway.hardware.available_memory`; always true where
+    that is unknown): ``"auto"`` never packs a model that would then crowd the machine."""
     needed = sum(module.weight.numel() * module.weight.element_size() for module in linears)
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return True
-    return needed <= free // 2
+    free = available_memory()
+    return free is None or needed <= free // 2
 
 
 def _plain_linears(model: nn.Module) -> list[nn.Linear]:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional
 
 from headway.hardware import onednn_supports
+from headway.target import tensor_version
 
 __all__ = [
     "MAX_PACKED_ROWS",
@@ -59,7 +60,7 @@ def packed_weight(module: nn.Linear) -> Tensor:
     ops, is reordered again; an edit through ``.data`` is not seen: call :func:`forget_packed`
     after such edits)."""
     weight = module.weight
-    key = (weight.data_ptr(), _version(weight), weight.dtype, weight.device, weight.shape)
+    key = (weight.data_ptr(), tensor_version(weight), weight.dtype, weight.device, weight.shape)
     held = _PACKED.get(module)
     if held is None or held[0] != key:
         _PACKED.pop(module, None)  # the old copy goes before the new one is made
@@ -80,15 +81,6 @@ def forget_packed(model: nn.Module) -> None:
     """Drop the reordered weights of ``model``'s layers (they are remade on next use)."""
     for module in model.modules():
         _PACKED.pop(module, None)  # type: ignore[call-overload]
-
-
-def _version(tensor: Tensor) -> int:
-    """The in-place version counter of ``tensor`` (-1 for an inference tensor, which has none
-    and cannot be changed in place outside inference mode)."""
-    try:
-        return int(tensor._version)
-    except RuntimeError:
-        return -1
 
 
 def reorder_weight(weight: Tensor, rows: int) -> Tensor:
