@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +29,13 @@ from typing import Any
 import torch
 
 from headway.decode.generate import Decoder, Drafter
-from headway.decode.options import DecodeOptions, VerifyPath, verify_path
+from headway.decode.options import DecodeOptions, verify_path
 from headway.decode.probe import check_tree_mask
 from headway.decode.sampling import SamplingParams
 from headway.drafters.build import build_drafter
-from headway.drafters.resolve import NO_DRAFTER, DrafterChoice, resolve_drafter
-from headway.drafters.specs import DRAFTER_NAMES, SPEC_TYPES, DrafterSpec
+from headway.drafters.specs import SPEC_TYPES, DrafterSpec
 from headway.errors import HeadwayError
+from headway.named_drafters import DEFAULT_DRAFTER, borrow, choice_for
 from headway.target import Target, eos_token_ids
 
 
@@ -65,10 +64,6 @@ class Generation:
         }
 
 
-DEFAULT_DRAFTER = "default"
-"""The drafter name that asks :func:`~headway.drafters.resolve.resolve_drafter` for the default."""
-
-
 def load_drafter(
     source: str | Path | DrafterSpec,
     target: Target,
@@ -88,67 +83,10 @@ def load_drafter(
         if options:
             raise HeadwayError("give options inside the spec, not beside it")
         return build_drafter(source, target)
-    choice = _choice(str(source), target, options)
+    choice = choice_for(str(source), target, options)
     if choice.spec is None:
         raise HeadwayError("'none' is no drafter: pass drafter=None to generate instead")
     return build_drafter(choice.spec, target)
-
-
-def _choice(
-    name: str,
-    target: Target,
-    options: Mapping[str, object] | None = None,
-    verify: VerifyPath = "eager",
-) -> DrafterChoice:
-    """:func:`resolve_drafter` for a name the API was given (``"default"``, a drafter name or
-    a heads folder), for the ``verify`` path the generation takes."""
-    if name == DEFAULT_DRAFTER:
-        return resolve_drafter(target.model, options=options, verify=verify)
-    if name in DRAFTER_NAMES or name == NO_DRAFTER:
-        return resolve_drafter(target.model, drafter=name, options=options, verify=verify)
-    return resolve_drafter(target.model, heads=name, options=options, verify=verify)
-
-
-_Built = tuple[DrafterChoice, Drafter | None]
-_SPARES: dict[int, dict[tuple[str, str], _Built]] = {}
-"""Drafters :func:`generate` built from a name, per live target (by ``id``; an entry goes with
-its target) and (name, verify path), each lent to one call at a time: resolving and building the
-default drafter took ~0.3 s a call on a 2-core EPYC (finding the shipped heads, loading them,
-converting its int8 layers), as long as the answer of a 16-token question."""
-
-
-def _borrow(name: str, target: Target, verify: VerifyPath) -> tuple[_Built, Callable[[], None]]:
-    """The choice and drafter ``name`` resolves to for ``target``, and the call that lends them
-    to the next generation once this one finished. Reused: the default and drafters named by
-    name on the eager verify path (a drafter is begun afresh per prompt). Built each time: a
-    heads folder (its files may change between calls), and on a captured or compiled path (a
-    static drafter's graphs belong to the decoder that captured them). A generation that raises
-    gives nothing back, and a call while another holds the spare builds its own."""
-    reusable = verify == "eager" and (name == DEFAULT_DRAFTER or name in DRAFTER_NAMES)
-    if not reusable:
-        choice = _choice(name, target, verify=verify)
-        return (choice, _built(choice, target)), _nothing
-    if id(target) not in _SPARES:
-        _SPARES[id(target)] = {}
-        weakref.finalize(target, _SPARES.pop, id(target), None)
-    spares, key = _SPARES[id(target)], (name, verify)
-    lent = spares.pop(key, None)
-    if lent is None:
-        choice = _choice(name, target, verify=verify)
-        lent = (choice, _built(choice, target))
-
-    def give_back() -> None:
-        spares[key] = lent
-
-    return lent, give_back
-
-
-def _nothing() -> None:
-    """Nothing to give back (a drafter built for one call)."""
-
-
-def _built(choice: DrafterChoice, target: Target) -> Drafter | None:
-    return None if choice.spec is None else build_drafter(choice.spec, target)
 
 
 def prompt_ids(
@@ -194,21 +132,20 @@ def generate(
     Pass a :class:`~headway.decode.generate.Decoder` as ``drafter`` (it carries its own options)
     to keep one cost calibration over many prompts. ``drafter`` as a string is resolved as
     the command line resolves ``--drafter``/``--heads`` (``"default"``: the shipped drafter,
-    cost-sized, unless ``options`` say otherwise), and on the eager verify path the drafter a
-    name (not a heads folder) resolved to is kept for the next call with this ``target``
-    (:func:`_borrow`); ``None`` decodes without a drafter. Without
+    cost-sized, unless ``options`` say otherwise), and what a name (not a heads folder) resolved
+    to is kept for the next call with this ``target`` (:mod:`headway.named_drafters`: the
+    drafter, and its decoder where that holds nothing of earlier calls, e.g. CUDA graphs);
+    ``None`` decodes without a drafter. Without
     ``options`` the verify path is the command line's ``--verify auto``
     (:func:`~headway.decode.options.verify_path`: captured on CUDA, where the default drafter
     drafts in fixed shapes over a 32-token tree, eager elsewhere).
     """
     model = target.model
     verify = options.verify if options is not None else verify_path("auto", model)
-    give_back = _nothing
+    give_back: Callable[[], None] | None = None
     if isinstance(drafter, str):
-        (choice, built), give_back = _borrow(drafter, target, verify)
-        options = options or DecodeOptions(sizing=choice.sizing, verify=verify)
-        drafter = built
-    if isinstance(drafter, Decoder):
+        decoder, give_back = borrow(drafter, target, verify, options)
+    elif isinstance(drafter, Decoder):
         if options is not None:
             raise HeadwayError("a Decoder carries its own DecodeOptions; pass options to it")
         decoder = drafter
@@ -229,7 +166,8 @@ def generate(
         on_tokens=streamer,
     )
     seconds = time.perf_counter() - start
-    give_back()
+    if give_back is not None:
+        give_back()
     if streamer is not None:
         streamer.flush()
     tokens = [int(token) for token in result.tokens]

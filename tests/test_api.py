@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pytest
 
 import headway
-from headway import api
-from headway.decode.generate import Drafter
+from headway import api, named_drafters
+from headway.decode.generate import Decoder, Drafter
+from headway.decode.options import DecodeOptions
 from headway.drafters.resolve import DrafterChoice
 from headway.drafters.specs import DrafterSpec, PromptLookupSpec
 from headway.errors import HeadwayError
@@ -63,13 +65,13 @@ def test_a_named_drafter_is_built_once_per_target_and_lent_to_one_call_at_a_time
     default took ~0.3 s a call): outputs as with a fresh one, greedy and sampled; a call that
     raises gives nothing back; the spares go with their target."""
     built: list[str] = []
-    real = api.build_drafter
+    real = named_drafters.build_drafter
 
     def counted(spec: DrafterSpec, on: Target) -> Drafter:
         built.append(spec.name)  # not the target: the spares must go with it below
         return real(spec, on)
 
-    monkeypatch.setattr(api, "build_drafter", counted)
+    monkeypatch.setattr(named_drafters, "build_drafter", counted)
     plain = headway.generate(target, "Tell me a joke", drafter=None, max_new_tokens=24)
     for _ in range(3):
         again = headway.generate(
@@ -93,22 +95,60 @@ def test_a_named_drafter_is_built_once_per_target_and_lent_to_one_call_at_a_time
     own = Target(tiny_model("llama", vocab_size=400), target.tokenizer, "own")  # no fixture's
     headway.generate(own, "Hello", drafter="prompt-lookup", max_new_tokens=2)
     key = id(own)
-    assert key in api._SPARES
+    assert key in named_drafters._SPARES
     del own
     gc.collect()
-    assert key not in api._SPARES
+    assert key not in named_drafters._SPARES
 
 
-def test_a_heads_folder_or_a_captured_path_builds_its_drafter_each_call(
+class _Counted(Decoder):
+    made = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _Counted.made += 1
+
+
+@pytest.mark.parametrize(
+    ("verify", "sizing", "decoders"), [("captured", "drafter", 1), ("eager", "cost", 3)]
+)
+def test_the_decoder_is_kept_where_it_holds_nothing_of_earlier_calls(
+    target: Target, monkeypatch: pytest.MonkeyPatch, verify: str, sizing: str, decoders: int
+) -> None:
+    """Drafter-sized on a captured path (CUDA's default: the static cache and graphs) the
+    decoder is kept with its drafter; cost-sized (its calibration learns from each call) each
+    call gets a fresh decoder on the kept drafter. The static path runs uncaptured here."""
+    choice = DrafterChoice(PromptLookupSpec(), sizing, "named")  # type: ignore[arg-type]
+    monkeypatch.setattr(named_drafters, "choice_for", lambda *a, **k: choice)
+    monkeypatch.setattr(named_drafters, "Decoder", _Counted)
+    monkeypatch.setattr(api, "verify_path", lambda name, model: verify)
+    monkeypatch.setattr(_Counted, "made", 0)
+    plain = headway.generate(target, "Tell me a joke", drafter=None, max_new_tokens=24)
+    for _ in range(3):
+        again = headway.generate(target, "Tell me a joke", drafter="default", max_new_tokens=24)
+        assert again.token_ids == plain.token_ids
+    assert _Counted.made == decoders
+    sampled = [
+        headway.generate(target, "Hi", drafter="default", temperature=1.0, seed=3).token_ids
+        for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1]
+
+
+def test_a_heads_folder_or_a_captured_path_with_options_builds_afresh(
     target: Target, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     choice = DrafterChoice(PromptLookupSpec(), "drafter", "named")
-    monkeypatch.setattr(api, "_choice", lambda *a, **k: choice)
-    for name, verify in (("runs/my-heads", "eager"), ("prompt-lookup", "captured")):
-        (first, drafter), give_back = api._borrow(name, target, verify)  # type: ignore[arg-type]
+    monkeypatch.setattr(named_drafters, "choice_for", lambda *a, **k: choice)
+    captured = DecodeOptions(verify="captured")
+    for name, verify, options in (
+        ("runs/my-heads", "eager", None),
+        ("prompt-lookup", "captured", captured),
+    ):
+        first, give_back = named_drafters.borrow(name, target, verify, options)  # type: ignore[arg-type]
         give_back()
-        (_, other), _ = api._borrow(name, target, verify)  # type: ignore[arg-type]
-        assert first is choice and other is not drafter
-    (_, drafter), give_back = api._borrow("prompt-lookup", target, "eager")
+        other, _ = named_drafters.borrow(name, target, verify, options)  # type: ignore[arg-type]
+        assert other is not first and other.drafter is not first.drafter
+    first, give_back = named_drafters.borrow("prompt-lookup", target, "eager", None)
     give_back()
-    assert api._borrow("prompt-lookup", target, "eager")[0][1] is drafter
+    assert named_drafters.borrow("prompt-lookup", target, "eager", None)[0] is first

