@@ -12,7 +12,7 @@ from headway.api import generate
 from headway.decode import probe
 from headway.decode.probe import check_tree_mask
 from headway.errors import TargetError
-from headway.target import Target
+from headway.target import Target, load_target
 from tests.families import family_model
 from tests.tiny import TINY_FAMILIES, tiny_model
 from tests.tokenizers_fixture import smollm2_tokenizer
@@ -32,21 +32,51 @@ def drop_4d_masks(model: Any) -> Any:
     return model
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", [*TINY_FAMILIES, "mixtral"])
-def test_stock_models_pass(family: str) -> None:
+def test_stock_models_pass(family: str, dtype: torch.dtype) -> None:
     model = tiny_model(family) if family in TINY_FAMILIES else family_model(family)
+    model.to(dtype)
     check_tree_mask(model)
     assert model in probe._CHECKED  # checked once per model
 
 
-def test_a_model_that_drops_the_mask_is_refused_before_decoding() -> None:
-    model = drop_4d_masks(tiny_model("llama", vocab_size=400))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_that_drops_the_mask_is_refused_before_decoding(dtype: torch.dtype) -> None:
+    model = drop_4d_masks(tiny_model("llama", vocab_size=400).to(dtype))
     with pytest.raises(TargetError, match="ignores headway's 4-D tree attention mask") as caught:
         check_tree_mask(model)
     assert "\n" not in str(caught.value)
     target = Target(model, smollm2_tokenizer(), "broken")
     with pytest.raises(TargetError, match="ignores"):
         generate(target, "hello", max_new_tokens=4)
+
+
+def test_rounding_far_below_what_ignoring_the_mask_gives_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tree forward that rounds differently from the plain ones (bf16 kernels of another
+    shape: 0.28 logit standard deviations for the real SmolLM2 on an AVX-512 EPYC) is no mask
+    ignored: what counts is that difference against the plain causal forward's."""
+    model = tiny_model("qwen2")  # ignoring the mask moves its logits by 1.31 deviations
+    real = probe.tree_forward
+
+    def rounded_otherwise(*args: Any, **kwargs: Any) -> Any:
+        logits, rest = real(*args, **kwargs)
+        return logits + 0.2 * logits.std() * torch.linspace(-1, 1, logits.shape[-1]), rest
+
+    monkeypatch.setattr(probe, "tree_forward", rounded_otherwise)
+    check_tree_mask(model)  # 0.2 deviations: over the bf16 tolerance, far under 1.31
+
+
+@pytest.mark.slow
+def test_the_embedded_model_passes_in_bfloat16() -> None:
+    """The real SmolLM2 in bf16 (`headway generate --dtype bfloat16`, bf16 by `auto` on an AMX
+    CPU) was refused on an AVX-512 EPYC before the probe weighed its rounding (2026-11-28)."""
+    model = load_target("smollm2-135m", dtype="bfloat16", device="cpu").model
+    check_tree_mask(model)
+    with pytest.raises(TargetError, match="ignores"):
+        check_tree_mask(drop_4d_masks(load_target("smollm2-135m", dtype="bfloat16").model))
 
 
 def test_the_probe_runs_once_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
