@@ -198,19 +198,17 @@ def regeneration_dtype(device: torch.device | str) -> Literal["bfloat16", "float
 
 
 def generation_dtype(device: torch.device | str) -> Literal["bfloat16", "float32"]:
-    """What ``headway generate --dtype auto`` decodes in: bfloat16 on CUDA, and on a CPU whose
-    bf16 runs on AMX tiles (:attr:`CpuFeatures.amx` with :attr:`CpuFeatures.native_bf16`),
-    where a drafter's multi-token verify forward costs about a one-token one; float32 elsewhere.
+    """What ``headway generate --dtype auto`` decodes in: bfloat16 on CUDA and on a CPU that
+    computes bf16 natively (:func:`fast_bf16`: AVX-512 BF16 or AMX), float32 elsewhere (bf16 is
+    emulated there, slower than fp32).
 
-    Measured on a 2-core Sapphire Rapids Xeon (AMX), 8 MT-bench answers of 128 tokens, the
-    shipped EAGLE-3 drafter as ``generate`` runs it: 35.1 tokens/s in bf16 against 25.2 in fp32
-    and HF greedy's 22.4 fp32 (docs/benchmarks.md). AVX-512 BF16 without AMX is left at fp32:
-    not measured."""
-    kind = torch.device(device).type
-    if kind == "cuda":
+    Measured with the shipped EAGLE-3 drafter as ``generate`` runs it, 8 MT-bench answers of 128
+    tokens: on a 2-core Sapphire Rapids Xeon (AMX) 35.1 tokens/s in bf16 against 25.2 in fp32;
+    on a 2-core AMD EPYC with AVX-512 BF16 and no AMX 79.6 against 63.7, paired in one process
+    at the same tau (docs/benchmarks.md, 2026-11-28)."""
+    if torch.device(device).type == "cuda":
         return "bfloat16"
-    features = cpu_features()
-    return "bfloat16" if kind == "cpu" and features.amx and features.native_bf16 else "float32"
+    return "bfloat16" if fast_bf16(device) else "float32"
 
 
 def mixed_precision(

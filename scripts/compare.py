@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype",
         default="float32",
         help="target dtype (default float32, where every row must be identical to HF greedy; "
-        "`headway generate` decodes in bfloat16 on CUDA and on an AMX CPU: pass bfloat16 to "
+        "`headway generate` decodes in bfloat16 on CUDA and on a native-bf16 CPU: pass bfloat16 to "
         "time what it runs there)",
     )
     parser.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda:0'")

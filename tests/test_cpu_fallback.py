@@ -161,9 +161,9 @@ def test_auto_dtypes_follow_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None
         assert cpu.describe().count("\n") == 0
 
 
-def test_generate_decodes_in_bf16_only_on_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``headway generate --dtype auto``: bf16 where AMX runs it (a drafter's verify blocks cost
-    about one token there), fp32 on AVX-512 BF16 without AMX, AVX2 and a limited AMX CPU;
+def test_generate_decodes_in_bf16_where_it_is_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``headway generate --dtype auto``: bf16 where AMX or AVX-512 BF16 runs it (faster than
+    fp32 on both, measured), fp32 on AVX2 and on an AMX CPU whose kernels are limited to AVX2;
     ``eval`` and feature caching stay fp32 on every CPU (exact greedy output)."""
     from headway import hardware
     from headway.cli import common
@@ -172,7 +172,7 @@ def test_generate_decodes_in_bf16_only_on_amx(monkeypatch: pytest.MonkeyPatch) -
     amx = CpuFeatures("x", "x86_64", "AVX512", True, True, True, True, True)
     limited = CpuFeatures("x", "x86_64", "AVX2", True, True, True, True, True)
     avx2 = CpuFeatures("x", "x86_64", "AVX2", True, False, False, False, False)
-    for cpu, wanted in ((amx, "bfloat16"), (avx512_bf16, "float32"), (limited, "float32")):
+    for cpu, wanted in ((amx, "bfloat16"), (avx512_bf16, "bfloat16"), (limited, "float32")):
         monkeypatch.setattr(hardware, "cpu_features", lambda cpu=cpu: cpu)
         assert common.dtype_for("auto", "cpu", "generate") == wanted
         assert common.dtype_for("auto", "cpu", "decode") == "float32"

@@ -91,11 +91,11 @@ def environment_report() -> list[tuple[str, str]]:
     generate_dtype = dtype_for("auto", device, "generate")
     bf16_reason = "native bf16 here" if fast_bf16(device) else "bf16 would be emulated here, slower"
     if device == "cuda":
-        amx_reason = "CUDA"
+        generate_reason = "CUDA"
     elif generate_dtype == "bfloat16":
-        amx_reason = "bf16 on AMX tiles here: a drafter's verify blocks cost about one token"
+        generate_reason = "native bf16 here: faster than float32, --dtype float32 for exact text"
     else:
-        amx_reason = "no AMX bf16 here: float32"
+        generate_reason = "bf16 would be emulated here: float32"
     return [
         ("headway", __version__),
         ("python", f"{sys.version.split()[0]} ({platform.platform()})"),
@@ -105,7 +105,7 @@ def environment_report() -> list[tuple[str, str]]:
         *_cuda(),
         ("auto device", device),
         ("auto decoding dtype", f"{decode_dtype} (eval, features; float32 on a CPU: exact)"),
-        ("auto generate dtype", f"{generate_dtype} ({amx_reason})"),
+        ("auto generate dtype", f"{generate_dtype} ({generate_reason})"),
         ("auto regeneration dtype", f"{regeneration_dtype(device)} ({bf16_reason})"),
         ("train.mixed_precision=auto", f"{mixed_precision('auto', device)} ({bf16_reason})"),
         ("--gemm auto, float32", _gemm_choice(torch.float32)),
