@@ -155,6 +155,20 @@ def test_auto_packs_only_with_room_for_a_copy(
 
 
 @needs_packing
+def test_a_prefill_takes_the_models_route() -> None:
+    """A prompt's prefill multiplies on the route applied to the model, as verify forwards do
+    (packed: 147 ms against 290 stock for 180 tokens of SmolLM2 on an AVX-512 EPYC)."""
+    model = tiny_model("llama")
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    for route, held in (("packed", len(gemm._plain_linears(model))), ("stock", 0)):
+        assert apply_gemm(model, route) == route  # type: ignore[arg-type]
+        packed.forget_packed(model)
+        with torch.inference_mode():  # as decoding runs (autograd keeps the stock call)
+            prefill(model, new_cache(model), prompt)
+        assert len(packed.held_packed(model)) == held
+
+
+@needs_packing
 def test_resolving_packed_reorders_every_plain_weight() -> None:
     model = nn.Sequential(nn.Linear(4, 4), _Quantized(4, 4), nn.Linear(4, 16))
     assert apply_gemm(model, "packed") == "packed"

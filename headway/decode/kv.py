@@ -190,7 +190,8 @@ def prefill(
     model: PreTrainedModel, cache: DynamicCache, ids: Tensor, hidden_layers: tuple[int, ...] = ()
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """Run ``ids [1, P]`` through ``model`` on top of ``cache`` (usually empty) with a plain
-    causal mask.
+    causal mask, its linear layers on the model's GEMM route (:func:`routed_linears`: on a CPU
+    where ``--gemm auto`` chose packed, a prompt of 180 tokens took 147 ms against 290 stock).
 
     Returns:
         logits ``[V]`` at the last position (only that row goes through the LM head) and, for
@@ -201,17 +202,18 @@ def prefill(
     device = model.device
     end = start + ids.shape[1]
     position_ids = torch.arange(start, end, device=device)[None]
-    outputs = model(
-        input_ids=ids.to(device),
-        # An explicit all-ones mask: a generated id that equals pad_token_id is a real token (and
-        # without a mask GPT-2 scans the ids for pad tokens on every call just to warn).
-        attention_mask=torch.ones(1, end, dtype=torch.long, device=device),
-        position_ids=position_ids,
-        **cache_argument(model, cache),
-        use_cache=True,
-        output_hidden_states=bool(hidden_layers),
-        logits_to_keep=1,
-    )
+    with routed_linears(model):  # the model's route (packed: blocks up to 512 rows), as verifies
+        outputs = model(
+            input_ids=ids.to(device),
+            # An explicit all-ones mask: a generated id that equals pad_token_id is a real token
+            # (without a mask GPT-2 scans the ids for pad tokens on every call just to warn).
+            attention_mask=torch.ones(1, end, dtype=torch.long, device=device),
+            position_ids=position_ids,
+            **cache_argument(model, cache),
+            use_cache=True,
+            output_hidden_states=bool(hidden_layers),
+            logits_to_keep=1,
+        )
     return outputs.logits[0, -1], _hidden(outputs, hidden_layers)
 
 
