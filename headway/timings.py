@@ -22,6 +22,7 @@ written is never an error: the value is measured and used.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -138,8 +139,9 @@ def remembered(
     digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()
     taken = (str(timings_path()), digest)
     if mode == "on" and taken in _TAKEN and valid(_TAKEN[taken]):
-        return cast(T, _TAKEN[taken])
-    _TAKEN[taken] = value = _kept_or_measured(kind, full, digest, measure, mode, valid)
+        return cast(T, copy.deepcopy(_TAKEN[taken]))  # a copy: a caller may change its own
+    value = _kept_or_measured(kind, full, digest, measure, mode, valid)
+    _TAKEN[taken] = copy.deepcopy(value)
     return value
 
 

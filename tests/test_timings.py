@@ -66,7 +66,10 @@ def test_a_timing_asked_again_in_this_process_reads_no_file(kept: Path) -> None:
     measure = Counted([0.1, 0.2])
     assert _remember(measure, size=2) == [0.1, 0.2]
     kept.write_text('{"schema": "headway.timings/1", "entries": {}}')  # emptied by another run
-    assert _remember(measure, size=2) == [0.1, 0.2] and measure.calls == 1
+    again = _remember(measure, size=2)
+    assert again == [0.1, 0.2] and measure.calls == 1
+    again.append(9.9)  # a caller changing its copy changes nobody else's
+    assert _remember(measure, size=2) == [0.1, 0.2]
 
 
 def test_retime_measures_again_and_off_never_reads_or_writes(
