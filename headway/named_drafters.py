@@ -85,8 +85,10 @@ def borrow(
     kept = spares.pop(key, None)
     made = kept if kept is not None else _made(name, target, verify)
     keeps_decoder = options is None and made.choice.sizing != "cost"
-    decoder = made.decoder if keeps_decoder and made.decoder is not None else None
-    decoder = decoder or _decoder(made, target, verify, options)
+    if keeps_decoder and made.decoder is not None:
+        decoder = made.decoder
+    else:
+        decoder = _decoder(made, target, verify, options)
 
     def give_back() -> None:
         spares[key] = _Made(made.choice, made.drafter, decoder if keeps_decoder else None)

@@ -299,13 +299,17 @@ _DIGESTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], str]
 hashing SmolLM2's 28M-weight head took ~0.1 s, and building the default drafter asked twice."""
 
 
-def tensor_version(tensor: torch.Tensor) -> int:
-    """The in-place version counter of ``tensor`` (-1 for an inference tensor, which has none
-    and cannot be changed in place outside inference mode)."""
+def tensor_state(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What a copy derived from ``tensor`` (a hash, a reordered weight) is kept under: its
+    storage, in-place version counter (-1 for an inference tensor, which has none and cannot be
+    changed in place outside inference mode), dtype, device and shape. A new tensor, or one
+    changed in place through tracked ops, has another state; an edit through ``.data`` does not
+    show."""
     try:
-        return int(tensor._version)
+        version = int(tensor._version)
     except RuntimeError:
-        return -1
+        version = -1
+    return (tensor.data_ptr(), version, tensor.dtype, tensor.device, tensor.shape)
 
 
 def fingerprint(model: PreTrainedModel) -> TargetFingerprint:
@@ -315,7 +319,7 @@ def fingerprint(model: PreTrainedModel) -> TargetFingerprint:
     config = model.config.get_text_config()
     head = model.get_output_embeddings()
     weight = head.weight.detach()
-    state = (weight.data_ptr(), tensor_version(head.weight), weight.dtype, weight.shape)
+    state = tensor_state(head.weight)
     held = _DIGESTS.get(head)
     if held is None or held[0] != state:
         cpu = weight.to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes()

@@ -137,10 +137,11 @@ def remembered(
         return measure()
     full = {"kind": kind, **machine_key(device), **key}
     digest = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()
-    taken = (str(timings_path()), digest)
+    path = timings_path()
+    taken = (str(path), digest)
     if mode == "on" and taken in _TAKEN and valid(_TAKEN[taken]):
         return cast(T, copy.deepcopy(_TAKEN[taken]))  # a copy: a caller may change its own
-    value = _kept_or_measured(kind, full, digest, measure, mode, valid)
+    value = _kept_or_measured(kind, full, path, digest, measure, mode, valid)
     _TAKEN[taken] = copy.deepcopy(value)
     return value
 
@@ -148,14 +149,14 @@ def remembered(
 def _kept_or_measured(
     kind: str,
     full: dict[str, Any],
+    path: Path,
     digest: str,
     measure: Callable[[], T],
     mode: str,
     valid: Callable[[Any], bool],
 ) -> T:
-    """:func:`remembered`'s value for the key hashed to ``digest``, read from the file or
-    measured (and kept unless other processes kept the CPU busy meanwhile)."""
-    path = timings_path()
+    """:func:`remembered`'s value for the key hashed to ``digest``, read from the timings file
+    ``path`` or measured (and kept there unless other processes kept the CPU busy meanwhile)."""
     entry = _read(path).get(digest) if mode == "on" else None
     if isinstance(entry, dict) and valid(entry.get("value")):
         log = logger.debug if kind in _SAID else logger.info  # once a process per kind

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional
 
 from headway.hardware import onednn_supports
-from headway.target import tensor_version
+from headway.target import tensor_state
 
 __all__ = [
     "MAX_PACKED_ROWS",
@@ -60,7 +60,7 @@ def packed_weight(module: nn.Linear) -> Tensor:
     ops, is reordered again; an edit through ``.data`` is not seen: call :func:`forget_packed`
     after such edits)."""
     weight = module.weight
-    key = (weight.data_ptr(), tensor_version(weight), weight.dtype, weight.device, weight.shape)
+    key = tensor_state(weight)
     held = _PACKED.get(module)
     if held is None or held[0] != key:
         _PACKED.pop(module, None)  # the old copy goes before the new one is made

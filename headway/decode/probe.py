@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from headway.decode.kv import new_cache, prefill, tree_forward
-from headway.decode.tree import root_to_leaf_paths
+from headway.decode.tree import depths, root_to_leaf_paths
 from headway.errors import TargetError
 
 __all__ = ["check_tree_mask"]
@@ -76,11 +76,8 @@ def check_tree_mask(model: PreTrainedModel) -> None:
         raise TargetError(f"this target cannot be tree-decoded: {error}") from None
     prefill(model, cache, prefix)
     logits, _ = tree_forward(model, cache, block, parents, prefix.shape[1])
-    depths = [0]  # the root's; a node is one deeper than its parent (-1: the root)
-    for parent in _PARENTS:
-        depths.append(depths[parent + 1] + 1)
-    positions = torch.arange(prefix.shape[1] + len(depths), device=device)
-    positions[prefix.shape[1] :] = prefix.shape[1] + torch.tensor(depths, device=device)
+    at_tree = prefix.shape[1] + depths(parents).to(device)  # the positions tree_forward gives
+    positions = torch.cat([torch.arange(prefix.shape[1], device=device), at_tree])
     ignoring = model(input_ids=torch.cat([prefix, block], dim=1), position_ids=positions[None])
     causal = ignoring.logits[0, prefix.shape[1] :]  # the tree's positions, a causal mask
     worst = ignored = 0.0
