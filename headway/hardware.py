@@ -13,8 +13,9 @@ raises there. That is how the tests cover the AVX2 path on an AVX-512 machine (t
 profile", :data:`AVX2_PROFILE`).
 
 The decisions taken from the probe live here, so the command line, the Python API and training
-agree: :func:`fast_bf16` (does this device compute bf16 natively?), :func:`regeneration_dtype`
-and :func:`mixed_precision` (what ``auto`` means for regeneration and for training).
+agree: :func:`fast_bf16` (does this device compute bf16 natively?), :func:`native_dtype`
+(what ``auto`` means for ``headway generate`` and regeneration) and :func:`mixed_precision` (for
+training).
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ __all__ = [
     "cpu_features",
     "cpu_model",
     "fast_bf16",
-    "generation_dtype",
     "has_cxx_compiler",
     "mixed_precision",
+    "native_dtype",
     "onednn_supports",
-    "regeneration_dtype",
 ]
 
 logger = logging.getLogger(__name__)
@@ -191,23 +191,17 @@ def fast_bf16(device: torch.device | str) -> bool:
     return False
 
 
-def regeneration_dtype(device: torch.device | str) -> Literal["bfloat16", "float32"]:
-    """What ``--dtype auto`` regenerates in: bfloat16 where :func:`fast_bf16` (faster than fp32
-    on an AVX-512 BF16 CPU), float32 otherwise (emulated bf16 is slower than fp32)."""
-    return "bfloat16" if fast_bf16(device) else "float32"
-
-
-def generation_dtype(device: torch.device | str) -> Literal["bfloat16", "float32"]:
-    """What ``headway generate --dtype auto`` decodes in: bfloat16 on CUDA and on a CPU that
-    computes bf16 natively (:func:`fast_bf16`: AVX-512 BF16 or AMX), float32 elsewhere (bf16 is
-    emulated there, slower than fp32).
+def native_dtype(device: torch.device | str) -> Literal["bfloat16", "float32"]:
+    """What ``auto`` decodes in where speed, not bit-exact greedy text, is asked for
+    (``headway generate`` and regeneration): bfloat16 where :func:`fast_bf16` (a CUDA device
+    with bf16, AVX-512 BF16 or AMX), float32 elsewhere (emulated bf16 is slower than fp32, and
+    headway does not decode in fp16).
 
     Measured with the shipped EAGLE-3 drafter as ``generate`` runs it, 8 MT-bench answers of 128
     tokens: on a 2-core Sapphire Rapids Xeon (AMX) 35.1 tokens/s in bf16 against 25.2 in fp32;
     on a 2-core AMD EPYC with AVX-512 BF16 and no AMX 79.6 against 63.7, paired in one process
-    at the same tau (docs/benchmarks.md, 2026-11-28)."""
-    if torch.device(device).type == "cuda":
-        return "bfloat16"
+    at the same tau (docs/benchmarks.md, 2026-11-28); regeneration on that Xeon 539 answer
+    tokens/s in bf16 (docs/status.md)."""
     return "bfloat16" if fast_bf16(device) else "float32"
 
 

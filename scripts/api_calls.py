@@ -28,7 +28,7 @@ import torch
 import headway
 from headway import named_drafters, timings
 from headway import target as target_module
-from headway.hardware import generation_dtype
+from headway.hardware import native_dtype
 from headway.target import Target, resolve_device
 
 QUESTIONS = (
@@ -74,7 +74,7 @@ def one_call(target: Target, question: str, new: int, kept: bool) -> tuple[list[
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = resolve_device(args.device)
-    dtype = generation_dtype(device) if args.dtype == "auto" else args.dtype
+    dtype = native_dtype(device) if args.dtype == "auto" else args.dtype
     target = headway.load_target(args.target, dtype=dtype, device=str(device))
     headway.generate(target, "Hello", max_new_tokens=4)  # timings, route, graphs: not counted
     rows: dict[bool, list[list[float]]] = {False: [], True: []}

@@ -28,7 +28,7 @@ from headway.decode.gemm import GemmChoice, apply_gemm
 from headway.decode.generate import generate
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.generation.batched_generation import ContinuousBatcher
-from headway.hardware import AVX2_PROFILE, CpuFeatures, mixed_precision, regeneration_dtype
+from headway.hardware import AVX2_PROFILE, CpuFeatures, mixed_precision, native_dtype
 from tests.tiny import tiny_model
 
 AVX2_ERROR = (
@@ -154,7 +154,7 @@ def test_auto_dtypes_follow_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None
     for cpu, native in ((avx2, False), (amx, True), (limited, False)):
         monkeypatch.setattr(hardware, "cpu_features", lambda cpu=cpu: cpu)
         assert cpu.native_bf16 == native
-        assert regeneration_dtype("cpu") == ("bfloat16" if native else "float32")
+        assert native_dtype("cpu") == ("bfloat16" if native else "float32")
         assert mixed_precision("auto", "cpu") == ("bf16" if native else "no")
         assert mixed_precision("bf16", "cpu") == "bf16"  # asked for: kept (with a warning)
         assert mixed_precision("fp16", "cpu") == "no"
@@ -178,8 +178,12 @@ def test_generate_decodes_in_bf16_where_it_is_native(monkeypatch: pytest.MonkeyP
         assert common.dtype_for("auto", "cpu", "decode") == "float32"
         assert common.dtype_for("float32", "cpu", "generate") == "float32"  # asked for: kept
     monkeypatch.setattr(hardware, "cpu_features", lambda: avx2)
-    assert hardware.generation_dtype("cpu") == "float32"
-    assert hardware.generation_dtype("cuda") == "bfloat16"
+    assert hardware.native_dtype("cpu") == "float32"
+    assert hardware.native_dtype("meta") == "float32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for supported, wanted in ((True, "bfloat16"), (False, "float32")):  # pre-Ampere: no bf16
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda s=supported: s)
+        assert hardware.native_dtype("cuda") == wanted
     assert build_parser().parse_args(["generate", "hi"]).dtype_use == "generate"
     assert build_parser().parse_args(["eval"]).dtype_use == "decode"
 

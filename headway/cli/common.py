@@ -15,7 +15,7 @@ from headway.decode.gemm import GemmChoice, apply_gemm
 from headway.decode.options import DecodeOptions, verify_path
 from headway.drafters.specs import describe_specs
 from headway.errors import HeadwayError
-from headway.hardware import generation_dtype, regeneration_dtype
+from headway.hardware import native_dtype
 from headway.target import Target, load_target, resolve_device
 
 if TYPE_CHECKING:  # transformers comes with these: imported where a command runs, not for --help
@@ -27,8 +27,7 @@ logger = logging.getLogger(__name__)
 DtypeUse = Literal["decode", "generate", "data"]
 """What ``--dtype auto`` serves: ``decode`` (eval and features: float32 on a CPU, where greedy
 output is exact), ``generate`` (bfloat16 on a CPU with native bf16 too, where it is faster:
-:func:`headway.hardware.generation_dtype`) or ``data`` (regeneration: bfloat16 wherever the
-machine computes it natively)."""
+:func:`headway.hardware.native_dtype`) or ``data`` (regeneration: the same)."""
 
 
 def add_target_flags(
@@ -45,10 +44,10 @@ def add_target_flags(
         "data": "auto (the default) is bfloat16 where this machine computes it natively (CUDA, "
         "or a CPU with AVX-512 BF16 or AMX) and float32 elsewhere (bf16 is emulated, slower than "
         "fp32, on an AVX2-only CPU; `headway env` says which this is)",
-        "generate": "auto (the default) is bfloat16 on CUDA and on a CPU that computes bf16 "
-        "natively (AVX-512 BF16 or AMX, probed: the shipped drafter ran 35.1 tokens/s in bf16 "
+        "generate": "auto (the default) is bfloat16 where this machine computes it natively "
+        "(CUDA with bf16, or a CPU with AVX-512 BF16 or AMX, probed: the shipped drafter ran 35.1 tokens/s in bf16 "
         "against 25.2 in fp32 on a 2-core Sapphire Rapids Xeon, 79.6 against 63.7 on a 2-core "
-        "AVX-512 EPYC), float32 on other CPUs (`headway env` says which this is); " + exactness,
+        "AVX-512 EPYC), float32 elsewhere (`headway env` says which this is); " + exactness,
         "decode": "auto (the default) is bfloat16 on CUDA and float32 on a CPU; " + exactness,
     }[use]
     parser.set_defaults(dtype_use=use)
@@ -81,15 +80,12 @@ def _add_weight_flags(parser: argparse.ArgumentParser, auto: str) -> None:
 
 def dtype_for(dtype: str, device: str, use: DtypeUse = "decode") -> str:
     """``--dtype auto`` for ``use``: decoding in bfloat16 where the target runs on CUDA, float32
-    elsewhere (CPU bf16 changes greedy text); ``generate`` in
-    :func:`headway.hardware.generation_dtype`, data in
-    :func:`headway.hardware.regeneration_dtype`. Other values as given."""
+    elsewhere (CPU bf16 changes greedy text); ``generate`` and ``data`` in
+    :func:`headway.hardware.native_dtype`. Other values as given."""
     if dtype != "auto":
         return dtype
-    if use == "data":
-        return regeneration_dtype(resolve_device(device))
-    if use == "generate":
-        return generation_dtype(resolve_device(device))
+    if use in ("data", "generate"):
+        return native_dtype(resolve_device(device))
     return "bfloat16" if resolve_device(device).type == "cuda" else "float32"
 
 

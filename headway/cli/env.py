@@ -21,7 +21,7 @@ from headway.cli.common import dtype_for
 from headway.decode.gemm import fastest_route
 from headway.decode.int8_linear import int8_available
 from headway.decode.packed import packing_available
-from headway.hardware import cpu_features, fast_bf16, mixed_precision, regeneration_dtype
+from headway.hardware import cpu_features, fast_bf16, mixed_precision, native_dtype
 from headway.timings import forget_timings, kept_timings, timings_mode, timings_path
 
 __all__ = ["add_env", "environment_report"]
@@ -90,9 +90,7 @@ def environment_report() -> list[tuple[str, str]]:
     decode_dtype = dtype_for("auto", device, "decode")
     generate_dtype = dtype_for("auto", device, "generate")
     bf16_reason = "native bf16 here" if fast_bf16(device) else "bf16 would be emulated here, slower"
-    if device == "cuda":
-        generate_reason = "CUDA"
-    elif generate_dtype == "bfloat16":
+    if generate_dtype == "bfloat16":
         generate_reason = "native bf16 here: faster than float32, --dtype float32 for exact text"
     else:
         generate_reason = "bf16 would be emulated here: float32"
@@ -106,7 +104,7 @@ def environment_report() -> list[tuple[str, str]]:
         ("auto device", device),
         ("auto decoding dtype", f"{decode_dtype} (eval, features; float32 on a CPU: exact)"),
         ("auto generate dtype", f"{generate_dtype} ({generate_reason})"),
-        ("auto regeneration dtype", f"{regeneration_dtype(device)} ({bf16_reason})"),
+        ("auto regeneration dtype", f"{native_dtype(device)} ({bf16_reason})"),
         ("train.mixed_precision=auto", f"{mixed_precision('auto', device)} ({bf16_reason})"),
         ("--gemm auto, float32", _gemm_choice(torch.float32)),
         ("--gemm auto, bfloat16", _gemm_choice(torch.bfloat16)),

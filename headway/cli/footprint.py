@@ -31,7 +31,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from headway.config import load_config
     from headway.footprint import build_plan, plan_json, plan_table
     from headway.footprint.regen_speed import RegenSpeed, measure_tokens_per_s
-    from headway.hardware import regeneration_dtype
+    from headway.hardware import native_dtype
     from headway.run_config import RunConfig
     from headway.target import resolve_device
 
@@ -42,7 +42,7 @@ def run_plan(args: argparse.Namespace) -> int:
     elif args.measure_speed:  # in the dtype `headway data regenerate --dtype auto` takes here
         speed = measure_tokens_per_s(
             config.target.name,
-            dtype=regeneration_dtype(resolve_device("auto")),
+            dtype=native_dtype(resolve_device("auto")),
             trust_remote_code=config.target.trust_remote_code,
         )
     plan = build_plan(

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from headway.hardware import regeneration_dtype
+from headway.hardware import native_dtype
 
 __all__ = ["SMOLLM2_PLAN", "TINY_PLAN", "QuickstartPlan"]
 
@@ -79,10 +79,10 @@ class QuickstartPlan:
     draft_vocab_size: int = 4096
 
     def data_dtype(self) -> str:
-        """``regen_dtype`` resolved here (:func:`headway.hardware.regeneration_dtype`)."""
+        """``regen_dtype`` resolved here (:func:`headway.hardware.native_dtype`)."""
         if self.regen_dtype != "auto":
             return self.regen_dtype
-        return regeneration_dtype(self.device)
+        return native_dtype(self.device)
 
 
 SMOLLM2_PLAN = QuickstartPlan(
