@@ -5,11 +5,12 @@
 converter run on the transformers headway installs). These tests hand headway's exports to its
 own loader (``Eagle3DraftModel.from_pretrained``) and converter (``Eagle3Converter``, which turns
 EAGLE research-layout checkpoints, the layout of ``--format eagle3-hf``, into speculators ones),
-then compare every tensor and the first draft step (the argmax at every position of a sequence,
-in draft-vocabulary ids) with headway's own :class:`~headway.heads.eagle3.Eagle3Model`. That
+then compare every tensor and two draft steps at every position of a sequence
+(:mod:`tests.engine_drafts`) with headway's own :class:`~headway.heads.eagle3.Eagle3Model`. That
 checks the wiring no name schema can: fc over the three feature slices (and EAGLE-3.1's
-``fc_norm`` / ``norm_output``), the norms of the first layer, RoPE, the LM head and the
-vocabulary maps. The shipped drafter is converted and compared on SmolLM2's real features.
+``fc_norm`` / ``norm_output``), the norms of the first layer, RoPE, the LM head, the vocabulary
+maps and what one step hands the next. The shipped drafter is converted and compared on
+SmolLM2's real features.
 
 Skipped where speculators is not installed; an installed one that fails to import fails.
 """
@@ -26,12 +27,21 @@ import torch
 from torch import Tensor
 
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
-from headway.heads.format_eagle3 import export_eagle3, import_eagle3
+from headway.heads.format_eagle3 import export_eagle3
 from headway.heads.format_speculators import export_speculators
 from headway.heads.io import save_heads
 from headway.heads.vocab import DraftVocab
 from headway.target import Target, fingerprint, resolve_target_path
-from tests.test_eagle3 import PROMPT, TINY_VOCAB, target_and_truth, trained
+from tests.engine_drafts import (
+    SHIPPED,
+    STEPS,
+    assert_same_drafts,
+    assert_same_tensors,
+    question_ids,
+    shipped_draft,
+    tiny_ids,
+)
+from tests.test_eagle3 import TINY_VOCAB, target_and_truth, trained
 
 try:
     metadata.version("speculators")
@@ -40,8 +50,6 @@ except metadata.PackageNotFoundError:
 # Installed: a failing import is a failure, not a skip.
 core = importlib.import_module("speculators.models.eagle3")
 converter = importlib.import_module("speculators.convert.eagle.eagle3_converter")
-
-SHIPPED = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-eagle3"
 
 
 def _their_model(folder: Path) -> Any:
@@ -57,52 +65,25 @@ def _their_model(folder: Path) -> Any:
     return model.float().eval()
 
 
-def _their_drafts(model: Any, features: Tensor, next_ids: Tensor) -> Tensor:
-    """speculators' first draft step: ``features [1, T, 3H]`` (the target's states at t) and
-    ``next_ids [1, T]`` (x_{t+1}) -> the draft-vocabulary argmax ``[1, T]``."""
-    with torch.no_grad():
-        drafts = model(
-            hidden_states=features,
-            input_ids=next_ids,
-            document_ids=torch.zeros_like(next_ids),
-            ttt_steps=1,
-        )
-    return drafts[0]
+def _drafts_of(model: Any) -> Any:
+    """speculators' own test-time-training loop as the comparison's ``theirs``."""
+
+    def drafts(features: Tensor, next_ids: Tensor) -> list[Tensor]:
+        with torch.no_grad():
+            steps: list[Tensor] = model(
+                hidden_states=features,
+                input_ids=next_ids,
+                document_ids=torch.zeros_like(next_ids),
+                ttt_steps=STEPS,
+            )
+        return steps
+
+    return drafts
 
 
-def _our_drafts(draft: Eagle3Model, features: Tensor, embeddings: Tensor) -> Tensor:
-    """headway's first draft step on the same inputs (``embeddings`` of ``next_ids``)."""
-    with torch.no_grad():
-        return draft.logits(draft(draft.fuse(features), embeddings)).argmax(-1)
-
-
-def _inputs(model: Any, ids: Tensor, layers: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor]:
-    """The target's features at ``layers`` for ``ids [1, L]`` (positions 0..L-2), the next ids
-    and their embeddings."""
-    with torch.no_grad():
-        states = model(ids, output_hidden_states=True).hidden_states
-    features = torch.cat([states[layer] for layer in layers], dim=-1)[:, :-1]
-    next_ids = ids[:, 1:]
-    return features, next_ids, model.get_input_embeddings()(next_ids)
-
-
-def _tensors_equal(theirs: Any, draft: Eagle3Model) -> None:
-    state = theirs.state_dict()
-    for name, tensor in draft.state_dict().items():
-        their_name = name.replace("midlayer.", "layers.0.")
-        assert their_name in state, name
-        assert torch.equal(state[their_name].to(tensor.dtype), tensor), name
-
-
-def _same_first_drafts(theirs: Any, draft: Eagle3Model, model: Any) -> None:
-    """Both models draft the same tokens at every position of the tiny target's prompt and
-    greedy continuation."""
-    _tensors_equal(theirs, draft)
-    ids = torch.cat([PROMPT, torch.tensor(target_and_truth("llama")[1])])[None]
-    features, next_ids, embeddings = _inputs(model, ids, draft.config.feature_layers)
-    assert torch.equal(
-        _their_drafts(theirs, features, next_ids), _our_drafts(draft, features, embeddings)
-    )
+def _same(theirs: Any, draft: Eagle3Model, model: Any, ids: Tensor) -> None:
+    assert_same_tensors(theirs.state_dict(), draft, "layers.0.")
+    assert_same_drafts(_drafts_of(theirs), draft, model, ids)
 
 
 def _eagle31(model: Any) -> Eagle3Model:
@@ -154,7 +135,7 @@ def test_speculators_loads_the_speculators_export(
         draft.config.fc_norm,
         draft.config.norm_output,
     )
-    _same_first_drafts(theirs, draft, model)
+    _same(theirs, draft, model, tiny_ids())
 
 
 def test_speculators_converts_the_eagle3_hf_export(
@@ -170,8 +151,7 @@ def test_speculators_converts_the_eagle3_hf_export(
         validate=False,
         eagle_aux_hidden_state_layer_ids=list(draft.config.feature_layers),
     )
-    theirs = _their_model(tmp_path / "converted")
-    _same_first_drafts(theirs, draft, model)
+    _same(_their_model(tmp_path / "converted"), draft, model, tiny_ids())
 
 
 def test_the_shipped_drafter_converts_and_drafts_as_headway_does(
@@ -180,27 +160,11 @@ def test_the_shipped_drafter_converts_and_drafts_as_headway_does(
     """The shipped binary (eagle3-hf, bf16) through speculators' converter with SmolLM2 as the
     verifier and speculators' default feature layers ([2, 15, 27] for 30 layers, the ones
     headway trained on), on a real question's features, in fp32."""
-    imported = import_eagle3(SHIPPED)
-    draft = Eagle3Model(imported.config)
-    draft.load_state_dict(imported.state_dict)
-    draft = draft.float().eval()
+    draft = shipped_draft()
     converter.Eagle3Converter().convert(
         SHIPPED, tmp_path / "converted", str(resolve_target_path("smollm2-135m")), validate=False
     )
     theirs = _their_model(tmp_path / "converted")
     assert theirs.config.eagle_aux_hidden_state_layer_ids == [2, 15, 27]
     assert list(draft.config.feature_layers) == [2, 15, 27]
-    _tensors_equal(theirs, draft.to(torch.bfloat16).float())
-    text = smollm2.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Explain what a hash table is, with an example in Python."}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    ids = smollm2.tokenizer(text, return_tensors="pt").input_ids
-    features, next_ids, embeddings = _inputs(smollm2.model, ids, draft.config.feature_layers)
-    ours, drafted = (
-        _our_drafts(draft, features, embeddings),
-        _their_drafts(theirs, features, next_ids),
-    )
-    assert ours.shape == drafted.shape and ours.numel() > 40
-    assert torch.equal(drafted, ours)
+    _same(theirs, draft, smollm2.model, question_ids(smollm2.tokenizer))
