@@ -256,7 +256,7 @@ def configurations(args: argparse.Namespace, target: Target) -> list[Row]:
         chosen = default.spec
         dtypes = args.draft_dtype.split(",") if isinstance(chosen, EagleSpec) else ["auto"]
         for dtype in dtypes:
-            if dtype == "auto" or not isinstance(chosen, EagleSpec):
+            if dtype == "auto":
                 add(name, chosen, default.sizing, only=[verify])
             else:
                 typed = replace(chosen, dtype=typing.cast(Any, dtype))  # EagleSpec checks it
