@@ -18,6 +18,7 @@ Skipped where speculators is not installed; an installed one that fails to impor
 from __future__ import annotations
 
 import importlib
+import json
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,13 @@ import pytest
 import torch
 from torch import Tensor
 
+from headway.cli import main
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.format_eagle3 import export_eagle3
 from headway.heads.format_speculators import export_speculators
 from headway.heads.io import save_heads
 from headway.heads.vocab import DraftVocab
-from headway.target import Target, fingerprint, resolve_target_path
+from headway.target import Target, fingerprint, hub_id, resolve_target_path
 from tests.engine_drafts import (
     SHIPPED,
     STEPS,
@@ -168,3 +170,20 @@ def test_the_shipped_drafter_converts_and_drafts_as_headway_does(
     assert theirs.config.eagle_aux_hidden_state_layer_ids == [2, 15, 27]
     assert list(draft.config.feature_layers) == [2, 15, 27]
     _same(theirs, draft, smollm2.model, question_ids(smollm2.tokenizer))
+
+
+def test_the_shipped_drafter_exported_as_speculators_loads_there(
+    smollm2: Target, tmp_path: Path
+) -> None:
+    """``headway export drafters/smollm2-135m-eagle3 --format speculators``, its verifier
+    pointed at the local SmolLM2 folder (the export names the hub id, which vLLM downloads and
+    this machine cannot), read by speculators' own loader."""
+    out = tmp_path / "speculators"
+    assert main(["export", str(SHIPPED), "--format", "speculators", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == hub_id("smollm2-135m")
+    config["speculators_config"]["verifier"]["name_or_path"] = str(
+        resolve_target_path("smollm2-135m")
+    )
+    (out / "config.json").write_text(json.dumps(config))
+    _same(_their_model(out), shipped_draft(), smollm2.model, question_ids(smollm2.tokenizer))

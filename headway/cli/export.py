@@ -32,8 +32,8 @@ def run_export(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace, run_dir: Path, out_dir: Path) -> tuple[Path, bool]:
     """Write the export; returns where, and whether the run was a Medusa-2 run."""
     from headway.heads.export_medusa2 import export_medusa2_target
-    from headway.heads.io import load_heads, with_dtype
-    from headway.heads.loading import ENGINE_FORMATS
+    from headway.heads.io import with_dtype
+    from headway.heads.loading import ENGINE_FORMATS, heads_to_export
     from headway.target import resolve_dtype
 
     medusa2_heads = False
@@ -42,7 +42,7 @@ def _export(args: argparse.Namespace, run_dir: Path, out_dir: Path) -> tuple[Pat
     if args.format == MEDUSA2_TARGET:
         out = export_medusa2_target(run_dir, out_dir, target=args.target)
     elif args.format in ENGINE_FORMATS:
-        loaded = load_heads(run_dir)  # read once: exported, then its method noted
+        loaded = heads_to_export(run_dir)  # read once: exported, then its method noted
         if args.dtype != "keep":
             loaded = with_dtype(loaded, resolve_dtype(args.dtype))
         out = ENGINE_FORMATS[args.format].write(loaded, out_dir)
@@ -63,7 +63,11 @@ def add_export(commands: argparse._SubParsersAction) -> None:
         + "\n".join(f"  {name:12} {text}" for name, text in formats.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("run_dir", help="a headway run directory (config.json + model.safetensors)")
+    parser.add_argument(
+        "run_dir",
+        help="a headway run directory (config.json + model.safetensors), or a headway export "
+        "in another layout, e.g. a shipped drafter (drafters/<name>): converted",
+    )
     parser.add_argument("--format", required=True, choices=list(formats), help="output layout")
     parser.add_argument(
         "--out", required=True, type=text("--out"), help="output folder (written atomically)"

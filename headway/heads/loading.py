@@ -21,11 +21,12 @@ from headway.heads.format_eagle1 import EAGLE1
 from headway.heads.format_eagle3 import EAGLE3_HF
 from headway.heads.format_medusa import MEDUSA, MEDUSA_VLLM
 from headway.heads.format_speculators import SPECULATORS
-from headway.heads.formats import EngineFormat
+from headway.heads.formats import EngineFormat, engine_config, recorded_target
 from headway.heads.io import (
     CONFIG_NAME,
     DRAFTER_METHODS,
     HeadsError,
+    LoadedHeads,
     head_config_of,
     load_heads,
 )
@@ -37,7 +38,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENGINE_FORMATS", "FoundHeads", "detect_format", "find_heads", "heads_family"]
+__all__ = [
+    "ENGINE_FORMATS",
+    "FoundHeads",
+    "detect_format",
+    "find_heads",
+    "heads_family",
+    "heads_to_export",
+]
 
 ENGINE_FORMATS: dict[str, EngineFormat] = {
     engine.name: engine for engine in (MEDUSA, MEDUSA_VLLM, EAGLE1, EAGLE3_HF, SPECULATORS)
@@ -127,4 +135,35 @@ def find_heads(
         raise HeadsError(f"{folder}: {error}") from error
     return FoundHeads(
         loaded.method, config, loaded.state_dict, folder, merges_adapter=loaded.method == "medusa2"
+    )
+
+
+def heads_to_export(directory: str | Path) -> LoadedHeads:
+    """What ``headway export`` converts: a run directory, or heads in an engine format that record
+    the target they were trained for (a ``headway export``, e.g. the shipped drafters), read as
+    a run directory would be (engine formats' methods: imported Medusa heads read as
+    ``medusa1``).
+
+    Raises:
+        HeadsError: no heads, corrupt files, or engine-format heads that record no target (their
+            fingerprint is what every export writes; decode them with ``--heads`` instead).
+    """
+    folder = Path(directory)
+    engine = detect_format(folder)
+    if engine is None:
+        return load_heads(folder)
+    recorded, name = recorded_target(engine_config(folder))
+    if recorded is None:
+        raise HeadsError(
+            f"{folder} holds {engine.name} heads that record no target (not a headway export); "
+            "headway export converts run directories and headway's own exports, and headway "
+            "decodes these as they are with --heads"
+        )
+    imported = engine.read(folder, recorded.num_layers)
+    return LoadedHeads(
+        method=engine.method,
+        head_config=imported.config.to_dict(),
+        state_dict=imported.state_dict,
+        fingerprint=recorded,
+        target_name=name if name is not None else recorded.architecture,
     )

@@ -1,0 +1,99 @@
+"""``headway export`` converts between layouts: a headway export in one engine layout (the
+shipped drafter's ``eagle3-hf``, a Medusa reference folder) is written in another with the same
+tensors, target and feature layers; folders published by others, which record no target, are
+refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from headway.cli import main
+from headway.heads.format_eagle3 import import_eagle3
+from headway.heads.format_medusa import export_medusa, import_medusa
+from headway.heads.format_speculators import import_speculators
+from headway.heads.io import HeadsError, load_heads, save_heads
+from headway.heads.loading import heads_to_export
+from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.target import TargetFingerprint
+from tests.engine_drafts import SHIPPED
+
+
+def _export(source: Path, layout: str, out: Path) -> Path:
+    assert main(["export", str(source), "--format", layout, "--out", str(out)]) == 0
+    return out
+
+
+def _same_tensors(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> None:
+    assert sorted(first) == sorted(second)
+    for name, tensor in first.items():
+        assert torch.equal(tensor, second[name]), name
+
+
+def test_the_shipped_drafter_converts_to_speculators_and_back(tmp_path: Path) -> None:
+    shipped = import_eagle3(SHIPPED)
+    native = _export(SHIPPED, "speculators", tmp_path / "speculators")
+    config = json.loads((native / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    converted = import_speculators(native)
+    assert converted.fingerprint == shipped.fingerprint
+    assert converted.config == shipped.config
+    _same_tensors(converted.state_dict, shipped.state_dict)
+
+    back = import_eagle3(_export(native, "eagle3-hf", tmp_path / "eagle3-hf"))
+    assert (back.config, back.fingerprint, back.target_name) == (
+        shipped.config,
+        shipped.fingerprint,
+        shipped.target_name,
+    )
+    _same_tensors(back.state_dict, shipped.state_dict)
+
+
+def test_a_converted_export_reads_as_its_run_did(tmp_path: Path) -> None:
+    """A run exported as Medusa's reference layout, converted to vLLM's: the same heads,
+    target and name as the run (the converter reads the layout as a run directory)."""
+    torch.manual_seed(0)
+    config = MedusaConfig(num_heads=2, num_layers=1, hidden_size=8, vocab_size=12)
+    heads = MedusaHeads(config, torch.randn(12, 8))
+    stamp = TargetFingerprint("LlamaForCausalLM", 8, 12, 2, "0" * 64)
+    run = save_heads(
+        tmp_path / "run",
+        method="medusa1",
+        head_config=config.to_dict(),
+        state_dict=heads.state_dict(),
+        target_fingerprint=stamp,
+        target_name="org/tiny-base",
+    )
+    reference = export_medusa(run, tmp_path / "reference")
+    read = heads_to_export(reference)
+    original = load_heads(run)
+    assert (read.method, read.fingerprint, read.target_name) == ("medusa1", stamp, "org/tiny-base")
+    assert read.head_config == original.head_config
+    _same_tensors(read.state_dict, original.state_dict)
+    vllm = import_medusa(_export(reference, "medusa-vllm", tmp_path / "vllm"))
+    _same_tensors(vllm.state_dict, original.state_dict)
+
+
+def test_heads_published_by_others_are_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    foreign = tmp_path / "foreign"
+    shutil.copytree(SHIPPED, foreign)
+    config = json.loads((foreign / "config.json").read_text())
+    del config["headway"]  # what a drafter published elsewhere looks like
+    (foreign / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HeadsError, match="record no target"):
+        heads_to_export(foreign)
+    command = ["export", str(foreign), "--format", "speculators", "--out", str(tmp_path / "out")]
+    assert main(command) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "eagle3-hf heads that record no target" in error
+    assert not (tmp_path / "out").exists()
