@@ -41,9 +41,9 @@ def shipped_draft() -> Eagle3Model:
     return draft.float().eval()
 
 
-def tiny_ids() -> Tensor:
-    """``[1, L]``: the tiny Llama's prompt and its greedy continuation."""
-    return torch.cat([PROMPT, torch.tensor(target_and_truth("llama")[1])])[None]
+def tiny_ids(family: str = "llama") -> Tensor:
+    """``[1, L]``: the prompt and the greedy continuation of the tiny target of ``family``."""
+    return torch.cat([PROMPT, torch.tensor(target_and_truth(family)[1])])[None]
 
 
 def question_ids(tokenizer: Any) -> Tensor:

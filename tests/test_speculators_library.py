@@ -103,13 +103,18 @@ def _eagle31(model: Any) -> Eagle3Model:
     return draft.eval()
 
 
-@pytest.fixture(scope="module")
-def verifier(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
-    """The tiny Llama target and its saved folder (what the exports name as the verifier)."""
-    model, _ = target_and_truth("llama")
-    folder = tmp_path_factory.mktemp("verifier")
+def _saved(family: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """The tiny target of ``family`` and its saved folder (what exports name as the verifier)."""
+    model, _ = target_and_truth(family)
+    folder = tmp_path_factory.mktemp(f"verifier-{family}")
     model.save_pretrained(folder)
     return model, folder
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """The tiny Llama target and its saved folder."""
+    return _saved("llama", tmp_path_factory)
 
 
 def _run(draft: Eagle3Model, model: Any, folder: Path, out: Path) -> Path:
@@ -138,6 +143,22 @@ def test_speculators_loads_the_speculators_export(
         draft.config.norm_output,
     )
     _same(theirs, draft, model, tiny_ids())
+
+
+def test_speculators_loads_an_export_for_a_qwen2_target(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The draft layer is a Llama layer whatever the target (Qwen2's attention biases stay in
+    the target): speculators reads the target's layer count and embedding from the verifier
+    folder and drafts as headway does on that target's states. (GPT-2 targets cannot be tried:
+    speculators' loader looks for ``embed_tokens.weight`` in the verifier, which GPT-2 names
+    ``transformer.wte.weight``.)"""
+    model, folder = _saved("qwen2", tmp_path_factory)
+    draft = trained("qwen2")
+    out = export_speculators(_run(draft, model, folder, tmp_path / "run"), tmp_path / "export")
+    theirs = _their_model(out)
+    assert theirs.config.eagle_aux_hidden_state_layer_ids == list(draft.config.feature_layers)
+    _same(theirs, draft, model, tiny_ids("qwen2"))
 
 
 def test_speculators_converts_the_eagle3_hf_export(
