@@ -9,7 +9,7 @@ __all__ = ["FORMAT_SUMMARIES"]
 
 FORMAT_SUMMARIES: dict[str, str] = {
     "medusa": "FasterDecoding/Medusa reference layout (medusa_lm_head.safetensors)",
-    "medusa-vllm": "vLLM MedusaModel (config.json + model.safetensors, medusa_fc_bias)",
+    "medusa-vllm": "vLLM MedusaModel (model.safetensors; not in vLLM 0.33, which dropped Medusa)",
     "eagle1": "EAGLE-1/2 reference layout (fc + one decoder layer)",
     "eagle3-hf": "vLLM / SGLang EAGLE-3 (LlamaForCausalLMEagle3, d2t/t2d)",
     "speculators": "vLLM-native speculators EAGLE-3 (speculators_config; vllm serve DIR)",
