@@ -23,7 +23,8 @@ from headway.decode.int8_linear import (
 from headway.drafters import build
 from headway.drafters.build import build_drafter
 from headway.drafters.eagle3_drafter import Eagle3Drafter
-from headway.drafters.specs import EagleSpec
+from headway.drafters.medusa_drafter import MedusaDrafter
+from headway.drafters.specs import EagleSpec, MedusaSpec
 from headway.errors import ConfigError
 from headway.eval.run import describe_drafter
 from headway.heads.eagle import TargetHead
@@ -39,7 +40,7 @@ run everywhere."""
 
 
 @needs_kernels
-@pytest.mark.parametrize("shape", [(5, 96), (2, 3, 96), (1, 96)])
+@pytest.mark.parametrize("shape", [(5, 96), (2, 3, 96), (1, 96), (96,)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_int8_product_is_close_to_fp32(shape: tuple[int, ...], bias: bool) -> None:
     torch.manual_seed(0)
@@ -187,9 +188,50 @@ def test_the_probe_says_no_when_the_kernels_fail(monkeypatch: pytest.MonkeyPatch
         int8_available.cache_clear()
 
 
+@needs_kernels
+def test_medusa_heads_draft_with_int8_lm_heads(tmp_path: Path) -> None:
+    """``MedusaSpec(dtype="int8")``: each head's LM head multiplies int8 weights, the residual
+    blocks stay as they are, and the output is still the target's."""
+    target, run, truth = _target(tmp_path, "medusa1")
+    spec = MedusaSpec(heads=str(run), dtype="int8")
+    drafter = build_drafter(spec, target)
+    assert isinstance(drafter, MedusaDrafter)
+    assert int8_layer_count(drafter.heads) == 2
+    assert describe_drafter(spec, drafter)["int8_draft_layers"] == 2
+    assert sum(type(module) is nn.Linear for module in drafter.heads.modules()) == 2  # blocks
+    result = generate(
+        target.model, PROMPT, drafter=drafter, max_new_tokens=NEW_TOKENS, eos_token_ids=()
+    )
+    assert result.tokens == truth
+
+
+@needs_kernels
+@pytest.mark.parametrize("pays", [True, False])
+def test_medusa_dtype_auto_follows_the_timing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pays: bool
+) -> None:
+    target, run, _ = _target(tmp_path, "medusa1")
+    asked: list[tuple[str, ...]] = []
+
+    def timed(model: nn.Module, names: tuple[str, ...]) -> bool:
+        asked.append(tuple(names))
+        return pays
+
+    monkeypatch.setattr(build, "int8_pays", timed)
+    drafter = build_drafter(MedusaSpec(heads=str(run)), target)  # dtype=auto
+    assert asked == [("heads.0.lm_head", "heads.1.lm_head")]
+    assert isinstance(drafter, MedusaDrafter)
+    assert int8_layer_count(drafter.heads) == (2 if pays else 0)
+    plain = build_drafter(MedusaSpec(heads=str(run), dtype="target"), target)
+    assert isinstance(plain, MedusaDrafter)
+    assert int8_layer_count(plain.heads) == 0 and len(asked) == 1
+    with pytest.raises(ConfigError, match="choose auto, target or int8"):
+        MedusaSpec(heads=str(run), dtype="bfloat16")  # type: ignore[arg-type]
+
+
 def test_int8_where_it_cannot_draft_is_a_clear_error(tmp_path: Path) -> None:
     target, run, _ = _target(tmp_path, "eagle1")
-    with pytest.raises(HeadsError, match="dtype=int8 is for EAGLE-3 drafters"):
+    with pytest.raises(HeadsError, match="dtype=int8 is for EAGLE-3 drafters and Medusa heads"):
         build_drafter(EagleSpec(heads=str(run), dtype="int8", **TREE), target)
     with pytest.raises(ConfigError, match="not compiled"):
         EagleSpec(heads=str(run), dtype="int8", drafting="compiled")

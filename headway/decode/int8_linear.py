@@ -77,12 +77,13 @@ class Int8Linear(nn.Module):
         self._packed = torch.ops.quantized.linear_prepack(quantised, bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        rows = x.float().reshape(-1, x.shape[-1]).contiguous()  # the kernel takes 2-D and up
         out: Tensor = torch.ops.quantized.linear_dynamic(
-            x.float().contiguous(),
+            rows,
             self._packed,
             True,  # reduce_range: as torch's own layer
         )
-        return out.to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"

@@ -150,7 +150,10 @@ def _medusa(found: FoundHeads, target: Target, spec: MedusaSpec) -> Drafter:
         tree = medusa_tree(spec.tree, config)
     except ValueError as error:  # a tree these heads or this vocabulary cannot fill
         raise HeadsError(f"Medusa drafter: {error}; change the tree (--tree)") from error
-    apply_gemm(heads, gemm_choice(model))  # the target's choice
+    if _drafts_in_int8(heads, spec):
+        count = to_int8(heads, int8_layers(heads) or ())
+        logger.info("drafting with %d int8 LM heads (dtype=%s)", count, spec.dtype)
+    apply_gemm(heads, gemm_choice(model))  # the target's choice, for the layers left
     return MedusaDrafter(heads, hidden_layer=layer, choices=tree.choices, vocab=vocab)
 
 
@@ -217,7 +220,17 @@ INT8_LAYERS: dict[type[nn.Module], tuple[str, ...]] = {Eagle3Model: ("midlayer",
 """The draft layers int8 drafting converts, per draft model: those whose inputs are normalised.
 EAGLE-3's ``fc`` reads the raw target states (outlier channels) and stays as it is: converting it
 too cut the shipped drafter's MT-bench tau from 2.39 to 1.88 (docs/benchmarks.md). EAGLE-1's
-layer reads ``fc``'s output unnormalised, so it drafts in the target's dtype."""
+layer reads ``fc``'s output unnormalised, so it drafts in the target's dtype. Medusa heads:
+:func:`int8_layers`."""
+
+
+def int8_layers(draft: nn.Module) -> tuple[str, ...] | None:
+    """The layers int8 drafting converts in ``draft``: :data:`INT8_LAYERS`, and for Medusa heads
+    every head's LM head (``[V, H]``, nearly all of their weights; it reads the residual
+    blocks' output of the target's final, normalised state); ``None`` where none are."""
+    if isinstance(draft, MedusaHeads):
+        return tuple(f"heads.{index}.lm_head" for index in range(len(draft.heads)))
+    return INT8_LAYERS.get(type(draft))
 
 
 def _draft(draft: DraftModel, spec: EagleSpec, target_model: nn.Module) -> DraftModel:
@@ -231,17 +244,18 @@ def _draft(draft: DraftModel, spec: EagleSpec, target_model: nn.Module) -> Draft
     return draft
 
 
-def _drafts_in_int8(draft: nn.Module, spec: EagleSpec) -> bool:
+def _drafts_in_int8(draft: nn.Module, spec: EagleSpec | MedusaSpec) -> bool:
     """``dtype=int8``: yes, where it can run (else a one-line error); ``auto``: where eager
     drafting on a CPU multiplies the layers faster in int8 (:func:`int8_pays`, timed once per
     machine and layer shapes, :mod:`headway.timings`)."""
-    names = INT8_LAYERS.get(type(draft))
+    names = int8_layers(draft)
     on_cpu = all(p.device.type == "cpu" for p in draft.parameters())
+    drafting = spec.drafting if isinstance(spec, EagleSpec) else "eager"
     if spec.dtype == "int8":
         if names is None:
             raise HeadsError(
-                f"{spec.heads}: dtype=int8 is for EAGLE-3 drafters (their draft layer and LM "
-                "head); this EAGLE-1 drafter reads unnormalised states: use dtype=target"
+                f"{spec.heads}: dtype=int8 is for EAGLE-3 drafters and Medusa heads; this "
+                "EAGLE-1 drafter reads unnormalised states: use dtype=target"
             )
         if not on_cpu:
             raise HeadsError(f"{spec.heads}: dtype=int8 drafts on a CPU; use dtype=auto here")
@@ -251,7 +265,7 @@ def _drafts_in_int8(draft: nn.Module, spec: EagleSpec) -> bool:
                 "kernels (`headway env` says so); use dtype=auto or target"
             )
         return True
-    if spec.dtype != "auto" or names is None or spec.drafting != "eager" or not on_cpu:
+    if spec.dtype != "auto" or names is None or drafting != "eager" or not on_cpu:
         return False
     layers = nn.ModuleList([draft.get_submodule(name) for name in names])
     return bool(

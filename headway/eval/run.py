@@ -43,13 +43,15 @@ __all__ = ["describe_drafter", "describe_heads", "evaluate", "timing"]
 
 def describe_drafter(spec: DrafterSpec, drafter: object = None) -> dict[str, Any]:
     """The report's ``drafter`` block: the spec's name and options, for heads their method and
-    head config, and for a built EAGLE ``drafter`` how many of its draft layers multiply in int8
-    (what ``dtype=auto`` chose on this machine)."""
+    head config, and for a built EAGLE or Medusa ``drafter`` how many of its draft layers
+    multiply in int8 (what ``dtype=auto`` chose on this machine)."""
     info = describe_spec(spec)
     heads = getattr(spec, "heads", None)
     if heads:
         info.update(describe_heads(Path(heads)))
     model = getattr(drafter, "model", None)
+    if model is None:  # a MedusaDrafter holds its heads
+        model = getattr(drafter, "heads", None)
     if isinstance(model, nn.Module):
         info["int8_draft_layers"] = int8_layer_count(model)
     return info
