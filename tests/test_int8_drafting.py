@@ -205,28 +205,22 @@ def test_medusa_heads_draft_with_int8_lm_heads(tmp_path: Path) -> None:
     assert result.tokens == truth
 
 
-@needs_kernels
-@pytest.mark.parametrize("pays", [True, False])
-def test_medusa_dtype_auto_follows_the_timing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pays: bool
+def test_medusa_heads_stay_in_the_targets_dtype_unless_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """No ``auto`` for Medusa heads: their int8 LM heads lose precision on the target's outlier
+    channels, which no timing sees, so nothing is timed and nothing converted by default."""
     target, run, _ = _target(tmp_path, "medusa1")
-    asked: list[tuple[str, ...]] = []
 
-    def timed(model: nn.Module, names: tuple[str, ...]) -> bool:
-        asked.append(tuple(names))
-        return pays
+    def never(model: nn.Module, names: tuple[str, ...]) -> bool:
+        raise AssertionError("timed")
 
-    monkeypatch.setattr(build, "int8_pays", timed)
-    drafter = build_drafter(MedusaSpec(heads=str(run)), target)  # dtype=auto
-    assert asked == [("heads.0.lm_head", "heads.1.lm_head")]
+    monkeypatch.setattr(build, "int8_pays", never)
+    drafter = build_drafter(MedusaSpec(heads=str(run)), target)
     assert isinstance(drafter, MedusaDrafter)
-    assert int8_layer_count(drafter.heads) == (2 if pays else 0)
-    plain = build_drafter(MedusaSpec(heads=str(run), dtype="target"), target)
-    assert isinstance(plain, MedusaDrafter)
-    assert int8_layer_count(plain.heads) == 0 and len(asked) == 1
-    with pytest.raises(ConfigError, match="choose auto, target or int8"):
-        MedusaSpec(heads=str(run), dtype="bfloat16")  # type: ignore[arg-type]
+    assert int8_layer_count(drafter.heads) == 0
+    with pytest.raises(ConfigError, match="choose target or int8"):
+        MedusaSpec(heads=str(run), dtype="auto")  # type: ignore[arg-type]
 
 
 def test_int8_where_it_cannot_draft_is_a_clear_error(tmp_path: Path) -> None:
