@@ -253,6 +253,7 @@ def _drafts_in_int8(draft: nn.Module, spec: EagleSpec | MedusaSpec) -> bool:
     names = int8_layers(draft)
     on_cpu = all(p.device.type == "cpu" for p in draft.parameters())
     drafting = spec.drafting if isinstance(spec, EagleSpec) else "eager"
+    instead = "dtype=auto" if isinstance(spec, EagleSpec) else "dtype=target"
     if spec.dtype == "int8":
         if names is None:
             raise HeadsError(
@@ -260,11 +261,11 @@ def _drafts_in_int8(draft: nn.Module, spec: EagleSpec | MedusaSpec) -> bool:
                 "EAGLE-1 drafter reads unnormalised states: use dtype=target"
             )
         if not on_cpu:
-            raise HeadsError(f"{spec.heads}: dtype=int8 drafts on a CPU; use dtype=auto here")
+            raise HeadsError(f"{spec.heads}: dtype=int8 drafts on a CPU; use {instead} here")
         if not int8_available():
             raise HeadsError(
                 f"{spec.heads}: dtype=int8: this machine's torch has no working int8 linear "
-                "kernels (`headway env` says so); use dtype=auto or target"
+                f"kernels (`headway env` says so); use {instead}"
             )
         return True
     if spec.dtype != "auto" or names is None or drafting != "eager" or not on_cpu:
