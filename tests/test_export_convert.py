@@ -57,29 +57,42 @@ def test_the_shipped_drafter_converts_to_speculators_and_back(tmp_path: Path) ->
     _same_tensors(back.state_dict, shipped.state_dict)
 
 
+STAMP = TargetFingerprint("LlamaForCausalLM", 8, 12, 2, "0" * 64)
+
+
+def _medusa_run(directory: Path, method: str) -> Path:
+    torch.manual_seed(0)
+    config = MedusaConfig(num_heads=2, num_layers=1, hidden_size=8, vocab_size=12)
+    return save_heads(
+        directory,
+        method=method,
+        head_config=config.to_dict(),
+        state_dict=MedusaHeads(config, torch.randn(12, 8)).state_dict(),
+        target_fingerprint=STAMP,
+        target_name="org/tiny-base",
+    )
+
+
 def test_a_converted_export_reads_as_its_run_did(tmp_path: Path) -> None:
     """A run exported as Medusa's reference layout, converted to vLLM's: the same heads,
     target and name as the run (the converter reads the layout as a run directory)."""
-    torch.manual_seed(0)
-    config = MedusaConfig(num_heads=2, num_layers=1, hidden_size=8, vocab_size=12)
-    heads = MedusaHeads(config, torch.randn(12, 8))
-    stamp = TargetFingerprint("LlamaForCausalLM", 8, 12, 2, "0" * 64)
-    run = save_heads(
-        tmp_path / "run",
-        method="medusa1",
-        head_config=config.to_dict(),
-        state_dict=heads.state_dict(),
-        target_fingerprint=stamp,
-        target_name="org/tiny-base",
-    )
+    run = _medusa_run(tmp_path / "run", "medusa1")
     reference = export_medusa(run, tmp_path / "reference")
     read = heads_to_export(reference)
     original = load_heads(run)
-    assert (read.method, read.fingerprint, read.target_name) == ("medusa1", stamp, "org/tiny-base")
+    assert (read.method, read.fingerprint, read.target_name) == ("medusa1", STAMP, "org/tiny-base")
     assert read.head_config == original.head_config
     _same_tensors(read.state_dict, original.state_dict)
     vllm = import_medusa(_export(reference, "medusa-vllm", tmp_path / "vllm"))
     _same_tensors(vllm.state_dict, original.state_dict)
+
+
+def test_medusa2_heads_are_converted_from_their_run_only(tmp_path: Path) -> None:
+    """A Medusa-2 export's heads fit the target with the run's adapter merged in, not the
+    target it records: converting the export would stamp them with the wrong one."""
+    export = export_medusa(_medusa_run(tmp_path / "run", "medusa2"), tmp_path / "reference")
+    with pytest.raises(HeadsError, match="export from the run directory instead"):
+        heads_to_export(export)
 
 
 def test_heads_published_by_others_are_refused_in_one_line(

@@ -160,10 +160,15 @@ def heads_to_export(directory: str | Path) -> LoadedHeads:
             "decodes these as they are with --heads"
         )
     imported = engine.read(folder, recorded.num_layers)
+    if imported.fingerprint is None:  # the layout's reader declined the recorded target
+        raise HeadsError(
+            f"{folder} holds Medusa-2 heads, which fit their run's target with its adapter "
+            "merged in, not the target it records; export from the run directory instead"
+        )
     return LoadedHeads(
         method=engine.method,
         head_config=imported.config.to_dict(),
         state_dict=imported.state_dict,
-        fingerprint=recorded,
+        fingerprint=imported.fingerprint,
         target_name=name if name is not None else recorded.architecture,
     )
