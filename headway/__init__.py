@@ -10,18 +10,19 @@ from typing import Any
 
 from headway.version import __version__
 
-__all__ = ["__version__", "generate", "load_drafter", "load_target"]
+__all__ = ["__version__", "generate", "load_drafter", "load_target", "release"]
 
 
 def __getattr__(name: str) -> Any:
     # The API pulls in torch and transformers; import it on first use, so `import headway` and
     # `headway --help` stay quick.
-    if name in {"generate", "load_drafter", "load_target"}:
-        from headway import api, target
+    if name in {"generate", "load_drafter", "load_target", "release"}:
+        from headway import api, named_drafters, target
 
         return {
             "generate": api.generate,
             "load_drafter": api.load_drafter,
             "load_target": target.load_target,
+            "release": named_drafters.release,
         }[name]
     raise AttributeError(f"module 'headway' has no attribute {name!r}")

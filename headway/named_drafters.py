@@ -33,7 +33,7 @@ from headway.drafters.resolve import NO_DRAFTER, DrafterChoice, resolve_drafter
 from headway.drafters.specs import DRAFTER_NAMES
 from headway.target import Target
 
-__all__ = ["DEFAULT_DRAFTER", "borrow", "choice_for"]
+__all__ = ["DEFAULT_DRAFTER", "borrow", "choice_for", "release"]
 
 DEFAULT_DRAFTER = "default"
 """The drafter name that asks :func:`~headway.drafters.resolve.resolve_drafter` for the default."""
@@ -111,6 +111,22 @@ def _decoder(
 def _forget(target_id: int) -> None:
     """Drop what was kept for a target that is gone."""
     _SPARES.pop(target_id, None)
+
+
+def release(target: Target | None = None) -> int:
+    """Drop what :func:`borrow` kept for ``target`` (every target when ``None``): its drafters and
+    decoders, with their static caches and CUDA graphs (GPU memory the target's own weights do
+    not need); returns how many were dropped. Later calls build afresh. A call in progress keeps
+    what it borrowed until it ends, and then gives it back."""
+    if target is None:
+        dropped = sum(len(spares) for spares in _SPARES.values())
+        for spares in _SPARES.values():
+            spares.clear()
+        return dropped
+    spares = _SPARES.get(id(target), {})
+    dropped = len(spares)
+    spares.clear()
+    return dropped
 
 
 def _nothing() -> None:

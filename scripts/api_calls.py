@@ -61,7 +61,7 @@ def one_call(target: Target, question: str, new: int, kept: bool) -> tuple[list[
     """``[wall s, decoding s, tokens]`` of one ``headway.generate`` call and its tokens;
     ``kept=False`` drops what earlier calls kept first, as every call did before."""
     if not kept:  # every call resolved, built, hashed the target and read the timings
-        named_drafters._SPARES.clear()
+        named_drafters.release()
         target_module._DIGESTS.clear()
         timings._TAKEN.clear()
     start = time.perf_counter()

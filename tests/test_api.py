@@ -152,3 +152,23 @@ def test_a_heads_folder_or_a_captured_path_with_options_builds_afresh(
     first, give_back = named_drafters.borrow("prompt-lookup", target, "eager", None)
     give_back()
     assert named_drafters.borrow("prompt-lookup", target, "eager", None)[0] is first
+
+
+def test_release_drops_what_calls_kept(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``headway.release(target)`` frees the kept drafters and decoders (on CUDA their static
+    caches and graphs); the next call builds afresh and decodes the same."""
+    built: list[str] = []
+    real = named_drafters.build_drafter
+
+    def counted(spec: DrafterSpec, on: Target) -> Drafter:
+        built.append(spec.name)
+        return real(spec, on)
+
+    monkeypatch.setattr(named_drafters, "build_drafter", counted)
+    headway.release()  # what earlier tests kept for the shared fixture
+    first = headway.generate(target, "Tell me a joke", drafter="prompt-lookup", max_new_tokens=16)
+    assert len(built) == 1
+    assert headway.release(target) == 1 and headway.release(target) == 0
+    again = headway.generate(target, "Tell me a joke", drafter="prompt-lookup", max_new_tokens=16)
+    assert len(built) == 2 and again.token_ids == first.token_ids
+    assert headway.release() == 1  # every target's
