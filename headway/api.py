@@ -132,9 +132,10 @@ def generate(
     Pass a :class:`~headway.decode.generate.Decoder` as ``drafter`` (it carries its own options)
     to keep one cost calibration over many prompts. ``drafter`` as a string is resolved as
     the command line resolves ``--drafter``/``--heads`` (``"default"``: the shipped drafter,
-    cost-sized, unless ``options`` say otherwise), and what a name (not a heads folder) resolved
-    to is kept for the next call with this ``target`` (:mod:`headway.named_drafters`: the
-    drafter, and its decoder where that holds nothing of earlier calls, e.g. CUDA graphs);
+    cost-sized, unless ``options`` say otherwise), and what a name (or a heads folder, while its
+    files are unchanged) resolved to is kept for the next call with this ``target``
+    (:mod:`headway.named_drafters`: the drafter, and its decoder where that holds nothing of
+    earlier calls, e.g. CUDA graphs);
     ``None`` decodes without a drafter. Without
     ``options`` the verify path is the command line's ``--verify auto``
     (:func:`~headway.decode.options.verify_path`: captured on CUDA, where the default drafter

@@ -6,8 +6,9 @@ heads folder...). Resolving and building it each call cost more than short answe
 ~0.3 s a call, as long as a 16-token answer (docs/benchmarks.md, 2026-11-28). So what a name
 resolves to is kept per live target and lent to one call at a time (:func:`borrow`):
 
-- the drafter, for the default and drafter names (a heads folder is read afresh each call: its
-  files may change between calls);
+- the drafter, for the default and drafter names, and for a heads folder while its files are
+  unchanged (the key holds each file's size and modification time, so a folder rewritten between
+  calls, e.g. by a training run saving into it, is read afresh);
 - the :class:`~headway.decode.generate.Decoder` with it, where nothing in the decoder depends
   on the calls before (its trees sized by the drafter, the caller's ``options`` none): on a
   captured path (CUDA's default) it holds the static cache and the CUDA graphs captured for
@@ -25,6 +26,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from headway.decode.generate import Decoder, Drafter
 from headway.decode.options import DecodeOptions, VerifyPath
@@ -48,9 +50,13 @@ class _Made:
     decoder: Decoder | None = None
 
 
-_SPARES: dict[int, dict[tuple[str, VerifyPath], _Made]] = {}
+_Key = tuple[str, VerifyPath, tuple[tuple[str, int, int], ...]]
+"""A name (a heads folder's resolved path), the verify path, and for a heads folder the name,
+size and modification time of each of its files (empty for drafter names)."""
+
+_SPARES: dict[int, dict[_Key, _Made]] = {}
 """What :func:`borrow` keeps per live target (by ``id``; an entry goes with its target) and
-(name, verify path)."""
+:data:`_Key`."""
 
 
 def choice_for(
@@ -74,14 +80,16 @@ def borrow(
     """A decoder running what ``name`` resolves to for ``target`` on the ``verify`` path, with
     ``options`` (``None``: the choice's sizing), and the call that lends what it kept to the next
     generation once this one finished (see the module docstring for what is kept)."""
-    named = name in (DEFAULT_DRAFTER, NO_DRAFTER) or name in DRAFTER_NAMES
-    if not named or (verify != "eager" and options is not None):
+    key = _key(name, verify)
+    if key is None or (verify != "eager" and options is not None):
         made = _made(name, target, verify)
         return _decoder(made, target, verify, options), _nothing
     if id(target) not in _SPARES:
         _SPARES[id(target)] = {}
         weakref.finalize(target, _forget, id(target))
-    spares, key = _SPARES[id(target)], (name, verify)
+    spares = _SPARES[id(target)]
+    for stale in [old for old in spares if old[:2] == key[:2] and old != key]:
+        del spares[stale]  # the folder's files changed since: its drafter no longer fits them
     kept = spares.pop(key, None)
     made = kept if kept is not None else _made(name, target, verify)
     keeps_decoder = options is None and made.choice.sizing != "cost"
@@ -94,6 +102,20 @@ def borrow(
         spares[key] = _Made(made.choice, made.drafter, decoder if keeps_decoder else None)
 
     return decoder, give_back
+
+
+def _key(name: str, verify: VerifyPath) -> _Key | None:
+    """Where :func:`borrow` keeps what ``name`` resolves to; ``None`` for a heads folder whose
+    files cannot be listed (the build reports why)."""
+    if name in (DEFAULT_DRAFTER, NO_DRAFTER) or name in DRAFTER_NAMES:
+        return (name, verify, ())
+    folder = Path(name)
+    try:
+        files = sorted(path for path in folder.iterdir() if path.is_file())
+        state = tuple((path.name, path.stat().st_mtime_ns, path.stat().st_size) for path in files)
+    except OSError:
+        return None
+    return (str(folder.resolve()), verify, state)
 
 
 def _made(name: str, target: Target, verify: VerifyPath) -> _Made:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,14 +136,37 @@ def test_the_decoder_is_kept_where_it_holds_nothing_of_earlier_calls(
     assert sampled[0] == sampled[1]
 
 
-def test_a_heads_folder_or_a_captured_path_with_options_builds_afresh(
+def test_a_heads_folder_is_kept_while_its_files_are_unchanged(
+    target: Target, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On CUDA a kept decoder keeps its captured graphs: a heads folder's drafter is kept until
+    a file in the folder changes (size or modification time), then built from the new files."""
+    choice = DrafterChoice(PromptLookupSpec(), "drafter", "named")
+    monkeypatch.setattr(named_drafters, "choice_for", lambda *a, **k: choice)
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    (heads / "model.safetensors").write_bytes(b"step 100")
+    first, give_back = named_drafters.borrow(str(heads), target, "eager", None)
+    give_back()
+    kept, give_back = named_drafters.borrow(str(heads), target, "eager", None)
+    assert kept is first
+    give_back()
+    (heads / "model.safetensors").write_bytes(b"step 200, saved over it")
+    rebuilt, give_back = named_drafters.borrow(str(heads), target, "eager", None)
+    assert rebuilt is not first and rebuilt.drafter is not first.drafter
+    give_back()
+    spares = named_drafters._SPARES[id(target)]
+    assert [key[0] for key in spares].count(str(heads.resolve())) == 1  # the stale one is gone
+
+
+def test_a_missing_folder_or_a_captured_path_with_options_builds_afresh(
     target: Target, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     choice = DrafterChoice(PromptLookupSpec(), "drafter", "named")
     monkeypatch.setattr(named_drafters, "choice_for", lambda *a, **k: choice)
     captured = DecodeOptions(verify="captured")
     for name, verify, options in (
-        ("runs/my-heads", "eager", None),
+        ("runs/no-such-heads", "eager", None),
         ("prompt-lookup", "captured", captured),
     ):
         first, give_back = named_drafters.borrow(name, target, verify, options)  # type: ignore[arg-type]
