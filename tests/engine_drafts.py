@@ -21,9 +21,10 @@ from headway.heads.eagle3 import Eagle3Model
 from headway.heads.format_eagle3 import import_eagle3
 from tests.test_eagle3 import PROMPT, target_and_truth
 
-STEPS = 2
-"""Draft steps compared: the second takes the first's output states (normed first under
-EAGLE-3.1's ``norm_output``) and attends to the first step's keys."""
+STEPS = 3
+"""Draft steps compared: each after the first takes the step before's output states (normed
+first under EAGLE-3.1's ``norm_output``) and attends to the first step's keys and its own row's
+in the steps between."""
 
 SHIPPED = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-eagle3"
 

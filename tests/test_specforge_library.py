@@ -5,7 +5,7 @@ serves as ``LlamaForCausalLMEagle3``; ``make setup`` installs it without its dep
 pins torch 2.11, transformers 5.8.1 and sglang). Its model is built here from the export's
 ``config.json`` (``LlamaConfig``, as its ``config_class``) and the export's tensors loaded by
 name, then driven through its own ``project_hidden_states`` / ``backbone`` / ``compute_logits``
-with its test-time-training cache: two draft steps at every position must equal headway's
+with its test-time-training cache: three draft steps at every position must equal headway's
 (:mod:`tests.engine_drafts`), for a trained tiny drafter and for the shipped one on SmolLM2.
 
 Not through its ``from_pretrained``: under transformers 5.24 that leaves its own rotary

@@ -5,7 +5,7 @@
 converter run on the transformers headway installs). These tests hand headway's exports to its
 own loader (``Eagle3DraftModel.from_pretrained``) and converter (``Eagle3Converter``, which turns
 EAGLE research-layout checkpoints, the layout of ``--format eagle3-hf``, into speculators ones),
-then compare every tensor and two draft steps at every position of a sequence
+then compare every tensor and three draft steps at every position of a sequence
 (:mod:`tests.engine_drafts`) with headway's own :class:`~headway.heads.eagle3.Eagle3Model`. That
 checks the wiring no name schema can: fc over the three feature slices (and EAGLE-3.1's
 ``fc_norm`` / ``norm_output``), the norms of the first layer, RoPE, the LM head, the vocabulary
