@@ -13,14 +13,17 @@ import pytest
 import torch
 
 from headway.cli import main
-from headway.heads.format_eagle3 import import_eagle3
+from headway.heads.format_eagle3 import export_eagle3, import_eagle3
 from headway.heads.format_medusa import export_medusa, import_medusa
 from headway.heads.format_speculators import import_speculators
 from headway.heads.io import HeadsError, load_heads, save_heads
 from headway.heads.loading import heads_to_export
 from headway.heads.medusa import MedusaConfig, MedusaHeads
-from headway.target import TargetFingerprint
+from headway.target import TargetFingerprint, fingerprint
 from tests.engine_drafts import SHIPPED
+from tests.test_eagle3 import tiny4
+from tests.test_formats import random_run
+from tests.tokenizers_fixture import smollm2_tokenizer
 
 
 def _export(source: Path, layout: str, out: Path) -> Path:
@@ -98,15 +101,50 @@ def test_medusa2_heads_are_converted_from_their_run_only(tmp_path: Path) -> None
 def test_heads_published_by_others_are_refused_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    foreign = tmp_path / "foreign"
-    shutil.copytree(SHIPPED, foreign)
-    config = json.loads((foreign / "config.json").read_text())
-    del config["headway"]  # what a drafter published elsewhere looks like
-    (foreign / "config.json").write_text(json.dumps(config))
+    foreign = _published(SHIPPED, tmp_path / "foreign")
     with pytest.raises(HeadsError, match="record no target"):
         heads_to_export(foreign)
     command = ["export", str(foreign), "--format", "speculators", "--out", str(tmp_path / "out")]
     assert main(command) == 2
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "eagle3-hf heads that record no target" in error
+    assert "--target" in error
     assert not (tmp_path / "out").exists()
+
+
+def _published(export: Path, out: Path) -> Path:
+    """``export`` as a drafter published elsewhere: no ``headway`` block in its config."""
+    shutil.copytree(export, out)
+    config = json.loads((out / "config.json").read_text())
+    del config["headway"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_heads_published_by_others_convert_for_the_target_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--target``: the target a published drafter was trained for is loaded for its
+    fingerprint, which the export records, and its sizes, which the heads must fit."""
+    tokenizer = smollm2_tokenizer()
+    model = tiny4("llama", vocab_size=len(tokenizer))
+    folder = tmp_path / "tiny-target"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    run = random_run(tmp_path / "run", "eagle3", model)
+    published = _published(export_eagle3(run, tmp_path / "export"), tmp_path / "published")
+    out = _export_for(published, folder, tmp_path / "speculators")
+    converted = import_speculators(out)
+    assert converted.fingerprint == fingerprint(model)
+    _same_tensors(converted.state_dict, load_heads(run).state_dict)
+    shipped = _published(SHIPPED, tmp_path / "shipped")  # SmolLM2's sizes, not the tiny one's
+    command = ["export", str(shipped), "--format", "speculators", "--out", str(tmp_path / "no")]
+    assert main([*command, "--target", str(folder)]) == 2
+    fits = f"do not fit a target of vocabulary {len(tokenizer)} and hidden size 32"
+    assert fits in capsys.readouterr().err
+
+
+def _export_for(source: Path, target: Path, out: Path) -> Path:
+    command = ["export", str(source), "--format", "speculators", "--out", str(out)]
+    assert main([*command, "--target", str(target)]) == 0
+    return out

@@ -113,6 +113,7 @@ def test_specforge_reads_the_eagle3_hf_export(tmp_path: Path) -> None:
     assert_same_drafts(_drafts_of(theirs), draft, model, tiny_ids())
 
 
+@pytest.mark.slow  # loads SmolLM2
 def test_specforge_reads_the_shipped_drafter(smollm2: Target) -> None:
     """The shipped binary (bf16) in fp32 on SmolLM2's features for a real question."""
     draft = shipped_draft()

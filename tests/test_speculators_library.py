@@ -177,6 +177,7 @@ def test_speculators_converts_the_eagle3_hf_export(
     _same(_their_model(tmp_path / "converted"), draft, model, tiny_ids())
 
 
+@pytest.mark.slow  # loads SmolLM2
 def test_the_shipped_drafter_converts_and_drafts_as_headway_does(
     smollm2: Target, tmp_path: Path
 ) -> None:
@@ -193,6 +194,7 @@ def test_the_shipped_drafter_converts_and_drafts_as_headway_does(
     _same(theirs, draft, smollm2.model, question_ids(smollm2.tokenizer))
 
 
+@pytest.mark.slow  # loads SmolLM2
 def test_the_shipped_drafter_exported_as_speculators_loads_there(
     smollm2: Target, tmp_path: Path
 ) -> None:

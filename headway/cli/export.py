@@ -34,7 +34,7 @@ def _export(args: argparse.Namespace, run_dir: Path, out_dir: Path) -> tuple[Pat
     from headway.heads.export_medusa2 import export_medusa2_target
     from headway.heads.io import with_dtype
     from headway.heads.loading import ENGINE_FORMATS, heads_to_export
-    from headway.target import resolve_dtype
+    from headway.target import load_target, resolve_dtype
 
     medusa2_heads = False
     if args.format == MEDUSA2_TARGET and args.dtype != "keep":
@@ -42,7 +42,11 @@ def _export(args: argparse.Namespace, run_dir: Path, out_dir: Path) -> tuple[Pat
     if args.format == MEDUSA2_TARGET:
         out = export_medusa2_target(run_dir, out_dir, target=args.target)
     elif args.format in ENGINE_FORMATS:
-        loaded = heads_to_export(run_dir)  # read once: exported, then its method noted
+        target = None
+        if args.target:  # heads published by others: read for this target, sizes checked
+            # bf16: half the memory, the same fingerprint (it hashes the LM head in bf16)
+            target = load_target(args.target, dtype="bfloat16", device="cpu").model
+        loaded = heads_to_export(run_dir, target, args.target)  # read once: exported, noted
         if args.dtype != "keep":
             loaded = with_dtype(loaded, resolve_dtype(args.dtype))
         out = ENGINE_FORMATS[args.format].write(loaded, out_dir)
@@ -82,6 +86,9 @@ def add_export(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--target",
         help="medusa2-target: the base target to merge into (default: the one the run was "
-        "trained on, by the name in its config.json)",
+        "trained on, by the name in its config.json); other formats: the target heads "
+        "published by others were trained for (loaded on the CPU in bf16 for its fingerprint, "
+        "which the export records, and its sizes, which the heads must fit), so they can be "
+        "converted",
     )
     parser.set_defaults(handler=run_export)

@@ -31,7 +31,7 @@ from headway.heads.io import (
     load_heads,
 )
 from headway.heads.medusa import MedusaConfig
-from headway.target import check_fingerprint, fingerprint
+from headway.target import TargetFingerprint, check_fingerprint, fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -138,37 +138,63 @@ def find_heads(
     )
 
 
-def heads_to_export(directory: str | Path) -> LoadedHeads:
+def heads_to_export(
+    directory: str | Path, target: PreTrainedModel | None = None, target_name: str | None = None
+) -> LoadedHeads:
     """What ``headway export`` converts: a run directory, or heads in an engine format that record
     the target they were trained for (a ``headway export``, e.g. the shipped drafters), read as
     a run directory would be (engine formats' methods: imported Medusa heads read as
-    ``medusa1``).
+    ``medusa1``). Heads published by others record no target: with ``target`` (named
+    ``target_name`` in the export) they are read for it, their sizes checked against it; a
+    recorded target must then be that one.
 
     Raises:
-        HeadsError: no heads, corrupt files, or engine-format heads that record no target (their
-            fingerprint is what every export writes; decode them with ``--heads`` instead).
+        HeadsError: no heads, corrupt files, engine-format heads that record no target and no
+            ``target`` given, or heads whose sizes do not fit ``target``.
+        TargetError: ``target`` is not the one the heads record.
     """
     folder = Path(directory)
     engine = detect_format(folder)
     if engine is None:
-        return load_heads(folder)
+        loaded = load_heads(folder)
+        if target is not None:
+            check_fingerprint(loaded.fingerprint, fingerprint(target))
+        return loaded
     recorded, name = recorded_target(engine_config(folder))
-    if recorded is None:
+    if recorded is None and target is None:
         raise HeadsError(
             f"{folder} holds {engine.name} heads that record no target (not a headway export); "
-            "headway export converts run directories and headway's own exports, and headway "
-            "decodes these as they are with --heads"
+            "name the target they were trained for with --target to convert them (headway "
+            "decodes them as they are with --heads)"
         )
-    imported = engine.read(folder, recorded.num_layers)
-    if imported.fingerprint is None:  # the layout's reader declined the recorded target
+    stamp = fingerprint(target) if target is not None else recorded
+    assert stamp is not None
+    if recorded is not None:
+        check_fingerprint(recorded, stamp)
+    imported = engine.read(folder, stamp.num_layers)
+    if imported.fingerprint is None and recorded is not None:  # the reader declined the record
         raise HeadsError(
             f"{folder} holds Medusa-2 heads, which fit their run's target with its adapter "
             "merged in, not the target it records; export from the run directory instead"
         )
+    _check_sizes(imported.config, stamp, folder)
     return LoadedHeads(
         method=engine.method,
         head_config=imported.config.to_dict(),
         state_dict=imported.state_dict,
-        fingerprint=imported.fingerprint,
-        target_name=name if name is not None else recorded.architecture,
+        fingerprint=stamp,
+        target_name=target_name or name or stamp.architecture,
     )
+
+
+def _check_sizes(
+    config: MedusaConfig | EagleConfig | Eagle3Config, target: TargetFingerprint, folder: Path
+) -> None:
+    """Heads of ``config`` read the target's states and propose its tokens: their vocabulary and
+    the hidden size they read must be the target's."""
+    if (config.vocab_size, config.hidden_size) != (target.vocab_size, target.hidden_size):
+        raise HeadsError(
+            f"{folder}: heads over a vocabulary of {config.vocab_size} reading states of size "
+            f"{config.hidden_size} do not fit a target of vocabulary {target.vocab_size} and "
+            f"hidden size {target.hidden_size}"
+        )
