@@ -28,12 +28,14 @@ import torch
 from torch import Tensor
 
 from headway.cli import main
+from headway.decode.generate import generate
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.format_eagle3 import export_eagle3
-from headway.heads.format_speculators import export_speculators
+from headway.heads.format_speculators import export_speculators, import_speculators
 from headway.heads.io import save_heads
 from headway.heads.vocab import DraftVocab
 from headway.target import Target, fingerprint, hub_id, resolve_target_path
+from tests.drafting import heads_drafter
 from tests.engine_drafts import (
     SHIPPED,
     STEPS,
@@ -43,7 +45,7 @@ from tests.engine_drafts import (
     shipped_draft,
     tiny_ids,
 )
-from tests.test_eagle3 import TINY_VOCAB, target_and_truth, trained
+from tests.test_eagle3 import PROMPT, TINY_VOCAB, TREE, target_and_truth, trained
 
 try:
     metadata.version("speculators")
@@ -175,6 +177,14 @@ def test_speculators_converts_the_eagle3_hf_export(
         eagle_aux_hidden_state_layer_ids=list(draft.config.feature_layers),
     )
     _same(_their_model(tmp_path / "converted"), draft, model, tiny_ids())
+    # and back: the checkpoint speculators wrote (no headway block) reads and decodes in headway
+    read = import_speculators(tmp_path / "converted")
+    assert read.fingerprint is None and read.config == draft.config
+    assert_same_tensors(read.state_dict, draft, "midlayer.")
+    truth = target_and_truth("llama")[1]
+    drafter = heads_drafter(tmp_path / "converted", model, **TREE)
+    result = generate(model, PROMPT, drafter=drafter, max_new_tokens=len(truth), eos_token_ids=())
+    assert result.tokens == truth
 
 
 @pytest.mark.slow  # loads SmolLM2
