@@ -10,7 +10,8 @@ then compare every tensor and three draft steps at every position of a sequence
 checks the wiring no name schema can: fc over the three feature slices (and EAGLE-3.1's
 ``fc_norm`` / ``norm_output``), the norms of the first layer, RoPE, the LM head, the vocabulary
 maps and what one step hands the next. The shipped drafter is converted and compared on
-SmolLM2's real features.
+SmolLM2's real features; the checkpoint speculators' converter writes reads back into headway
+and decodes losslessly.
 
 Skipped where speculators is not installed; an installed one that fails to import fails.
 """
