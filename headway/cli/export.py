@@ -69,8 +69,9 @@ def add_export(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "run_dir",
-        help="a headway run directory (config.json + model.safetensors), or a headway export "
-        "in another layout, e.g. a shipped drafter (drafters/<name>): converted",
+        help="a headway run directory (config.json + model.safetensors), or drafter heads in "
+        "another layout, converted: a headway export such as a shipped drafter "
+        "(drafters/<name>), or heads published by others (with --target)",
     )
     parser.add_argument("--format", required=True, choices=list(formats), help="output layout")
     parser.add_argument(
