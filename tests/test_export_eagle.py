@@ -83,6 +83,7 @@ def test_layout_names_and_config(run: Path, tmp_path: Path) -> None:
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "max_position_embeddings": 256,
         "vocab_size": TINY_VOCAB,
         "tie_word_embeddings": False,

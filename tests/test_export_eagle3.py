@@ -74,6 +74,7 @@ def test_layout_names_shapes_and_config(run: Path, tmp_path: Path) -> None:
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "max_position_embeddings": 256,
         "vocab_size": V,
         "draft_vocab_size": 64,

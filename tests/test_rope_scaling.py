@@ -66,6 +66,7 @@ def test_exports_write_the_scaling_and_configs_round_trip() -> None:
     config1 = EagleConfig.from_target(target)
     engine1 = eagle1_config(config1, torch.bfloat16)
     assert engine1["rope_scaling"] == LLAMA3 and engine1["rope_theta"] == 500000.0
+    assert engine1["rope_parameters"] == {"rope_theta": 500000.0, **LLAMA3}  # transformers 5
     assert EagleConfig.from_dict(json.loads(json.dumps(config1.to_dict()))) == config1
     config3 = Eagle3Config.from_target(target, draft_vocab_size=32)
     assert eagle3_hf_config(config3, torch.bfloat16)["rope_scaling"] == LLAMA3

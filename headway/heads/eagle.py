@@ -53,6 +53,8 @@ __all__ = [
     "additive_mask",
     "causal_mask",
     "eagle_tensor_shapes",
+    "rope_parameters",
+    "rope_scaling_of",
 ]
 
 
@@ -187,17 +189,20 @@ class EagleConfig:
             "head_dim": self.head_dim,
             "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {
-                "rope_type": "default",
-                **(self.rope_scaling or {}),
-                "rope_theta": self.rope_theta,
-            },
+            "rope_parameters": rope_parameters(self.rope_theta, self.rope_scaling),
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": False,
             "mlp_bias": False,
             "attn_implementation": attn_implementation,
         }
         return LlamaConfig(**settings)
+
+
+def rope_parameters(theta: float, scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """The transformers 5 ``rope_parameters`` dict of base ``theta`` and ``scaling`` (a
+    ``rope_scaling`` dict, or None for plain RoPE), e.g. ``{"rope_type": "default",
+    "rope_theta": 10000.0}``; :func:`rope_scaling_of` is its inverse."""
+    return {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
 
 
 def rope_scaling_of(rope: dict[str, Any] | None) -> dict[str, Any] | None:

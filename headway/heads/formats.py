@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headway.heads.eagle import EagleConfig
+from headway.heads.eagle import EagleConfig, rope_parameters
 from headway.heads.eagle3 import Eagle3Config
 from headway.heads.io import CONFIG_NAME, WEIGHTS_NAME, HeadsError, LoadedHeads, read_safetensors
 from headway.heads.medusa import MedusaConfig
@@ -163,8 +163,9 @@ def llama_layer_fields(config: EagleConfig | Eagle3Config, dtype: torch.dtype) -
         "head_dim": config.head_dim,
         "hidden_act": config.hidden_act,
         "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling,  # null for plain RoPE, as HF configs write it
+        "rope_theta": config.rope_theta,  # the two legacy fields, for readers before
+        "rope_scaling": config.rope_scaling,  # transformers 5 (null for plain RoPE) ...
+        "rope_parameters": rope_parameters(config.rope_theta, config.rope_scaling),  # ... and 5
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
         "tie_word_embeddings": False,
