@@ -177,6 +177,11 @@ def test_errors_are_clear(run: Path, target: Any, tmp_path: Path) -> None:
     )
     with pytest.raises(HeadsError, match=r"not a layer transformers can build .*rope_parameters"):
         import_eagle1(out)
+    (out / "config.json").write_text(
+        json.dumps({**config, "rope_scaling": None, "rope_parameters": {"rope_type": None}})
+    )
+    with pytest.raises(HeadsError, match="rope_type 'None', which transformers does not build"):
+        import_eagle1(out)  # the fuzzer's find: a KeyError deep in the rotary layer before
     (out / "config.json").write_text(json.dumps({**config, "rope_scaling": "llama3"}))
     with pytest.raises(HeadsError, match="rope_scaling 'llama3' is not an object"):
         import_eagle1(out)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache, LlamaConfig, PreTrainedModel
 from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from headway.decode.kv import cache_argument
@@ -128,6 +129,12 @@ class EagleConfig:
                     f"EagleConfig.{name}={getattr(self, name)} is beyond any real model (at most "
                     f"{maximum}); the file is damaged or not an EAGLE drafter"
                 )
+        kind = (self.rope_scaling or {}).get("rope_type", "default")
+        if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:  # it would fail in the layer
+            raise ValueError(
+                f"EagleConfig.rope_scaling has rope_type {kind!r}, which transformers does not "
+                f"build (it builds default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})"
+            )
         try:  # transformers checks head sizes and each rope type's parameters in its config
             self.llama_config()
         except Exception as error:  # its validators raise several types, huggingface_hub's too
