@@ -49,7 +49,8 @@ def add_target_flags(
         "35.1 tokens/s in bf16 against 25.2 in fp32 on a 2-core Sapphire Rapids Xeon, 79.6 "
         "against 63.7 on a 2-core AVX-512 EPYC), float32 elsewhere (`headway env` says which "
         "this is); " + exactness,
-        "decode": "auto (the default) is bfloat16 on CUDA and float32 on a CPU; " + exactness,
+        "decode": "auto (the default) is bfloat16 on CUDA (float32 on GPUs without bf16) and "
+        "float32 on a CPU; " + exactness,
     }[use]
     parser.set_defaults(dtype_use=use)
     parser.add_argument(
@@ -80,14 +81,15 @@ def _add_weight_flags(parser: argparse.ArgumentParser, auto: str) -> None:
 
 
 def dtype_for(dtype: str, device: str, use: DtypeUse = "decode") -> str:
-    """``--dtype auto`` for ``use``: decoding in bfloat16 where the target runs on CUDA, float32
-    elsewhere (CPU bf16 changes greedy text); ``generate`` and ``data`` in
-    :func:`headway.hardware.native_dtype`. Other values as given."""
+    """``--dtype auto`` for ``use``: decoding in bfloat16 where the target runs on a CUDA device
+    with bf16, float32 elsewhere (CPU bf16 changes greedy text); ``generate`` and ``data`` in
+    :func:`headway.hardware.native_dtype` on every device. Other values as given."""
     if dtype != "auto":
         return dtype
-    if use in ("data", "generate"):
-        return native_dtype(resolve_device(device))
-    return "bfloat16" if resolve_device(device).type == "cuda" else "float32"
+    resolved = resolve_device(device)
+    if use in ("data", "generate") or resolved.type == "cuda":
+        return native_dtype(resolved)  # on CUDA bf16 where the GPU has it (Ampere or newer)
+    return "float32"
 
 
 def target_from_flags(args: argparse.Namespace) -> Target:
