@@ -185,7 +185,8 @@ def fast_bf16(device: torch.device | str) -> bool:
     on an AVX2 CPU) or absent."""
     kind = torch.device(device).type
     if kind == "cuda":
-        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        # natively: compute capability 8 (Ampere) or newer; older GPUs only emulate it
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported(False))
     if kind == "cpu":
         return cpu_features().native_bf16
     return False

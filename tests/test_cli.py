@@ -189,7 +189,7 @@ def test_dtype_auto_is_bf16_on_cuda_and_fp32_on_cpu(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(common, "resolve_device", lambda device: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for supported, wanted in ((True, "bfloat16"), (False, "float32")):  # pre-Ampere: no bf16
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda s=supported: s)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda emulated, s=supported: s)
         assert common.dtype_for("auto", "auto") == wanted
     args = build_parser().parse_args(["generate", "hi"])
     assert args.dtype == "auto"

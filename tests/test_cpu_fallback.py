@@ -182,7 +182,7 @@ def test_generate_decodes_in_bf16_where_it_is_native(monkeypatch: pytest.MonkeyP
     assert hardware.native_dtype("meta") == "float32"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for supported, wanted in ((True, "bfloat16"), (False, "float32")):  # pre-Ampere: no bf16
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda s=supported: s)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda emulated, s=supported: s)
         assert hardware.native_dtype("cuda") == wanted
     assert build_parser().parse_args(["generate", "hi"]).dtype_use == "generate"
     assert build_parser().parse_args(["eval"]).dtype_use == "decode"
