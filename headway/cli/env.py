@@ -72,7 +72,7 @@ def _cuda() -> list[tuple[str, str]]:
             f"{torch.cuda.get_device_name(index)}, {memory:.0f} GiB, capability "
             f"{major}.{minor}, {torch.cuda.device_count()} device(s)",
         ),
-        ("CUDA runtime", f"{torch.version.cuda}; native bf16: {torch.cuda.is_bf16_supported(False)}"),
+        ("CUDA runtime", f"{torch.version.cuda}; native bf16: {fast_bf16('cuda')}"),
     ]
 
 
