@@ -1,7 +1,8 @@
 """``headway export`` converts between layouts: a headway export in one engine layout (the
 shipped drafter's ``eagle3-hf``, a Medusa reference folder) is written in another with the same
-tensors, target and feature layers; folders published by others, which record no target, are
-refused in one line."""
+tensors, target and feature layers; folders published by others, which record no target,
+convert for the target ``--target`` names (its fingerprint recorded, their sizes checked) and
+are refused in one line without it; a Medusa-2 export converts only from its run."""
 
 from __future__ import annotations
 
