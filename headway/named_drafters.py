@@ -111,10 +111,10 @@ def _key(name: str, verify: VerifyPath) -> _Key | None:
         return (name, verify, ())
     folder = Path(name)
     try:
-        files = sorted(path for path in folder.iterdir() if path.is_file())
-        state = tuple((path.name, path.stat().st_mtime_ns, path.stat().st_size) for path in files)
+        stats = sorted((path.name, path.stat()) for path in folder.iterdir() if path.is_file())
     except OSError:
         return None
+    state = tuple((file, stat.st_mtime_ns, stat.st_size) for file, stat in stats)
     return (str(folder.resolve()), verify, state)
 
 
@@ -140,14 +140,10 @@ def release(target: Target | None = None) -> int:
     decoders, with their static caches and CUDA graphs (GPU memory the target's own weights do
     not need); returns how many were dropped. Later calls build afresh. A call in progress keeps
     what it borrowed until it ends, and then gives it back."""
-    if target is None:
-        dropped = sum(len(spares) for spares in _SPARES.values())
-        for spares in _SPARES.values():
-            spares.clear()
-        return dropped
-    spares = _SPARES.get(id(target), {})
-    dropped = len(spares)
-    spares.clear()
+    held = list(_SPARES.values()) if target is None else [_SPARES.get(id(target), {})]
+    dropped = sum(len(spares) for spares in held)
+    for spares in held:
+        spares.clear()
     return dropped
 
 
