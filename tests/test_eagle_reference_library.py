@@ -20,24 +20,17 @@ Skipped where eagle-llm is not installed; an installed one that fails to import 
 
 from __future__ import annotations
 
-import importlib
-from importlib import metadata
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from headway.heads.format_eagle1 import export_eagle1
+from tests.installed import installed_modules
 from tests.test_eagle_drafter import PROMPT, fit_drafter, hf_greedy, last_features, save_run
 from tests.tiny import tiny_model
 
-try:
-    metadata.version("eagle-llm")
-except metadata.PackageNotFoundError:
-    pytest.skip("eagle-llm is not installed (make setup installs it)", allow_module_level=True)
-cnets = importlib.import_module("eagle.model.cnets")
-configs = importlib.import_module("eagle.model.configs")
+cnets, configs = installed_modules("eagle-llm", "eagle.model.cnets", "eagle.model.configs")
 
 
 def test_the_reference_model_reads_the_eagle1_export(tmp_path: Path) -> None:

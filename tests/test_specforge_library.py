@@ -17,8 +17,6 @@ Skipped where SpecForge is not installed; an installed one that fails to import 
 
 from __future__ import annotations
 
-import importlib
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +39,10 @@ from tests.engine_drafts import (
     shipped_draft,
     tiny_ids,
 )
+from tests.installed import installed_modules
 from tests.test_eagle3 import target_and_truth, trained
 
-try:
-    metadata.version("specforge")
-except metadata.PackageNotFoundError:
-    pytest.skip("specforge is not installed (make setup installs it)", allow_module_level=True)
-llama3_eagle = importlib.import_module("specforge.modeling.draft.llama3_eagle")
+(llama3_eagle,) = installed_modules("specforge", "specforge.modeling.draft.llama3_eagle")
 
 
 def _their_model(folder: Path, embedding: Tensor) -> Any:

@@ -18,9 +18,7 @@ Skipped where speculators is not installed; an installed one that fails to impor
 
 from __future__ import annotations
 
-import importlib
 import json
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +44,12 @@ from tests.engine_drafts import (
     shipped_draft,
     tiny_ids,
 )
+from tests.installed import installed_modules
 from tests.test_eagle3 import PROMPT, TINY_VOCAB, TREE, target_and_truth, trained
 
-try:
-    metadata.version("speculators")
-except metadata.PackageNotFoundError:
-    pytest.skip("speculators is not installed (make setup installs it)", allow_module_level=True)
-# Installed: a failing import is a failure, not a skip.
-core = importlib.import_module("speculators.models.eagle3")
-converter = importlib.import_module("speculators.convert.eagle.eagle3_converter")
+core, converter = installed_modules(
+    "speculators", "speculators.models.eagle3", "speculators.convert.eagle.eagle3_converter"
+)
 
 
 def _their_model(folder: Path) -> Any:
