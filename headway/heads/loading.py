@@ -167,10 +167,13 @@ def heads_to_export(
             "name the target they were trained for with --target to convert them (headway "
             "decodes them as they are with --heads)"
         )
-    stamp = fingerprint(target) if target is not None else recorded
-    assert stamp is not None
-    if recorded is not None:
-        check_fingerprint(recorded, stamp)
+    if target is None:
+        assert recorded is not None  # refused above otherwise
+        stamp = recorded
+    else:
+        stamp = fingerprint(target)
+        if recorded is not None:  # the heads record a target: it must be this one
+            check_fingerprint(recorded, stamp)
     imported = engine.read(folder, stamp.num_layers)
     if imported.fingerprint is None and recorded is not None:  # the reader declined the record
         raise HeadsError(
