@@ -312,6 +312,13 @@ def tensor_state(tensor: torch.Tensor) -> tuple[Any, ...]:
     return (tensor.data_ptr(), version, tensor.dtype, tensor.device, tensor.shape)
 
 
+def embedding_digest(weight: torch.Tensor) -> str:
+    """The fingerprint's hash of an output embedding ``[V, H]``: sha256 of its bf16 bytes (the
+    same for the weight in fp32 or bf16)."""
+    cpu = weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
+    return hashlib.sha256(cpu.numpy()).hexdigest()  # hashed in place: no bytes copy
+
+
 def fingerprint(model: PreTrainedModel) -> TargetFingerprint:
     """Architecture, sizes and a hash of the output embedding of `model` (the hash kept per
     head and recomputed when its weight tensor is replaced or changed in place through tracked
@@ -322,8 +329,7 @@ def fingerprint(model: PreTrainedModel) -> TargetFingerprint:
     state = tensor_state(head.weight)
     held = _DIGESTS.get(head)
     if held is None or held[0] != state:
-        cpu = weight.to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes()
-        held = (state, hashlib.sha256(cpu).hexdigest())
+        held = (state, embedding_digest(weight))
         _DIGESTS[head] = held
     return TargetFingerprint(
         architecture=(config.architectures or [type(model).__name__])[0],

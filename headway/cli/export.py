@@ -34,7 +34,8 @@ def _export(args: argparse.Namespace, run_dir: Path, out_dir: Path) -> tuple[Pat
     from headway.heads.export_medusa2 import export_medusa2_target
     from headway.heads.io import with_dtype
     from headway.heads.loading import ENGINE_FORMATS, heads_to_export
-    from headway.target import load_target, resolve_dtype
+    from headway.target import fingerprint, load_target, resolve_dtype
+    from headway.target_files import fingerprint_from_files
 
     medusa2_heads = False
     if args.format == MEDUSA2_TARGET and args.dtype != "keep":
@@ -44,8 +45,9 @@ def _export(args: argparse.Namespace, run_dir: Path, out_dir: Path) -> tuple[Pat
     elif args.format in ENGINE_FORMATS:
         target = None
         if args.target:  # heads published by others: read for this target, sizes checked
-            # bf16: half the memory, the same fingerprint (it hashes the LM head in bf16)
-            target = load_target(args.target, dtype="bfloat16", device="cpu").model
+            target = fingerprint_from_files(args.target)  # its LM head, not the whole model
+            if target is None:  # bf16: half the memory, the same fingerprint (LM head in bf16)
+                target = fingerprint(load_target(args.target, dtype="bfloat16", device="cpu").model)
         loaded = heads_to_export(run_dir, target, args.target)  # read once: exported, noted
         if args.dtype != "keep":
             loaded = with_dtype(loaded, resolve_dtype(args.dtype))
@@ -88,8 +90,9 @@ def add_export(commands: argparse._SubParsersAction) -> None:
         "--target",
         help="medusa2-target: the base target to merge into (default: the one the run was "
         "trained on, by the name in its config.json); other formats: the target heads "
-        "published by others were trained for (loaded on the CPU in bf16 for its fingerprint, "
-        "which the export records, and its sizes, which the heads must fit), so they can be "
-        "converted",
+        "published by others were trained for (its fingerprint, which the export records, and "
+        "its sizes, which the heads must fit, read from its config and the output embedding's "
+        "tensor in its safetensors; a target saved otherwise is loaded on the CPU in bf16), so "
+        "they can be converted",
     )
     parser.set_defaults(handler=run_export)

@@ -139,14 +139,16 @@ def find_heads(
 
 
 def heads_to_export(
-    directory: str | Path, target: PreTrainedModel | None = None, target_name: str | None = None
+    directory: str | Path,
+    target: TargetFingerprint | None = None,
+    target_name: str | None = None,
 ) -> LoadedHeads:
     """What ``headway export`` converts: a run directory, or heads in an engine format that record
     the target they were trained for (a ``headway export``, e.g. the shipped drafters), read as
     a run directory would be (engine formats' methods: imported Medusa heads read as
-    ``medusa1``). Heads published by others record no target: with ``target`` (named
-    ``target_name`` in the export) they are read for it, their sizes checked against it; a
-    recorded target must then be that one.
+    ``medusa1``). Heads published by others record no target: with ``target`` (the fingerprint
+    of the target named ``target_name`` in the export) they are read for it, their sizes
+    checked against it; a recorded target must then be that one.
 
     Raises:
         HeadsError: no heads, corrupt files, engine-format heads that record no target and no
@@ -158,7 +160,7 @@ def heads_to_export(
     if engine is None:
         loaded = load_heads(folder)
         if target is not None:
-            check_fingerprint(loaded.fingerprint, fingerprint(target))
+            check_fingerprint(loaded.fingerprint, target)
         return loaded
     recorded, name = recorded_target(engine_config(folder))
     if recorded is None and target is None:
@@ -171,7 +173,7 @@ def heads_to_export(
         assert recorded is not None  # refused above otherwise
         stamp = recorded
     else:
-        stamp = fingerprint(target)
+        stamp = target
         if recorded is not None:  # the heads record a target: it must be this one
             check_fingerprint(recorded, stamp)
     imported = engine.read(folder, stamp.num_layers)
