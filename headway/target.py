@@ -316,7 +316,7 @@ def embedding_digest(weight: torch.Tensor) -> str:
     """The fingerprint's hash of an output embedding ``[V, H]``: sha256 of its bf16 bytes (the
     same for the weight in fp32 or bf16)."""
     cpu = weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
-    return hashlib.sha256(cpu.numpy()).hexdigest()  # hashed in place: no bytes copy
+    return hashlib.sha256(cpu.numpy().data).hexdigest()  # hashed in place: no bytes copy
 
 
 def fingerprint(model: PreTrainedModel) -> TargetFingerprint:
