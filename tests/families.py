@@ -8,9 +8,14 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    FalconMambaConfig,
     Gemma2Config,
     Gemma3TextConfig,
+    Glm4MoeConfig,
     GPTNeoXConfig,
+    GptOssConfig,
+    GraniteConfig,
+    Llama4TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -19,6 +24,8 @@ from transformers import (
     PretrainedConfig,
     Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 VOCAB = 96
@@ -50,9 +57,10 @@ def family_config(family: str, *, layers: int = 2) -> PretrainedConfig:
     """A config of ``family`` (see :data:`FAMILIES`) with ``layers`` decoder layers."""
     config = _config(family)
     config.num_hidden_layers = layers
-    kinds = getattr(config, "layer_types", None)
-    if kinds is not None and len(kinds) != layers:  # one attention type per layer
-        config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
+    for per_layer in ("layer_types", "no_rope_layers"):  # one attention type per layer
+        kinds = getattr(config, per_layer, None)
+        if kinds is not None and len(kinds) != layers:
+            setattr(config, per_layer, [kinds[i % len(kinds)] for i in range(layers)])
     return config
 
 
@@ -82,6 +90,37 @@ def _config(family: str) -> PretrainedConfig:
         return Qwen2MoeConfig(**COMMON, **MOE, shared_expert_intermediate_size=32)
     if family == "mixtral":
         return MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+    return _config_2026(family)
+
+
+def _config_2026(family: str) -> PretrainedConfig:
+    """The families added in 2026 (transformers 5): attention sinks, MoE routers, NoPE layers,
+    and the recurrent ones headway refuses (:data:`RECURRENT`)."""
+    if family == "gpt-oss":  # attention sinks, alternating sliding layers, MoE with biases
+        settings = {k: v for k, v in COMMON.items() if k != "intermediate_size"}
+        return GptOssConfig(**settings, intermediate_size=32, head_dim=8, num_local_experts=4,
+                            num_experts_per_tok=2, sliding_window=64)  # fmt: skip
+    if family == "qwen3-moe":
+        return Qwen3MoeConfig(**COMMON, **MOE)  # head_dim: 32 / 4 heads
+    if family == "granite":  # scaled embeddings, residuals, attention and logits
+        return GraniteConfig(**COMMON)
+    if family == "glm4-moe":
+        return Glm4MoeConfig(**COMMON, n_routed_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                             topk_group=1)  # fmt: skip
+    if family == "llama4-text":  # chunked attention and NoPE layers, MoE
+        return Llama4TextConfig(**COMMON, head_dim=8, num_local_experts=4,
+                                intermediate_size_mlp=64, attention_chunk_size=16,
+                                no_rope_layers=[1, 0])  # fmt: skip
+    if family == "qwen3-next":  # gated DeltaNet layers beside full attention
+        return Qwen3NextConfig(**COMMON, **MOE, head_dim=8, linear_num_key_heads=2,
+                               linear_num_value_heads=2, linear_key_head_dim=8,
+                               linear_value_head_dim=8,
+                               layer_types=["linear_attention", "full_attention"])  # fmt: skip
+    if family == "falcon-mamba":  # state-space layers only
+        return FalconMambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8,
+                                 num_hidden_layers=2, expand=2, conv_kernel=4,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -96,11 +135,20 @@ FAMILIES = (
     "gpt-neox",
     "qwen2-moe",
     "mixtral",
+    "gpt-oss",
+    "qwen3-moe",
+    "granite",
+    "glm4-moe",
+    "llama4-text",
 )
+
+RECURRENT = ("qwen3-next", "falcon-mamba")
+"""Families with layers that keep a recurrent state besides (or instead of) keys/values, which
+headway refuses to tree-decode in one line."""
 
 
 # Families whose transformers implementation has no sdpa path.
-EAGER_ONLY = ("gemma2",)
+EAGER_ONLY = ("gemma2", "gpt-oss", "falcon-mamba")
 
 
 def family_model(family: str, *, seed: int = 0, layers: int = 2) -> Any:

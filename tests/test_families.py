@@ -1,6 +1,7 @@
 """Any causal LM as target (issue #16): the popular families beyond tests/tiny.py decode with
 prompt lookup and a tree drafter exactly as transformers' greedy decoding does (fp32); a model
-without sdpa is loaded with eager attention; decoding past a sliding window is exact."""
+without sdpa is loaded with eager attention; decoding past a sliding window, and past a chunk of
+chunked attention (Llama 4), is exact; a target with recurrent layers is refused in one line."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from headway.decode.generate import Decoder, Drafter, generate
-from headway.decode.kv import sliding_window
+from headway.decode.local_attention import sliding_window
 from headway.decode.options import DecodeOptions
 from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.lookup import PromptLookupDrafter
@@ -24,7 +25,7 @@ from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.heads.vocab import DraftVocab
 from headway.target import load_target
-from tests.families import FAMILIES, VOCAB, family_config, family_model
+from tests.families import FAMILIES, RECURRENT, VOCAB, family_config, family_model
 from tests.test_eagle3 import TREE as EAGLE3_TREE
 from tests.test_generate import PROMPT, hf_greedy
 from tests.tokenizers_fixture import smollm2_tokenizer
@@ -145,12 +146,12 @@ def test_decoding_past_a_sliding_window_is_exact(
 def test_a_mixed_model_that_takes_one_mask_is_refused_past_the_window(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from headway.decode import kv
+    from headway.decode import local_attention
 
     config = family_config("gemma2", layers=4)
     config.sliding_window = 8
     model = type(family_model("gemma2"))(config).eval()
-    monkeypatch.setattr(kv, "takes_mask_mapping", lambda model: False)
+    monkeypatch.setattr(local_attention, "takes_mask_mapping", lambda model: False)
     truth = hf_greedy(model, PROMPT, NEW_TOKENS, eos=None)
     with pytest.raises(SlidingWindowError, match=r"sliding-window \(8 tokens\) and full"):
         generate(
@@ -160,3 +161,62 @@ def test_a_mixed_model_that_takes_one_mask_is_refused_past_the_window(
             max_new_tokens=4,
             eos_token_ids=(),
         )
+
+
+def test_decoding_past_a_chunk_of_chunked_attention_is_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Llama 4's RoPE layers attend within chunks (16 tokens here, 8,192 in the released
+    models), its NoPE layers to everything: trees past the first chunk get one mask per layer
+    type, the chunked layers' closed to the keys of other chunks, and the output, eager or over
+    the static cache, is transformers' own (the tree masks ignored it before: a different
+    token at the 11th, fp32)."""
+    from headway.decode import kv
+
+    mapped: list[tuple[str, ...]] = []
+
+    def spy(model: Any, mask: Any, positions: Any, prefix_len: int) -> Any:
+        masks = kv_windowed_masks(model, mask, positions, prefix_len)
+        if isinstance(masks, dict):
+            mapped.append(tuple(masks))
+        return masks
+
+    kv_windowed_masks = kv.windowed_masks
+    monkeypatch.setattr(kv, "windowed_masks", spy)
+    model = family_model("llama4-text", layers=4)
+    assert model.config.attention_chunk_size == 16 and 0 in model.config.no_rope_layers
+    truth = hf_greedy(model, PROMPT, 40, eos=None)
+    for verify in ("eager", "captured"):
+        decoder = Decoder(model, OracleDrafter(truth, 4, width=3), DecodeOptions(verify=verify))
+        result = decoder.generate(PROMPT, max_new_tokens=40, eos_token_ids=())
+        assert result.tokens == truth, verify
+    assert set(mapped) == {("chunked_attention", "full_attention")}
+
+
+@pytest.mark.parametrize("family", RECURRENT)
+def test_a_target_with_recurrent_layers_is_refused_in_one_line(
+    family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3-Next's gated DeltaNet layers and Falcon-Mamba's state-space layers keep a running
+    state a tree's branches would share: decoding (eager or static), the regeneration engine
+    and the command line refuse them in one line, before any forward."""
+    from headway.cli import main
+    from headway.generation.batched_generation import ContinuousBatcher
+
+    model = family_model(family)
+    for verify in ("eager", "captured"):
+        with pytest.raises(TargetError, match="cannot be tree-decoded") as refused:
+            Decoder(model, None, DecodeOptions(verify=verify))
+        assert "\n" not in str(refused.value) and "keeps a" in str(refused.value)
+    with pytest.raises(HeadwayError, match="--engine generate"):
+        ContinuousBatcher(model, slots=2, max_new_tokens=4, eos_token_ids=[2], pad_token_id=0)
+    tokenizer = smollm2_tokenizer()
+    config = family_config(family)
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    type(model)(config).save_pretrained(tmp_path / family)
+    tokenizer.save_pretrained(tmp_path / family)
+    command = ["generate", "--target", str(tmp_path / family), "--max-new-tokens", "4", "hi"]
+    assert main(command) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("headway generate: error: this ") and "cannot be tree-decoded" in error

@@ -62,8 +62,10 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from headway.api import generate
     from headway.decode.generate import Decoder
+    from headway.decode.kv import check_tree_decodable
 
     target = target_from_flags(args)
+    check_tree_decodable(target.model)  # before a drafter is built for a target refused anyway
     lookup = args.drafter in (None, "prompt-lookup", "retrieval") and not args.heads
     preset = {}
     if lookup and args.draft_length is not None:

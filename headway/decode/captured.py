@@ -35,7 +35,8 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from headway.decode.device_tree import open_columns
-from headway.decode.kv import cache_argument, sliding_window, takes_mask_mapping, window_blocked
+from headway.decode.kv import cache_argument
+from headway.decode.local_attention import has_local_attention, local_masks, mask_types
 from headway.decode.static_cache import StaticCache
 from headway.decode.tree import ancestor_mask, depths
 from headway.errors import HardwareError
@@ -95,13 +96,8 @@ class StaticForward:
         self._min_capacity = COMPILED_CAPACITY if compile else MIN_CAPACITY
         if not on_cuda:
             logger.info("no CUDA: the static verify path runs uncaptured on %s", model.device)
-        window, mixed = sliding_window(model)
-        self._window = window
-        self._mask_keys = (
-            ("full_attention", "sliding_attention")
-            if window is not None and mixed and takes_mask_mapping(model)
-            else ("",)
-        )
+        self._local = has_local_attention(model)  # sliding or chunked layers
+        self._mask_keys = mask_types(model)
         self._layers = int(model.config.get_text_config().num_hidden_layers)
         self.cache = StaticCache(self._layers, self._min_capacity, model.device)
         self.keys = torch.arange(self._min_capacity, device=model.device)  # [capacity] column ids
@@ -111,8 +107,9 @@ class StaticForward:
     @property
     def takes_device_trees(self) -> bool:
         """Whether a tree on the device can be verified here (:mod:`headway.decode.
-        device_step`): not for a sliding-window target, whose mask needs a host check."""
-        return self._window is None
+        device_step`): not for a target with sliding or chunked layers, whose mask needs a host
+        check."""
+        return not self._local
 
     def begin(self, columns: int) -> None:
         self.reserve(columns)
@@ -143,7 +140,7 @@ class StaticForward:
         behind = positions[:, None] - keys[None, :]
         mask = torch.zeros(behind.shape, dtype=self.model.dtype, device=device)
         mask.masked_fill_(behind < 0, torch.finfo(mask.dtype).min)
-        masks = self._windowed(mask, behind, "prefill")
+        masks = self._windowed(mask, positions, keys, "prefill")
         logits, hidden = self._run(ids.to(device), positions[None], masks, hidden_layers, 1)
         self.cache.length = start + count
         return logits[-1], hidden
@@ -162,7 +159,7 @@ class StaticForward:
         size = block_bucket(entries)
         self.reserve(prefix_len + size)
         shape = self.shape_for(size, hidden_layers)
-        if self._window is None:
+        if not self._local:
             self._stage(shape, block, parents.cpu(), prefix_len)
         else:
             self._fill(shape, block, parents.cpu(), prefix_len)
@@ -259,7 +256,7 @@ class StaticForward:
 
     def _body(self, shape: _Shape, hidden_layers: tuple[int, ...]) -> None:
         """What a verify forward runs on the device (and a CUDA graph holds)."""
-        if self._window is None:
+        if not self._local:
             self._unstage(shape)
         shape.logits, shape.hidden = self.forward_block(shape, hidden_layers)
 
@@ -271,8 +268,9 @@ class StaticForward:
         return self._run(shape.ids, shape.positions, shape.masks, hidden_layers, 0, True)
 
     def _fill(self, shape: _Shape, block: Tensor, parents: Tensor, prefix_len: int) -> None:
-        """For a sliding-window target (whose mask needs a host check): copy one step's inputs
-        into ``shape``'s buffers and point the cache's writes after the prefix."""
+        """For a target with sliding or chunked layers (whose mask needs a host check): copy
+        one step's inputs into ``shape``'s buffers and point the cache's writes after the
+        prefix."""
         size = shape.ids.shape[1]
         device = self.model.device
         ids, positions, visible = self._inputs(size, block, parents, prefix_len)
@@ -284,19 +282,23 @@ class StaticForward:
         mask.fill_(torch.finfo(mask.dtype).min)
         mask[:, :prefix_len] = 0
         mask[:, prefix_len : prefix_len + size].masked_fill_(visible.to(device), 0)
-        if self._window is None:
+        if not self._local:
             return
         mask = mask.clone()  # the causal tree mask, kept before the buffers are overwritten
         keys = torch.arange(self.cache.capacity, device=device)
         keys[prefix_len : prefix_len + size] = positions.to(device)
-        behind = positions.to(device)[:, None] - keys[None, :]
-        for name, windowed in self._windowed(mask, behind, "captured verification").items():
+        doing = "captured verification"
+        for name, windowed in self._windowed(mask, positions.to(device), keys, doing).items():
             shape.masks[name][0, 0].copy_(windowed[0, 0])
 
-    def _windowed(self, mask: Tensor, behind: Tensor, doing: str) -> dict[str, Tensor]:
-        """``mask [q, capacity]`` as this target's mask inputs ``[1, 1, q, capacity]`` each,
-        the window blocked for sliding layers (:func:`~headway.decode.kv.window_blocked`)."""
-        result = window_blocked(self.model, mask[None, None], behind[None, None], doing)
+    def _windowed(
+        self, mask: Tensor, queries: Tensor, keys: Tensor, doing: str
+    ) -> dict[str, Tensor]:
+        """``mask [q, capacity]`` (queries at positions ``queries [q]``, the columns' keys at
+        ``keys [capacity]``) as this target's mask inputs ``[1, 1, q, capacity]`` each, what
+        sliding or chunked layers leave out closed (:func:`~headway.decode.local_attention.
+        local_masks`)."""
+        result = local_masks(self.model, mask[None, None], queries[:, None], keys, doing)
         if isinstance(result, dict):
             return result
         return {name: result for name in self._mask_keys}

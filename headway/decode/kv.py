@@ -9,16 +9,14 @@ the accepted path only, so the next step sees exactly what a fresh prefill would
 
 Exact in fp32: tree logits equal per-path logits to ~1e-6 (Llama, Qwen2, GPT-2; sdpa and eager).
 
-Sliding-window targets (Mistral, Gemma 2/3, ...) decode past their window too: the cache keeps
-every key of a sliding layer (a plain ``DynamicLayer``, never cropped), and once a tree reaches
-past the window the sliding layers get the tree mask with every key ``window`` or more positions
-behind the query blocked, as HF's own sliding mask does (a ``{"full_attention": ...,
-"sliding_attention": ...}`` mapping for models that mix both layer types).
+Sliding-window targets (Mistral, Gemma 2/3, ...) decode past their window too, and chunked ones
+(Llama 4) past their first chunk: the cache keeps every key of such a layer (a plain
+``DynamicLayer``, never cropped), and the tree mask closes what the layer type leaves out
+(:mod:`headway.decode.local_attention`).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 from collections.abc import Callable
@@ -30,21 +28,21 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from headway.decode.gemm import gemm_route, routed_linears
+from headway.decode.local_attention import windowed_masks
 from headway.decode.tree import ancestor_mask, depths
-from headway.errors import SlidingWindowError
+from headway.errors import TargetError
 
 __all__ = [
     "cache_argument",
+    "check_tree_decodable",
     "compact_cache",
     "context_limit",
     "crop_cache",
     "new_cache",
     "prefill",
-    "sliding_window",
-    "takes_mask_mapping",
+    "recurrent_layer",
     "tree_attention_mask",
     "tree_forward",
-    "window_blocked",
 ]
 
 # Layers whose keys/values are plain `[batch, kv_heads, seq, head_dim]` tensors we may re-index
@@ -84,19 +82,49 @@ def context_limit(model: PreTrainedModel) -> int:
 
 
 def new_cache(model: PreTrainedModel) -> DynamicCache:
-    """An empty ``DynamicCache`` for ``model`` (checked to hold only re-indexable layers); its
+    """An empty ``DynamicCache`` for ``model`` (:func:`check_tree_decodable`); its
     sliding-window layers keep every key, so the tree mask can index the whole prefix."""
     cache = DynamicCache(config=model.config)
+    _check_layers(model, cache)
     for index, layer in enumerate(cache.layers):
-        if type(layer) not in _SUPPORTED_LAYERS:
-            names = ", ".join(kind.__name__ for kind in _SUPPORTED_LAYERS)
-            raise ValueError(
-                f"cache layer {index} is a {type(layer).__name__}; tree decoding needs layers "
-                f"whose keys/values can be re-indexed ({names})"
-            )
         if isinstance(layer, DynamicSlidingWindowLayer):
             cache.layers[index] = DynamicLayer()
     return cache
+
+
+def check_tree_decodable(model: PreTrainedModel) -> None:
+    """Refuse a target whose cache holds more than keys/values (Mamba and linear-attention
+    layers: Qwen3-Next, Qwen3.5, Falcon-H1, Jamba, Nemotron-H, ...): a tree verified in one
+    forward needs every layer's state per block entry, re-indexed to the accepted path, and a
+    recurrent state is one running summary of the sequence, which a tree's branches would share.
+
+    Raises:
+        TargetError: one line naming the first such layer and the model type.
+    """
+    _check_layers(model, DynamicCache(config=model.config))
+
+
+def recurrent_layer(model: PreTrainedModel, cache: DynamicCache | None = None) -> str | None:
+    """``"this <model type> target ... its layer i keeps a <kind> state"``: the first layer of
+    ``model``'s cache (``cache``, default a new one) that holds more than keys/values, named for
+    an error message; None when every layer holds keys/values alone."""
+    layers = (cache if cache is not None else DynamicCache(config=model.config)).layers
+    for index, layer in enumerate(layers):
+        if type(layer) not in _SUPPORTED_LAYERS:
+            kind = getattr(model.config, "model_type", type(model).__name__)
+            return f"this {kind} target: its layer {index} keeps a {type(layer).__name__} state"
+    return None
+
+
+def _check_layers(model: PreTrainedModel, cache: DynamicCache) -> None:
+    found = recurrent_layer(model, cache)
+    if found is not None:
+        raise TargetError(
+            f"{found}, not keys/values alone, and headway verifies drafts as trees whose "
+            "keys/values it re-indexes to the accepted path (a recurrent state cannot branch): "
+            "it cannot be tree-decoded; decode it without headway, or pick a target whose "
+            "layers are all attention"
+        )
 
 
 def tree_attention_mask(
@@ -108,77 +136,6 @@ def tree_attention_mask(
     mask = torch.zeros(visible.shape[0], prefix_len + visible.shape[0], dtype=dtype, device=device)
     mask[:, prefix_len:].masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]
-
-
-def sliding_window(model: PreTrainedModel) -> tuple[int | None, bool]:
-    """``(window, mixed)``: the target's attention window (``None`` without one) and whether
-    it mixes sliding and full-attention layers (``config.layer_types``)."""
-    config = model.config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if not window or (types is not None and "sliding_attention" not in types):
-        return None, False
-    return int(window), types is not None and any(kind != "sliding_attention" for kind in types)
-
-
-def takes_mask_mapping(model: PreTrainedModel) -> bool:
-    """The model's forward accepts one mask per layer type (transformers' ``causal_mask_mapping``
-    convention, read off its source: there is no flag for it)."""
-    return _forward_takes_mask_mapping(type(model.base_model).forward)
-
-
-@functools.cache
-def _forward_takes_mask_mapping(forward: Callable[..., Any]) -> bool:
-    """Read once per forward function: this runs on every tree step past the window."""
-    try:
-        source = inspect.getsource(forward)
-    except (OSError, TypeError):
-        return False
-    return "causal_mask_mapping := attention_mask, dict" in source
-
-
-def windowed_masks(
-    model: PreTrainedModel, mask: Tensor, positions: Tensor, prefix_len: int
-) -> Tensor | dict[str, Tensor]:
-    """The tree ``mask`` ``[1, 1, q, prefix_len + q]`` for a model with a sliding window, whose
-    block entries sit at ``positions`` ``[q]``: see :func:`window_blocked`.
-
-    Raises:
-        SlidingWindowError: a mixed model whose forward takes a single mask only.
-    """
-    keys = torch.cat([torch.arange(prefix_len, device=positions.device), positions])
-    behind = positions[:, None] - keys[None, :]
-    return window_blocked(model, mask, behind.to(mask.device), "tree decoding")
-
-
-def window_blocked(
-    model: PreTrainedModel, mask: Tensor, behind: Tensor, doing: str
-) -> Tensor | dict[str, Tensor]:
-    """An additive ``mask`` for a model with a sliding window, given how many positions each key
-    lies ``behind`` each query (broadcastable to ``mask``): unchanged while every key lies
-    inside the window; past it, keys ``window`` or more positions behind a query are blocked for
-    the sliding layers (the whole mask for an all-sliding model, a per-type mapping for a mixed
-    one). ``doing`` names the work in the error.
-
-    Raises:
-        SlidingWindowError: a mixed model whose forward takes a single mask only.
-    """
-    window, mixed = sliding_window(model)
-    if window is None:
-        return mask
-    too_far = behind >= window
-    if not bool(too_far.any()):
-        return mask
-    windowed = mask.masked_fill(too_far, torch.finfo(mask.dtype).min)
-    if not mixed:
-        return windowed
-    if not takes_mask_mapping(model):
-        raise SlidingWindowError(
-            f"{type(model).__name__} mixes sliding-window ({window} tokens) and full attention "
-            f"but takes one mask for both; {doing} past the window is not supported: keep "
-            f"prompt + --max-new-tokens under {window}"
-        )
-    return {"full_attention": mask, "sliding_attention": windowed}
 
 
 def _hidden(outputs: Any, hidden_layers: tuple[int, ...]) -> tuple[Tensor, ...]:

@@ -70,10 +70,7 @@ def check_tree_mask(model: PreTrainedModel) -> None:
     prefix = torch.tensor([_PREFIX], device=device) % vocab
     block = torch.tensor([_BLOCK], device=device) % vocab
     parents = torch.tensor(_PARENTS)
-    try:
-        cache = new_cache(model)
-    except ValueError as error:
-        raise TargetError(f"this target cannot be tree-decoded: {error}") from None
+    cache = new_cache(model)  # TargetError for a target with recurrent layers
     prefill(model, cache, prefix)
     logits, _ = tree_forward(model, cache, block, parents, prefix.shape[1])
     at_tree = prefix.shape[1] + depths(parents).to(device)  # the positions tree_forward gives

@@ -57,9 +57,10 @@ from headway.decode.gemm import (
     gemm_route,
     routed_linears,
 )
-from headway.decode.kv import cache_argument
+from headway.decode.kv import cache_argument, recurrent_layer
 from headway.decode.sampling import SamplingParams, pick_tokens
 from headway.drafters.lookup import NgramIndex
+from headway.errors import HeadwayError
 from headway.generation.grouped_attention import grouped_attention
 from headway.generation.lookahead import accept_chains
 from headway.generation.ragged_cache import RaggedCache, step_mask
@@ -151,6 +152,13 @@ class ContinuousBatcher:
             raise ValueError("slots and max_new_tokens must be >= 1, eos_token_ids non-empty")
         if lookahead < 0 or ngram < 1:
             raise ValueError("lookahead must be >= 0 and ngram >= 1")
+        recurrent = recurrent_layer(model)
+        if recurrent is not None:  # ragged rows place each row's keys/values in one cache
+            raise HeadwayError(
+                f"{recurrent}, not keys/values alone, which the continuous engine places row "
+                "by row: regenerate with --engine generate (HF generate on padded batches) "
+                "or --server"
+            )
         self.model, self.slots, self.max_new_tokens = model, slots, max_new_tokens
         self.eos = frozenset(eos_token_ids)
         self.pad_token_id, self.generator = pad_token_id, generator

@@ -25,7 +25,7 @@ from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from headway.decode.kv import window_blocked
+from headway.decode.local_attention import local_masks
 from headway.errors import HeadwayError
 from headway.hardware import available_memory
 
@@ -212,13 +212,14 @@ def step_mask(
     each query sees its row's earlier tokens and itself (0), nothing else (``finfo.min``).
 
     A target with a sliding window also gets keys ``window`` or more positions behind a query
-    blocked (:func:`~headway.decode.kv.window_blocked`).
+    blocked, and one with chunked layers the keys of other chunks
+    (:func:`~headway.decode.local_attention.local_masks`).
 
     Raises:
         SlidingWindowError: a mixed model whose forward takes a single mask, past its window.
     """
     keys = torch.arange(width, device=columns.device)
-    behind = (columns[:, :, None] - keys)[:, None]  # [rows, 1, S, width]: how far each key lies
-    mask = torch.zeros(behind.shape, dtype=dtype, device=columns.device)
-    mask.masked_fill_(behind < 0, torch.finfo(dtype).min)
-    return window_blocked(model, mask, behind, "batched generation")
+    queries = columns[:, None, :, None]  # [rows, 1, S, 1]: each query's position
+    mask = torch.zeros((*queries.shape[:3], width), dtype=dtype, device=columns.device)
+    mask.masked_fill_(queries < keys, torch.finfo(dtype).min)
+    return local_masks(model, mask, queries, keys, "batched generation")
