@@ -11,6 +11,7 @@ from transformers import (
     FalconMambaConfig,
     Gemma2Config,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     Glm4MoeConfig,
     GPTNeoXConfig,
     GptOssConfig,
@@ -55,7 +56,7 @@ MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermed
 
 def family_config(family: str, *, layers: int = 2) -> PretrainedConfig:
     """A config of ``family`` (see :data:`FAMILIES`) with ``layers`` decoder layers."""
-    config = _config(family)
+    config = _config(family, layers)
     config.num_hidden_layers = layers
     for per_layer in ("layer_types", "no_rope_layers"):  # one attention type per layer
         kinds = getattr(config, per_layer, None)
@@ -64,7 +65,7 @@ def family_config(family: str, *, layers: int = 2) -> PretrainedConfig:
     return config
 
 
-def _config(family: str) -> PretrainedConfig:
+def _config(family: str, layers: int) -> PretrainedConfig:
     if family == "llama-llama3-rope":
         return LlamaConfig(**COMMON, rope_parameters=LLAMA3_SCALING)
     if family == "qwen3":
@@ -79,6 +80,10 @@ def _config(family: str) -> PretrainedConfig:
         return Gemma2Config(**gemma, final_logit_softcapping=None)
     if family == "gemma3-text":
         return Gemma3TextConfig(**gemma, final_logit_softcapping=None)
+    if family == "gemma4-text":  # its per-layer settings are fixed when it is built
+        return Gemma4TextConfig(
+            **{**gemma, "num_hidden_layers": layers}, final_logit_softcapping=None
+        )
     if family == "phi3":
         return Phi3Config(**COMMON)
     if family == "olmo2":
@@ -130,6 +135,7 @@ FAMILIES = (
     "mistral",
     "gemma2",
     "gemma3-text",
+    "gemma4-text",
     "phi3",
     "olmo2",
     "gpt-neox",

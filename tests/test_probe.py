@@ -93,3 +93,15 @@ def test_the_probe_runs_once_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
         check_tree_mask(model)
         check_tree_mask(model)
     assert calls == [1]
+
+
+def test_a_model_whose_forward_fails_on_a_4d_mask_is_refused_in_one_line() -> None:
+    """BLOOM builds its ALiBi biases from a 2-D padding mask and fails on a 4-D one: the probe
+    turns the failure into one line instead of a traceback."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    model = BloomForCausalLM(BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=4))
+    with pytest.raises(TargetError, match="fails on headway's 4-D tree attention mask") as error:
+        check_tree_mask(model.eval())
+    assert "\n" not in str(error.value) and "this bloom target" in str(error.value)

@@ -72,7 +72,15 @@ def check_tree_mask(model: PreTrainedModel) -> None:
     parents = torch.tensor(_PARENTS)
     cache = new_cache(model)  # TargetError for a target with recurrent layers
     prefill(model, cache, prefix)
-    logits, _ = tree_forward(model, cache, block, parents, prefix.shape[1])
+    try:
+        logits, _ = tree_forward(model, cache, block, parents, prefix.shape[1])
+    except (ValueError, RuntimeError, TypeError, IndexError) as error:  # e.g. BLOOM's ALiBi
+        first = str(error).splitlines()[0][:160] if str(error) else ""
+        raise TargetError(
+            f"this {getattr(model.config, 'model_type', type(model).__name__)} target's forward "
+            f"fails on headway's 4-D tree attention mask ({type(error).__name__}: {first}); "
+            "tree decoding needs a model whose attention takes a 4-D mask"
+        ) from None
     at_tree = prefix.shape[1] + depths(parents).to(device)  # the positions tree_forward gives
     positions = torch.cat([torch.arange(prefix.shape[1], device=device), at_tree])
     ignoring = model(input_ids=torch.cat([prefix, block], dim=1), position_ids=positions[None])

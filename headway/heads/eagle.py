@@ -46,6 +46,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from headway.decode.kv import cache_argument
+from headway.heads.text_config import majority_rope, uniform_attr
 
 __all__ = [
     "EagleConfig",
@@ -163,18 +164,18 @@ class EagleConfig:
         """Draft-layer sizes copied from a target model (any family, see the module docstring)."""
         text = model.config.get_text_config()
         hidden = int(text.hidden_size)
-        heads = int(text.num_attention_heads)
-        rope = getattr(text, "rope_parameters", None) or {}
+        heads = int(uniform_attr(text, "num_attention_heads"))
+        rope = majority_rope(text)  # Gemma 3/4: one set per layer type
         return cls(
             hidden_size=hidden,
             intermediate_size=int(
-                getattr(text, "intermediate_size", None)
+                uniform_attr(text, "intermediate_size")
                 or getattr(text, "n_inner", None)
                 or 4 * hidden
             ),
             num_attention_heads=heads,
-            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+            num_key_value_heads=int(uniform_attr(text, "num_key_value_heads") or heads),
+            head_dim=int(uniform_attr(text, "head_dim") or hidden // heads),  # Gemma 4: per layer
             vocab_size=int(model.get_output_embeddings().weight.shape[0]),
             hidden_act=str(getattr(text, "hidden_act", None) or "silu"),
             rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or 1e-6),
