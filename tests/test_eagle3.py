@@ -16,7 +16,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from headway.config import load_config
-from headway.errors import ConfigError
+from headway.errors import ConfigError, TargetError
 from headway.generation.grouped_attention import PACKED
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model, default_feature_layers
 from headway.heads.vocab import DraftVocab, choose_vocab, token_counts
@@ -152,7 +152,7 @@ def test_forward_shapes_and_loss_on_every_family(family: str) -> None:
 def test_feature_layers_and_config_validation() -> None:
     assert default_feature_layers(30) == (2, 15, 27)  # SmolLM2: the reference's 2, L//2, L-3
     assert default_feature_layers(7) == (2, 3, 4) and default_feature_layers(4) == TAPS
-    with pytest.raises(ValueError, match="at least 4 layers"):
+    with pytest.raises(TargetError, match="at least 4 layers"):
         default_feature_layers(3)
     config = Eagle3Config.from_target(tiny4("gpt2"), draft_vocab_size=500)
     assert config.draft_vocab_size == TINY_VOCAB  # capped at the target vocabulary

@@ -65,6 +65,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from headway.decode.kv import cache_argument
+from headway.errors import TargetError
 from headway.heads.eagle import EagleConfig, additive_mask, causal_mask
 from headway.heads.vocab import DraftVocab
 
@@ -91,7 +92,7 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
         return (2, num_layers // 2, num_layers - 3)
     if num_layers >= 4:
         return (1, num_layers // 2, num_layers - 1)
-    raise ValueError(
+    raise TargetError(
         f"EAGLE-3 fuses three distinct target layers; a {num_layers}-layer target has no three "
         "distinct layer inputs (1 .. L-1). Use a target with at least 4 layers"
     )
@@ -209,7 +210,7 @@ class Eagle3Config:
         num_layers = int(model.config.get_text_config().num_hidden_layers)
         layers = feature_layers or default_feature_layers(num_layers)
         if max(layers) >= num_layers:
-            raise ValueError(
+            raise TargetError(
                 f"feature layers {list(layers)} must be inputs of the target's layers (< "
                 f"{num_layers}); output_hidden_states[{num_layers}] is after the final norm"
             )
