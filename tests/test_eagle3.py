@@ -161,7 +161,7 @@ def test_feature_layers_and_config_validation() -> None:
     for bad in [(3, 2, 1), (0, 1, 2), (1, 1, 2), (1, 2)]:
         with pytest.raises(ValueError, match="feature_layers"):
             Eagle3Config.from_dict({**config.to_dict(), "feature_layers": list(bad)})
-    with pytest.raises(ValueError, match="inputs of the target's layers"):
+    with pytest.raises(TargetError, match="inputs of the target's layers"):
         Eagle3Config.from_target(tiny4("llama"), draft_vocab_size=8, feature_layers=(1, 2, 4))
     with pytest.raises(ValueError, match="unknown keys"):
         Eagle3Config.from_dict({**config.to_dict(), "typo": 1})
