@@ -177,7 +177,7 @@ def drafter_sizes(config: RunConfig, model: PreTrainedModel) -> DrafterSizes:
                     draft_vocab_size=config.eagle3.draft_vocab_size,
                     feature_layers=(layers[0], layers[1], layers[2]) if layers else None,
                 )
-            except ValueError as error:
+            except (ValueError, TargetError) as error:
                 raise ConfigError(f"eagle3 on this target: {error}") from None
             module = Eagle3Model(draft)
     parameters, tensors = _count(module)
