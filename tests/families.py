@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     FalconMambaConfig,
     Gemma2Config,
     Gemma3TextConfig,
@@ -117,6 +118,13 @@ def _config_2026(family: str) -> PretrainedConfig:
         return Llama4TextConfig(**COMMON, head_dim=8, num_local_experts=4,
                                 intermediate_size_mlp=64, attention_chunk_size=16,
                                 no_rope_layers=[1, 0])  # fmt: skip
+    if family == "deepseek-v3":  # multi-head latent attention: keys 16 wide, values 8
+        settings = {**COMMON, "num_key_value_heads": 4}
+        return DeepseekV3Config(**settings, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+                                num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
+                                topk_group=1, first_k_dense_replace=1,
+                                n_shared_experts=1)  # fmt: skip
     if family == "qwen3-next":  # gated DeltaNet layers beside full attention
         return Qwen3NextConfig(**COMMON, **MOE, head_dim=8, linear_num_key_heads=2,
                                linear_num_value_heads=2, linear_key_head_dim=8,
@@ -146,6 +154,7 @@ FAMILIES = (
     "granite",
     "glm4-moe",
     "llama4-text",
+    "deepseek-v3",
 )
 
 RECURRENT = ("qwen3-next", "falcon-mamba")

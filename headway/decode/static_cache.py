@@ -92,7 +92,8 @@ class StaticCache(DynamicCache):
 
     def buffers_for(self, index: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """Zeroed key and value buffers ``[B, kv_heads, capacity, head_dim]`` for layer
-        ``index``, shaped after its first ``keys``/``values`` ``[B, kv_heads, S, head_dim]``."""
+        ``index``, shaped after its first ``keys``/``values`` ``[B, kv_heads, S, head_dim]``
+        (each its own ``kv_heads`` and ``head_dim``)."""
         if keys.shape[0] != self.batch:
             raise ValueError(
                 f"a forward of batch {keys.shape[0]} over a static cache of {self.batch} rows"
@@ -107,7 +108,9 @@ class StaticCache(DynamicCache):
         ):
             return self.fused[index, 0], self.fused[index, 1]
         self.fused, self._own_buffers = None, True  # a layer unlike the first: per layer
-        return keys.new_zeros(shape), values.new_zeros((self.batch, values.shape[1], *shape[2:]))
+        # values may have another head size than keys (DeepSeek's MLA: 192 against 128)
+        value_shape = (self.batch, values.shape[1], self.capacity, values.shape[3])
+        return keys.new_zeros(shape), values.new_zeros(value_shape)
 
     def static_layers(self) -> list[StaticLayer]:
         """The layers holding buffers already (all of them after a prefill)."""

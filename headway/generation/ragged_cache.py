@@ -39,16 +39,17 @@ class RaggedLayer(DynamicLayer):
         self.key_buffer = torch.empty(0)
         self.value_buffer = torch.empty(0)
 
-    def allocate(self, like: Tensor) -> None:
-        """Buffers shaped after ``like`` ``[*, kv_heads, *, head_dim]`` (dtype, device)."""
-        shape = (self.owner.slots, like.shape[1], self.owner.capacity, like.shape[3])
-        self.key_buffer = like.new_zeros(shape)
-        self.value_buffer = like.new_zeros(shape)
-        self.dtype, self.device = like.dtype, like.device
+    def allocate(self, keys: Tensor, values: Tensor) -> None:
+        """Buffers shaped after ``keys`` and ``values`` ``[*, kv_heads, *, head_dim]`` (each
+        its own head size: DeepSeek's MLA keys are wider than its values; dtype, device)."""
+        slots, capacity = self.owner.slots, self.owner.capacity
+        self.key_buffer = keys.new_zeros((slots, keys.shape[1], capacity, keys.shape[3]))
+        self.value_buffer = values.new_zeros((slots, values.shape[1], capacity, values.shape[3]))
+        self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.allocate(key_states)
+        self.allocate(key_states, value_states)
 
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
@@ -56,7 +57,7 @@ class RaggedLayer(DynamicLayer):
         """Write ``[rows, kv_heads, S, head_dim]`` after each row's tokens; return the views
         ``[rows, kv_heads, width, head_dim]`` attention reads."""
         if not self.is_initialized:
-            self.allocate(key_states)
+            self.allocate(key_states, value_states)
         rows, columns = self.owner.write_index(key_states.shape[0], key_states.shape[2])
         self.key_buffer[rows, :, columns] = key_states.transpose(1, 2)
         self.value_buffer[rows, :, columns] = value_states.transpose(1, 2)
@@ -145,8 +146,10 @@ class RaggedCache(DynamicCache):
         layers = [layer for layer in self.ragged_layers if layer.is_initialized]
         if not layers or layers[0].key_buffer.device.type != "cpu":
             return
-        buffer = layers[0].key_buffer  # [slots, kv_heads, capacity, head_dim]; values alike
-        column = 2 * buffer.shape[0] * buffer.shape[1] * buffer.shape[3] * buffer.element_size()
+        column = sum(  # [slots, kv_heads, capacity, head_dim] each
+            buffer.shape[0] * buffer.shape[1] * buffer.shape[3] * buffer.element_size()
+            for buffer in (layers[0].key_buffer, layers[0].value_buffer)
+        )
         needed = column * ((capacity - self.capacity) * len(layers) + capacity)
         free = available_memory()
         if free is not None and needed > free:
@@ -196,7 +199,7 @@ class RaggedCache(DynamicCache):
                 )
             keys, values = source.keys, source.values
             if not layer.is_initialized:
-                layer.allocate(keys)
+                layer.allocate(keys, values)
             width = keys.shape[2]
             for offset, length in enumerate(lengths):
                 row = start + offset
