@@ -94,9 +94,10 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
 
 def check_tree_decodable(model: PreTrainedModel) -> None:
     """Refuse a target whose cache holds more than keys/values (Mamba and linear-attention
-    layers: Qwen3-Next, Qwen3.5, Falcon-H1, Jamba, Nemotron-H, ...): a tree verified in one
-    forward needs every layer's state per block entry, re-indexed to the accepted path, and a
-    recurrent state is one running summary of the sequence, which a tree's branches would share.
+    layers: Qwen3-Next, Qwen3.5, Falcon-H1, Nemotron-H, ...; DeepSeek-V3.2's indexer keys): a
+    tree verified in one forward needs every layer's state per block entry, re-indexed to the
+    accepted path, and a recurrent state is one running summary of the sequence, which a tree's
+    branches would share.
 
     Raises:
         TargetError: one line naming the first such layer and the model type.
@@ -121,9 +122,9 @@ def _check_layers(model: PreTrainedModel, cache: DynamicCache) -> None:
     if found is not None:
         raise TargetError(
             f"{found}, not keys/values alone, and headway verifies drafts as trees whose "
-            "keys/values it re-indexes to the accepted path (a recurrent state cannot branch): "
-            "it cannot be tree-decoded; decode it without headway, or pick a target whose "
-            "layers are all attention"
+            "keys/values it re-indexes to the accepted path (a recurrent state cannot branch, "
+            "and other states are not re-indexed): it cannot be tree-decoded; decode it "
+            "without headway, or pick a target whose layers keep keys/values only"
         )
 
 
