@@ -11,6 +11,7 @@ from transformers import (
     DeepseekV3Config,
     FalconMambaConfig,
     Gemma2Config,
+    Gemma3nTextConfig,
     Gemma3TextConfig,
     Gemma4TextConfig,
     Glm4MoeConfig,
@@ -56,8 +57,11 @@ MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermed
 
 
 def family_config(family: str, *, layers: int = 2) -> PretrainedConfig:
-    """A config of ``family`` (see :data:`FAMILIES`) with ``layers`` decoder layers."""
+    """A config of ``family`` (see :data:`FAMILIES`) with ``layers`` decoder layers (Gemma 3n:
+    ``layers`` + 2, the last two reusing keys/values)."""
     config = _config(family, layers)
+    if family == "gemma3n-text":  # two more layers, reusing the keys/values of the first two
+        return config
     config.num_hidden_layers = layers
     for per_layer in ("layer_types", "no_rope_layers"):  # one attention type per layer
         kinds = getattr(config, per_layer, None)
@@ -81,6 +85,14 @@ def _config(family: str, layers: int) -> PretrainedConfig:
         return Gemma2Config(**gemma, final_logit_softcapping=None)
     if family == "gemma3-text":
         return Gemma3TextConfig(**gemma, final_logit_softcapping=None)
+    if family == "gemma3n-text":  # its last layers reuse earlier layers' keys/values
+        return Gemma3nTextConfig(**{**gemma, "num_hidden_layers": layers + 2, "sliding_window": 8},
+                                 vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+                                 num_kv_shared_layers=2, laurel_rank=4, altup_num_inputs=2,
+                                 final_logit_softcapping=30.0,
+                                 activation_sparsity_pattern=[0.0] * (layers + 2),
+                                 layer_types=(["sliding_attention", "full_attention"]
+                                              * (layers // 2 + 1)))  # fmt: skip
     if family == "gemma4-text":  # its per-layer settings are fixed when it is built
         return Gemma4TextConfig(
             **{**gemma, "num_hidden_layers": layers}, final_logit_softcapping=None
@@ -144,6 +156,7 @@ FAMILIES = (
     "gemma2",
     "gemma3-text",
     "gemma4-text",
+    "gemma3n-text",
     "phi3",
     "olmo2",
     "gpt-neox",

@@ -21,7 +21,7 @@ from headway.drafters.oracle import OracleDrafter
 from headway.errors import HeadwayError, SlidingWindowError, TargetError
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
-from headway.heads.hidden_states import final_hidden_layer
+from headway.heads.hidden_states import check_final_hidden, final_hidden_layer
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.heads.vocab import DraftVocab
 from headway.target import load_target
@@ -67,9 +67,15 @@ def test_the_static_verify_path_is_exact_for_every_family(family: str) -> None:
 def test_trained_drafter_kinds_are_exact_or_refused_in_one_line(family: str) -> None:
     """Medusa heads and an EAGLE-3 draft model (random weights) on a 4-layer target of each
     family: the output is the target's own greedy output, or the drafter is refused at build
-    time with one of headway's one-line errors."""
+    time with one of headway's one-line errors (Gemma 3n: its hidden states carry its AltUp
+    streams, which the build's probe of the hidden states, ``check_final_hidden``, refuses)."""
     model = family_model(family, layers=4)
     truth = hf_greedy(model, PROMPT, NEW_TOKENS, eos=None)
+    try:
+        check_final_hidden(model, final_hidden_layer(model))  # as drafters/build.py does
+    except TargetError as error:
+        assert "\n" not in str(error) and family == "gemma3n-text", error
+        return
     built: dict[str, Any] = {}
     try:
         hidden = int(model.config.get_text_config().hidden_size)
@@ -220,3 +226,19 @@ def test_a_target_with_recurrent_layers_is_refused_in_one_line(
     assert main(command) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("headway generate: error: this ") and "cannot be tree-decoded" in error
+
+
+@pytest.mark.parametrize("method", ["medusa1", "eagle1", "eagle3"])
+def test_training_on_hidden_states_that_are_not_batch_tokens_hidden_is_refused(method: str) -> None:
+    """Gemma 3n's hidden states carry its AltUp streams (``[2, B, T, H]``): every method reads
+    them, so a run is refused in one line before any step."""
+    from headway.config import load_config
+    from headway.run_config import RunConfig
+    from headway.target import Target
+    from headway.train.methods import build_method
+
+    model = family_model("gemma3n-text", layers=4)
+    config = load_config(RunConfig, None, [f"train.method={method}"])
+    with pytest.raises(TargetError, match="AltUp streams") as refused:
+        build_method(config, Target(model, None, "tiny"), from_init=False)  # type: ignore[arg-type]
+    assert "\n" not in str(refused.value)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from headway.decode.gemm import gemm_route, routed_linears
 from headway.decode.local_attention import windowed_masks
@@ -47,7 +47,9 @@ __all__ = [
 
 # Layers whose keys/values are plain `[batch, kv_heads, seq, head_dim]` tensors we may re-index
 # (exact types: subclasses such as quantized or offloaded layers keep extra state).
-_SUPPORTED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+_SUPPORTED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)
+"""Cache layers tree decoding re-indexes; a ``DummyLayer`` holds nothing (Gemma 3n's layers that
+reuse an earlier layer's keys/values, which the forward hands them itself)."""
 
 
 def cache_argument(module: torch.nn.Module, cache: DynamicCache | None) -> dict[str, Any]:
@@ -268,7 +270,7 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: Tensor) -> None:
     """
     contiguous = int(keep[-1]) == keep.numel() - 1  # increasing from 0: the path 0..k-1
     for layer in cache.layers:
-        if getattr(layer, "is_initialized", True):
+        if _holds_keys(layer):
             if contiguous:
                 _set_length(layer, prefix_len + keep.numel())  # nothing moves: just crop
             else:
@@ -293,5 +295,10 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
     if length < 0 or length > cache.get_seq_length():
         raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {length}")
     for layer in cache.layers:
-        if getattr(layer, "is_initialized", True):
+        if _holds_keys(layer):
             _set_length(layer, length)
+
+
+def _holds_keys(layer: Any) -> bool:
+    """Whether a cache layer holds keys/values (not one yet unwritten, nor a ``DummyLayer``)."""
+    return bool(getattr(layer, "is_initialized", True)) and getattr(layer, "keys", None) is not None

@@ -166,6 +166,7 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
     static = spec.drafting in ("static", "compiled")
     try:
         if isinstance(config, Eagle3Config):
+            check_final_hidden(model, final_hidden_layer(model))  # the target's logits: final
             state, keep = found.state_dict, _draft_vocab(spec, target)
             if keep is not None:
                 config, state = narrow_eagle3(config, state, keep)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer
 
 from headway.decode.local_attention import local_masks
 from headway.errors import HeadwayError
@@ -177,6 +177,8 @@ class RaggedCache(DynamicCache):
         (``[1, kv_heads, length, head_dim]`` per layer), to continue that row from there."""
         copy = DynamicCache()
         for index, layer in enumerate(self.ragged_layers):
+            if not layer.is_initialized:  # a layer that reuses another's (Gemma 3n)
+                continue
             keys = layer.key_buffer[row : row + 1, :, :length].clone()
             copy.update(keys, layer.value_buffer[row : row + 1, :, :length].clone(), index)
         return copy
@@ -192,7 +194,10 @@ class RaggedCache(DynamicCache):
         if start + len(lengths) > self.slots:
             raise ValueError(f"{start} live rows + {len(lengths)} new exceed {self.slots} slots")
         self.reserve(max(lengths) + 1)
-        for layer, source in zip(self.ragged_layers, prefilled.layers, strict=True):
+        # Gemma 3n's cache holds its first layers only: the last ones reuse their keys/values
+        for layer, source in zip(self.ragged_layers, prefilled.layers, strict=False):
+            if isinstance(source, DummyLayer):  # reuses another layer's keys/values
+                continue
             if not isinstance(source, DynamicLayer) or source.keys is None or source.values is None:
                 raise TypeError(
                     f"cannot place a prefilled {type(source).__name__}: not keys/values"

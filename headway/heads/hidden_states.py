@@ -35,8 +35,9 @@ def check_final_hidden(model: PreTrainedModel, layer: int) -> None:
     what its output embedding (LM head) consumes, by capturing that input with a forward hook.
 
     Raises:
-        TargetError: for a model family whose hidden states are taken elsewhere (e.g. before a
-            final norm): Medusa heads trained on those would read the wrong vector.
+        TargetError: for a model family whose hidden states are not ``[batch, tokens, hidden]``
+            (Gemma 3n's carry its AltUp streams), or are taken elsewhere (e.g. before a final
+            norm): drafters trained on those would read the wrong vector.
     """
     captured: list[Tensor] = []
 
@@ -55,6 +56,14 @@ def check_final_hidden(model: PreTrainedModel, layer: int) -> None:
             )
     finally:
         handle.remove()
+    shapes = sorted({tuple(state.shape) for state in outputs.hidden_states})
+    if any(len(shape) != 3 or shape[:2] != tuple(ids.shape) for shape in shapes):
+        raise TargetError(
+            f"{type(model).__name__}: its output_hidden_states are {[list(s) for s in shapes]} "
+            f"for {list(ids.shape)} tokens, not [batch, tokens, hidden] (Gemma 3n stacks its "
+            "AltUp streams), so Medusa and EAGLE drafters cannot read them; use prompt lookup "
+            "or retrieval"
+        )
     hidden = outputs.hidden_states[layer]
     if not captured or captured[-1].shape != hidden.shape or not torch.equal(captured[-1], hidden):
         raise TargetError(

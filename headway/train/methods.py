@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from headway.errors import ConfigError
+from headway.heads.hidden_states import check_final_hidden, final_hidden_layer
 from headway.heads.loading import FoundHeads
 from headway.heads.medusa import MedusaConfig, MedusaHeads, medusa_draft_size
 from headway.heads.vocab import DraftVocab
@@ -153,6 +154,8 @@ def build_method(config: RunConfig, target: Target, *, from_init: bool = True) -
             f"train.method={config.train.method!r} is not available yet; "
             f"available: {', '.join(sorted(METHODS))}"
         )
+    # every method reads the target's hidden states, and the final one as its LM head does
+    check_final_hidden(target.model, final_hidden_layer(target.model))
     if from_init:
         return builder(config, target, init=initial_heads(config, target))
     placeholder = _placeholder_vocab(config, target)
