@@ -98,7 +98,10 @@ def prompt_ids(
     if isinstance(prompt, str) and not chat:
         return tokenizer(prompt, return_tensors="pt")["input_ids"][0]
     if not getattr(tokenizer, "chat_template", None):
-        raise HeadwayError("chat prompts need a tokenizer with a chat template; this one has none")
+        raise HeadwayError(
+            f"chat prompts need a tokenizer with a chat template; {target.source}'s has none (a "
+            "base model?): pass a string with chat=False (headway.generate), or leave out --chat"
+        )
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     encoded: Any = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
