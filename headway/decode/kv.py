@@ -23,9 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import transformers.cache_utils
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from headway.decode.gemm import gemm_route, routed_linears
 from headway.decode.local_attention import windowed_masks
@@ -33,6 +34,7 @@ from headway.decode.tree import ancestor_mask, depths
 from headway.errors import TargetError
 
 __all__ = [
+    "DUMMY_LAYER",
     "cache_argument",
     "check_tree_decodable",
     "compact_cache",
@@ -45,11 +47,15 @@ __all__ = [
     "tree_forward",
 ]
 
+DUMMY_LAYER: type | None = getattr(transformers.cache_utils, "DummyLayer", None)
+"""transformers' layer that holds nothing (Gemma 3n's layers that reuse an earlier layer's
+keys/values, which the forward hands them itself); None in a transformers without one."""
+
 # Layers whose keys/values are plain `[batch, kv_heads, seq, head_dim]` tensors we may re-index
-# (exact types: subclasses such as quantized or offloaded layers keep extra state).
-_SUPPORTED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)
-"""Cache layers tree decoding re-indexes; a ``DummyLayer`` holds nothing (Gemma 3n's layers that
-reuse an earlier layer's keys/values, which the forward hands them itself)."""
+# (exact types: subclasses such as quantized or offloaded layers keep extra state), and dummies.
+_SUPPORTED_LAYERS = tuple(
+    kind for kind in (DynamicLayer, DynamicSlidingWindowLayer, DUMMY_LAYER) if kind is not None
+)
 
 
 def cache_argument(module: torch.nn.Module, cache: DynamicCache | None) -> dict[str, Any]:

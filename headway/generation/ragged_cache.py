@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DummyLayer, DynamicLayer
+from transformers.cache_utils import DynamicLayer
 
+from headway.decode.kv import DUMMY_LAYER
 from headway.decode.local_attention import local_masks
 from headway.errors import HeadwayError
 from headway.hardware import available_memory
@@ -196,7 +197,7 @@ class RaggedCache(DynamicCache):
         self.reserve(max(lengths) + 1)
         # Gemma 3n's cache holds its first layers only: the last ones reuse their keys/values
         for layer, source in zip(self.ragged_layers, prefilled.layers, strict=False):
-            if isinstance(source, DummyLayer):  # reuses another layer's keys/values
+            if DUMMY_LAYER is not None and isinstance(source, DUMMY_LAYER):  # reuses another's
                 continue
             if not isinstance(source, DynamicLayer) or source.keys is None or source.values is None:
                 raise TypeError(
