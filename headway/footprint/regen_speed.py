@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from headway.decode.kv import recurrent_layer
 from headway.target import load_target
 from headway.train.answering import RegenerateOptions, answer_items
 from headway.train.prompts import PromptItem
@@ -55,7 +56,9 @@ def measure_tokens_per_s(
         PromptItem(id=str(index), source="plan", user_turns=[prompt])
         for index, prompt in enumerate(PROMPTS)
     ]
-    options = RegenerateOptions(max_new_tokens=new_tokens, batch_size=len(items))
+    # a target with recurrent layers answers through HF generate, as `--engine generate` does
+    engine = "generate" if recurrent_layer(target.model) is not None else "continuous"
+    options = RegenerateOptions(max_new_tokens=new_tokens, batch_size=len(items), engine=engine)
     started = time.perf_counter()
     tokens = sum(
         answer.tokens for _, answers in answer_items(target, items, options) for answer in answers
@@ -66,6 +69,6 @@ def measure_tokens_per_s(
         tokens_per_s=tokens / max(seconds, 1e-9),
         source=(
             f"measured here: {len(items)} prompts, {tokens} answer tokens in {seconds:.1f} s "
-            f"(batch {len(items)}, {where}, greedy)"
+            f"(batch {len(items)}, {where}, greedy, {engine} engine)"
         ),
     )
