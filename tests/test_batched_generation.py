@@ -16,6 +16,7 @@ from headway.decode import packed
 from headway.decode.gemm import GemmChoice, apply_gemm, packing_available
 from headway.decode.sampling import SamplingParams, pick_tokens, probs_from_logits
 from headway.generation.batched_generation import ContinuousBatcher
+from tests.families import family_model
 from tests.tiny import tiny_model
 
 EOS = [5, 17]
@@ -99,7 +100,18 @@ def test_next_turns_continue_from_the_finished_rows_cache(family: str, lookahead
     the answer, new user tokens), prefills only what follows the prefix it shares with the
     finished row: one whose history re-tokenized differently shares less, one that shares
     nothing waits as any prompt. Every answer is ``generate``'s on its whole prompt alone."""
-    model = tiny_model(family)
+    _continue_turns(tiny_model(family), lookahead)
+
+
+@pytest.mark.parametrize("family", ["llama4-text", "deepseek-v3", "gemma3n-text"])
+def test_next_turns_continue_past_chunks_with_latent_and_shared_keys(family: str) -> None:
+    """The same through Llama 4's 16-token chunks (conversations grow past two of them),
+    DeepSeek's latent attention (values narrower than keys) and Gemma 3n's layers that reuse
+    earlier layers' keys/values."""
+    _continue_turns(family_model(family), lookahead=3)
+
+
+def _continue_turns(model: Any, lookahead: int) -> None:
     rng = random.Random(3)
     asked: dict[tuple[Hashable, int], list[int]] = {
         (f"c{i}", 0): [rng.randrange(3, 96) for _ in range(rng.randint(1, 12))] for i in range(6)
