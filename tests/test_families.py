@@ -204,8 +204,9 @@ def test_a_target_with_recurrent_layers_is_refused_in_one_line(
     family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Qwen3-Next's gated DeltaNet layers and Falcon-Mamba's state-space layers keep a running
-    state a tree's branches would share: decoding (eager or static), the regeneration engine
-    and the command line refuse them in one line, before any forward."""
+    state a tree's branches would share: decoding (eager or static), the continuous
+    regeneration engine and the command line refuse them in one line, before any forward;
+    ``headway data regenerate`` answers with them through HF generate (``--engine auto``)."""
     from headway.cli import main
     from headway.generation.batched_generation import ContinuousBatcher
 
@@ -226,6 +227,14 @@ def test_a_target_with_recurrent_layers_is_refused_in_one_line(
     assert main(command) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("headway generate: error: this ") and "cannot be tree-decoded" in error
+    # regeneration answers with HF generate (--engine auto), and the continuous engine refuses
+    regenerate = ["data", "regenerate", "--target", str(tmp_path / family), "--mix", "chitchat:2"]
+    regenerate += ["--max-new-tokens", "4", "--dtype", "float32"]
+    assert main([*regenerate, "--out", str(tmp_path / "answers")]) == 0
+    assert len(list((tmp_path / "answers" / "data").glob("part-*.jsonl.gz"))) == 1
+    capsys.readouterr()
+    assert main([*regenerate, "--out", str(tmp_path / "no"), "--engine", "continuous"]) == 2
+    assert "--engine generate" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("method", ["medusa1", "eagle1", "eagle3"])

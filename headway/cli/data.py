@@ -122,12 +122,14 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--engine",
-        choices=["continuous", "generate"],
-        default="continuous",
+        choices=["auto", "continuous", "generate"],
+        default="auto",
         help="continuous: finished rows leave and waiting prompts join (several times HF "
         "generate's tokens/s on a CPU, more with --lookahead; scripts/bench_regenerate.py "
         "measures it, docs/benchmarks.md has the figures); generate: HF generate on padded "
-        "batches. Either may be used to resume a folder",
+        "batches; auto (the default): continuous, or generate for a target with recurrent "
+        "layers (Qwen3.5, Mamba, ...), which the continuous engine cannot batch. Any may be "
+        "used to resume a folder",
     )
     parser.add_argument(
         "--lookahead",

@@ -13,9 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from headway.decode.kv import recurrent_layer
 from headway.target import load_target
-from headway.train.answering import RegenerateOptions, answer_items
+from headway.train.answering import RegenerateOptions, answer_items, engine_for
 from headway.train.prompts import PromptItem
 
 __all__ = ["PROMPTS", "RegenSpeed", "measure_tokens_per_s"]
@@ -56,8 +55,7 @@ def measure_tokens_per_s(
         PromptItem(id=str(index), source="plan", user_turns=[prompt])
         for index, prompt in enumerate(PROMPTS)
     ]
-    # a target with recurrent layers answers through HF generate, as `--engine generate` does
-    engine = "generate" if recurrent_layer(target.model) is not None else "continuous"
+    engine = engine_for(target, "auto")  # as `headway data regenerate` picks it
     options = RegenerateOptions(max_new_tokens=new_tokens, batch_size=len(items), engine=engine)
     started = time.perf_counter()
     tokens = sum(

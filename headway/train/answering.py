@@ -18,6 +18,7 @@ from typing import Any, cast
 import torch
 
 from headway.decode.gemm import contiguous_head
+from headway.decode.kv import recurrent_layer
 from headway.decode.sampling import SamplingParams
 from headway.errors import DataError
 from headway.generation.batched_generation import ContinuousBatcher
@@ -27,7 +28,7 @@ from headway.train.prompts import PromptItem
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("continuous", "generate")
+ENGINES = ("auto", "continuous", "generate")
 # Options that decide speed only: a resumed run may change them (the answers are the target's).
 SPEED_OPTIONS = ("batch_size", "engine", "lookahead", "reuse_history")
 GREEDY_LOOKAHEAD = 3  # beat no lookahead in greedy runs of scripts/bench_regenerate.py
@@ -46,8 +47,9 @@ class RegenerateOptions:
     # Self-instruct answers are one request each; a short cap saves most of that stage's time.
     meta_max_new_tokens: int = 96
     # "continuous": rows leave when done and waiting prompts join (batched_generation);
-    # "generate": HF generate on padded batches (the reference, kept for benchmarks).
-    engine: str = "continuous"
+    # "generate": HF generate on padded batches (the reference, kept for benchmarks);
+    # "auto": continuous, or generate for a target with recurrent layers (:func:`engine_for`).
+    engine: str = "auto"
     # continuous only: tokens each row drafts per step by prompt lookup in its own text, all
     # verified in the same forward (0: one token per step); see headway.generation.lookahead.
     # None: GREEDY_LOOKAHEAD for greedy answers, 0 when sampling (fewer drafts are kept there,
@@ -147,9 +149,18 @@ def answer_items(
     """Answer every user turn of every item, turn by turn (each turn after the target's own
     earlier answers), with the engine the options name (the continuous engine's linear layers
     on the route applied to the target, :mod:`headway.decode.gemm`)."""
-    if options.engine == "continuous":
+    if engine_for(target, options.engine) == "continuous":
         return _answer_continuously(target, items, options)
     return _answer_in_padded_batches(target, items, options)
+
+
+def engine_for(target: Target, engine: str) -> str:
+    """The engine ``engine`` names for ``target``: ``auto`` is the continuous one, or HF
+    ``generate`` for a target with recurrent layers (Qwen3.5, Mamba, ...), whose state the
+    continuous engine cannot place row by row."""
+    if engine != "auto":
+        return engine
+    return "continuous" if recurrent_layer(target.model) is None else "generate"
 
 
 def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
