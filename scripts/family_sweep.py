@@ -58,6 +58,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 PROMPT = [1, 5, 17, 33, 8, 40, 41, 9]
 NEW_TOKENS = 20
 SECONDS = 120  # a family taking longer is reported as not built
+MAX_PARAMETERS = 20_000_000  # a family still larger after shrinking is not built
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,10 @@ def tiny_model(family: str) -> Any:
             distinct = list(dict.fromkeys(kinds))  # keep every kind, e.g. linear and full
             count = text.num_hidden_layers
             setattr(text, per_layer, [distinct[i % len(distinct)] for i in range(count)])
+    with torch.device("meta"):  # sized first: a family the shrinking misses can be huge
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(f"{size / 1e6:.0f}M parameters after shrinking (BLT's sub-configs)")
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
