@@ -55,18 +55,22 @@ def test_a_model_that_drops_the_mask_is_refused_before_decoding(dtype: torch.dty
 def test_rounding_far_below_what_ignoring_the_mask_gives_passes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A tree forward that rounds differently from the plain ones (bf16 kernels of another
+    """A bf16 tree forward that rounds differently from the plain ones (kernels of another
     shape: 0.28 logit standard deviations for the real SmolLM2 on an AVX-512 EPYC) is no mask
-    ignored: what counts is that difference against the plain causal forward's."""
-    model = tiny_model("qwen2")  # ignoring the mask moves its logits by 1.31 deviations
+    ignored: what counts is that difference against the plain causal forward's. In fp32 no
+    rounding comes near it: the same difference is refused there."""
     real = probe.tree_forward
 
     def rounded_otherwise(*args: Any, **kwargs: Any) -> Any:
         logits, rest = real(*args, **kwargs)
-        return logits + 0.2 * logits.std() * torch.linspace(-1, 1, logits.shape[-1]), rest
+        noise = torch.linspace(-1, 1, logits.shape[-1], device=logits.device)
+        return logits + (0.2 * logits.float().std() * noise).to(logits.dtype), rest
 
     monkeypatch.setattr(probe, "tree_forward", rounded_otherwise)
-    check_tree_mask(model)  # 0.2 deviations: over the bf16 tolerance, far under 1.31
+    # ignoring the mask moves its logits by ~1.3 deviations; 0.2: over the bf16 tolerance
+    check_tree_mask(tiny_model("qwen2").to(torch.bfloat16))
+    with pytest.raises(TargetError, match="in float32, where rounding stays under"):
+        check_tree_mask(tiny_model("qwen2"))
 
 
 @pytest.mark.slow
@@ -105,3 +109,32 @@ def test_a_model_whose_forward_fails_on_a_4d_mask_is_refused_in_one_line() -> No
     with pytest.raises(TargetError, match="fails on headway's 4-D tree attention mask") as error:
         check_tree_mask(model.eval())
     assert "\n" not in str(error.value) and "this bloom target" in str(error.value)
+
+
+def test_a_model_that_places_tree_entries_by_cache_index_is_refused_in_fp32() -> None:
+    """A forward that takes the mask but not the tree's ``position_ids`` (each entry placed by
+    its index in the cache, as ALiBi's biases are) differs from the paths by far less than
+    ignoring the mask would, but far beyond fp32 rounding: refused."""
+    model = tiny_model("llama")
+    stock = model.forward
+
+    def forward(*args: Any, position_ids: Any = None, **kwargs: Any) -> Any:
+        return stock(*args, **kwargs)  # transformers then counts positions along the cache
+
+    model.forward = forward
+    with pytest.raises(TargetError, match=r"in float32, where rounding stays under 0\.001"):
+        check_tree_mask(model)
+
+
+def test_an_alibi_target_is_refused_in_one_line() -> None:
+    """MPT builds its ALiBi biases from each key's place in the cache: refused before any
+    forward, whatever the dtype (in bf16 the difference would pass for rounding)."""
+    from transformers import MptConfig, MptForCausalLM
+
+    torch.manual_seed(0)
+    config = MptConfig(vocab_size=96, d_model=32, n_heads=4, n_layers=2, max_seq_len=64)
+    assert getattr(config.attn_config, "alibi", False)  # the default
+    model = MptForCausalLM(config).eval().to(torch.bfloat16)
+    with pytest.raises(TargetError, match="this mpt target adds ALiBi position biases") as error:
+        check_tree_mask(model)
+    assert "\n" not in str(error.value)

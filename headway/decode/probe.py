@@ -49,6 +49,14 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-3 if dtype == torch.float32 else 0.05
 
 
+def _alibi(model: PreTrainedModel) -> bool:
+    """Whether the target adds ALiBi biases (MPT's ``attn_config.alibi``, Falcon's ``alibi``;
+    BLOOM always, refused where its forward fails on a 4-D mask)."""
+    config = model.config.get_text_config()
+    attention = getattr(config, "attn_config", None)
+    return bool(getattr(config, "alibi", False) or getattr(attention, "alibi", False))
+
+
 def _gap(logits: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor) -> float:
     """The largest difference of ``logits`` from ``expected`` (both ``[positions, V]``) in units of
     ``scale``."""
@@ -65,6 +73,12 @@ def check_tree_mask(model: PreTrainedModel) -> None:
     """
     if model in _CHECKED:
         return
+    if _alibi(model):
+        raise TargetError(
+            f"this {model.config.model_type} target adds ALiBi position biases, which "
+            "transformers computes from each key's place in the cache, not from position_ids: "
+            "a tree's branches would see wrong distances, so it cannot be tree-decoded"
+        )
     device = next(model.parameters()).device
     vocab = int(model.get_output_embeddings().weight.shape[0])
     prefix = torch.tensor([_PREFIX], device=device) % vocab
@@ -74,7 +88,7 @@ def check_tree_mask(model: PreTrainedModel) -> None:
     prefill(model, cache, prefix)
     try:
         logits, _ = tree_forward(model, cache, block, parents, prefix.shape[1])
-    except (ValueError, RuntimeError, TypeError, IndexError) as error:  # e.g. BLOOM's ALiBi
+    except (ValueError, RuntimeError, TypeError, IndexError, AssertionError) as error:  # BLOOM
         first = str(error).splitlines()[0][:160] if str(error) else ""
         raise TargetError(
             f"this {getattr(model.config, 'model_type', type(model).__name__)} target's forward "
@@ -99,5 +113,13 @@ def check_tree_mask(model: PreTrainedModel) -> None:
             f"decoding each path by {worst:.3g} logit standard deviations, a plain causal one by "
             f"{ignored:.3g}); load it with attn_implementation='eager' or 'sdpa', or use a model "
             "whose attention takes a 4-D mask"
+        )
+    if worst > _tolerance(logits.dtype) and logits.dtype == torch.float32:
+        raise TargetError(  # no rounding of fp32 comes near: the tree itself is seen otherwise
+            f"this target's tree forward differs from decoding each path by {worst:.3g} logit "
+            f"standard deviations in float32, where rounding stays under "
+            f"{_tolerance(logits.dtype):g} (its attention reads something a tree changes besides "
+            "the mask and position_ids, e.g. ALiBi biases from each key's place in the cache): "
+            "headway cannot decode it losslessly"
         )
     _CHECKED.add(model)
