@@ -54,11 +54,13 @@ LATENT = {"num_key_value_heads": 4}  # multi-head latent attention: as many key 
 OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_v2": LATENT, "deepseek_v3": LATENT, "deepseek_v32": LATENT, "minicpm3": LATENT,
     "kimi_linear": LATENT, "glm4_moe_lite": LATENT, "gemma3n_text": {"num_kv_shared_layers": 0},
+    "axk1": LATENT, "axk2": LATENT, "bailing_hybrid": LATENT, "glm_moe_dsa": LATENT,
+    "hy_v4": LATENT, "sarvam_mla": LATENT, "youtu": LATENT,
 }  # fmt: skip
 PROMPT = [1, 5, 17, 33, 8, 40, 41, 9]
 NEW_TOKENS = 20
 SECONDS = 120  # a family taking longer is reported as not built
-MAX_PARAMETERS = 20_000_000  # a family still larger after shrinking is not built
+MAX_PARAMETERS = 300_000_000  # a family still larger after shrinking is not built
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ def tiny_model(family: str) -> Any:
     with torch.device("meta"):  # sized first: a family the shrinking misses can be huge
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if size > MAX_PARAMETERS:
-        raise ValueError(f"{size / 1e6:.0f}M parameters after shrinking (BLT's sub-configs)")
+        raise ValueError(f"{size / 1e6:.0f}M parameters after shrinking")
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
