@@ -275,3 +275,23 @@ def test_tree_logits_equal_each_path_for_every_family(family: str) -> None:
         plain = model(ids[None]).logits[0, prompt.numel() :]
         scale = max(1.0, float(plain.abs().max()))  # Gemma's sharpened heads: logits ~100
         torch.testing.assert_close(logits[path], plain, atol=1e-5 * scale + 1e-4, rtol=0)
+
+
+def test_a_chunked_model_that_takes_one_mask_decodes_until_its_first_chunk_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Llama 4 as if its forward took a single mask: within the first 16-token chunk nothing is
+    closed (the static cache's later columns, of later chunks, do not count), and a tree past it
+    is refused in one line."""
+    from headway.decode import local_attention
+
+    model = family_model("llama4-text")
+    monkeypatch.setattr(local_attention, "takes_mask_mapping", lambda model: False)
+    truth = hf_greedy(model, PROMPT, 6, eos=None)  # 8 + 6 tokens: one chunk
+    for verify in ("eager", "captured"):
+        decoder = Decoder(model, OracleDrafter(truth, 4, width=3), DecodeOptions(verify=verify))
+        assert decoder.generate(PROMPT, max_new_tokens=6, eos_token_ids=()).tokens == truth
+    longer = hf_greedy(model, PROMPT, 30, eos=None)
+    with pytest.raises(SlidingWindowError, match=r"chunked \(16-token chunks\) and full"):
+        generate(model, PROMPT, drafter=OracleDrafter(longer, 4, width=3), max_new_tokens=30,
+                 eos_token_ids=())  # fmt: skip

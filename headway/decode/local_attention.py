@@ -136,10 +136,11 @@ def local_masks(
     blocked: dict[str, Tensor] = {}
     if window is not None:
         blocked[SLIDING] = queries - keys >= window
-    if chunk is not None:
-        blocked[CHUNKED] = torch.div(queries, chunk, rounding_mode="floor") != torch.div(
+    if chunk is not None:  # an earlier key of another chunk (later keys are closed anyway)
+        apart = torch.div(queries, chunk, rounding_mode="floor") != torch.div(
             keys, chunk, rounding_mode="floor"
         )
+        blocked[CHUNKED] = apart & (keys <= queries)
     blocked = {kind: where for kind, where in blocked.items() if bool(where.any())}
     if not blocked:
         return mask
