@@ -312,31 +312,38 @@ def tensor_state(tensor: torch.Tensor) -> tuple[Any, ...]:
     return (tensor.data_ptr(), version, tensor.dtype, tensor.device, tensor.shape)
 
 
-def embedding_digest(weight: torch.Tensor) -> str:
+def _embedding_digest(weight: torch.Tensor) -> str:
     """The fingerprint's hash of an output embedding ``[V, H]``: sha256 of its bf16 bytes (the
     same for the weight in fp32 or bf16)."""
     cpu = weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16)
     return hashlib.sha256(cpu.numpy().data).hexdigest()  # hashed in place: no bytes copy
 
 
-def fingerprint(model: PreTrainedModel) -> TargetFingerprint:
+def fingerprint(
+    model: PreTrainedModel, head_weight: torch.Tensor | None = None
+) -> TargetFingerprint:
     """Architecture, sizes and a hash of the output embedding of `model` (the hash kept per
     head and recomputed when its weight tensor is replaced or changed in place through tracked
-    ops; an edit through ``.data`` is not seen)."""
+    ops; an edit through ``.data`` is not seen). ``head_weight``: the output embedding read
+    elsewhere (from the checkpoint, for a model built on the meta device), hashed as given."""
     config = model.config.get_text_config()
-    head = model.get_output_embeddings()
-    weight = head.weight.detach()
-    state = tensor_state(head.weight)
-    held = _DIGESTS.get(head)
-    if held is None or held[0] != state:
-        held = (state, embedding_digest(weight))
-        _DIGESTS[head] = held
+    if head_weight is not None:
+        weight, digest = head_weight, _embedding_digest(head_weight)
+    else:
+        head = model.get_output_embeddings()
+        weight = head.weight.detach()
+        state = tensor_state(head.weight)
+        held = _DIGESTS.get(head)
+        if held is None or held[0] != state:
+            held = (state, _embedding_digest(weight))
+            _DIGESTS[head] = held
+        digest = held[1]
     return TargetFingerprint(
         architecture=(config.architectures or [type(model).__name__])[0],
         hidden_size=int(config.hidden_size),
         vocab_size=int(weight.shape[0]),
         num_layers=int(config.num_hidden_layers),
-        output_embedding_sha256=held[1],
+        output_embedding_sha256=digest,
     )
 
 

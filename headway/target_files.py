@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from headway.target import TargetFingerprint, embedding_digest, resolve_target_path
+from headway.target import TargetFingerprint, fingerprint, resolve_target_path
 
 __all__ = ["fingerprint_from_files"]
 
@@ -74,14 +74,7 @@ def fingerprint_from_files(
     except (OSError, ValueError, SafetensorError) as error:  # loading reports it in one line
         logger.info("%s: its safetensors did not read (%s); loading the model", folder, error)
         return None
-    text = config.get_text_config()
-    return TargetFingerprint(
-        architecture=(text.architectures or [type(model).__name__])[0],
-        hidden_size=int(text.hidden_size),
-        vocab_size=int(weight.shape[0]),
-        num_layers=int(text.num_hidden_layers),
-        output_embedding_sha256=embedding_digest(weight),
-    )
+    return fingerprint(model, weight)
 
 
 def _folder(source: Path | str) -> Path | None:

@@ -62,10 +62,10 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from headway.api import generate
     from headway.decode.generate import Decoder
-    from headway.decode.kv import check_tree_decodable
+    from headway.decode.probe import check_tree_mask
 
     target = target_from_flags(args)
-    check_tree_decodable(target.model)  # before a drafter is built for a target refused anyway
+    check_tree_mask(target.model)  # as eval does: a target refused before a drafter is built
     lookup = args.drafter in (None, "prompt-lookup", "retrieval") and not args.heads
     preset = {}
     if lookup and args.draft_length is not None:

@@ -35,7 +35,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from headway.decode.device_tree import open_columns
-from headway.decode.kv import cache_argument
+from headway.decode.kv import cache_argument, check_tree_decodable
 from headway.decode.local_attention import has_local_attention, local_masks, mask_types
 from headway.decode.static_cache import StaticCache
 from headway.decode.tree import ancestor_mask, depths
@@ -85,6 +85,7 @@ class StaticForward:
     def __init__(
         self, model: PreTrainedModel, *, capture: bool | None = None, compile: bool = False
     ) -> None:
+        check_tree_decodable(model)  # as the eager path's cache does: one line, not a crash
         on_cuda = model.device.type == "cuda"
         if capture and not on_cuda:
             raise ValueError(f"CUDA graphs need a CUDA device; the target is on {model.device}")

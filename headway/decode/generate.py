@@ -36,7 +36,7 @@ from headway.decode.device_chain import ChainDrafter, DeviceChain, EmptyChain, c
 from headway.decode.device_step import DeviceDrafter, DeviceStep, DeviceVerify
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.gemm import gemm_route
-from headway.decode.kv import check_tree_decodable, context_limit
+from headway.decode.kv import context_limit
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits, sample
 from headway.decode.session import Drafter, Session, StopReason, commit
@@ -205,7 +205,6 @@ class Decoder:
         *,
         verify_costs: Sequence[float] | None = None,
     ) -> None:
-        check_tree_decodable(model)  # one line for a recurrent target, eager or static
         self.model = model
         self.drafter: Drafter = drafter if drafter is not None else _NoDrafter()
         self.options = options
