@@ -299,6 +299,12 @@ _DIGESTS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], str]
 hashing SmolLM2's 28M-weight head took ~0.1 s, and building the default drafter asked twice."""
 
 
+def forget_digests() -> None:
+    """Drop the output-embedding hashes kept per LM head: the next fingerprint hashes again, as
+    in a new process (``scripts/api_calls.py`` times calls so)."""
+    _DIGESTS.clear()
+
+
 def tensor_state(tensor: torch.Tensor) -> tuple[Any, ...]:
     """What a copy derived from ``tensor`` (a hash, a reordered weight) is kept under: its
     storage, in-place version counter (-1 for an inference tensor, which has none and cannot be

@@ -49,9 +49,7 @@ def fingerprint_from_files(
     try:
         config = AutoConfig.from_pretrained(folder, **options)
         with torch.device("meta"):  # shapes and names only: no weight is allocated
-            model = AutoModelForCausalLM.from_config(
-                config, trust_remote_code=trust_remote_code
-            )
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as error:
         logger.info("%s: no model built from its config (%s); loading it", folder, error)
         return None

@@ -44,6 +44,7 @@ __all__ = [
     "BUSY_SHARE",
     "TIMINGS_NAME",
     "cache_dir",
+    "forget_taken",
     "forget_timings",
     "kept_timings",
     "machine_key",
@@ -225,6 +226,12 @@ def kept_timings() -> list[dict[str, Any]]:
     ``key`` (kind, machine and caller key), ``value`` and ``measured`` date."""
     entries = [entry for entry in _read(timings_path()).values() if isinstance(entry, dict)]
     return sorted(entries, key=lambda entry: str(entry.get("measured", "")))
+
+
+def forget_taken() -> None:
+    """Forget what this process took from the kept timings (the file stays): the next use reads
+    it again, as a new process would."""
+    _TAKEN.clear()
 
 
 def forget_timings() -> int:

@@ -62,8 +62,8 @@ def one_call(target: Target, question: str, new: int, kept: bool) -> tuple[list[
     ``kept=False`` drops what earlier calls kept first, as every call did before."""
     if not kept:  # every call resolved, built, hashed the target and read the timings
         named_drafters.release()
-        target_module._DIGESTS.clear()
-        timings._TAKEN.clear()
+        target_module.forget_digests()
+        timings.forget_taken()
     start = time.perf_counter()
     out = headway.generate(target, question, max_new_tokens=new)
     wall = time.perf_counter() - start

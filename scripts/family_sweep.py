@@ -5,8 +5,8 @@ For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING`` (or those named), a t
 is built in-process from the config class's defaults, shrunk (hidden 32, 2 layers, 96 tokens;
 :data:`SHRINK`), and decoded greedily for 20 tokens with an oracle tree of width 3 (every block
 a real tree), eagerly and over the static cache headway captures on CUDA (uncaptured here),
-after the mask probe ``headway generate`` runs first.
-Each row says one of:
+after the mask probe ``headway generate`` runs first; for an exact family, whether Medusa and
+EAGLE drafters can read its hidden states (``headway check``'s row). Each row says one of:
 
 - ``exact``: both paths gave transformers' own greedy tokens (``distinct`` counts the tokens of
   that answer: 1 means the random model repeats one token and proves little);
@@ -70,6 +70,7 @@ class Row:
     family: str
     outcome: str
     detail: str = ""
+    features: str = "-"  # exact families: can Medusa / EAGLE drafters read its hidden states?
 
 
 def tiny_model(family: str) -> Any:
@@ -145,7 +146,20 @@ def sweep_one(family: str) -> Row:
             return Row(
                 family, "MISMATCH", f"{verify}: first differs at token {_first(tokens, truth)}"
             )
-    return Row(family, "exact", f"distinct={len(set(truth))}")
+    try:
+        features = _features(model)
+    except Exception as error:
+        return Row(family, "ERROR in headway", f"hidden-state check: {_where(error)}")
+    return Row(family, "exact", f"distinct={len(set(truth))}", features)
+
+
+def _features(model: Any) -> str:
+    """``yes``, or ``no`` and why, for Medusa and EAGLE drafters on ``model`` (the row
+    ``headway check`` prints; EAGLE-3's needs 4 layers, more than the sweep's 2)."""
+    from headway.drafters.target_support import FEATURES, target_support
+
+    row = next(row for row in target_support(model) if row.capability == FEATURES)
+    return "yes" if row.ok else f"no: {row.detail[:100]}"
 
 
 def _first_line(error: BaseException) -> str:
@@ -183,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     families = args.families or decoder_families()
     signal.signal(signal.SIGALRM, _timeout)
     rows = []
-    print("| family | outcome | detail |\n|---|---|---|")
+    print("| family | outcome | Medusa, EAGLE | detail |\n|---|---|---|---|")
     for family in families:
         signal.alarm(SECONDS)
         try:
@@ -193,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             signal.alarm(0)
         rows.append(row)
-        print(f"| {row.family} | {row.outcome} | {row.detail.replace('|', '/')} |", flush=True)
+        cells = (row.family, row.outcome, row.features, row.detail)
+        print("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |", flush=True)
     counts = {kind: sum(row.outcome == kind for row in rows) for kind in dict.fromkeys(
         row.outcome for row in rows)}  # fmt: skip
     print("\n" + ", ".join(f"{count} {kind}" for kind, count in counts.items()))

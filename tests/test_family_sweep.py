@@ -21,9 +21,9 @@ def test_families_are_classified_and_a_bug_fails_the_sweep(
     script = _script()
     assert script.main(["llama", "qwen3_next", "bloom"]) == 0
     out = capsys.readouterr().out
-    assert "| llama | exact | distinct=" in out
-    assert "| qwen3_next | refused | TargetError: this qwen3_next target: its layer 0" in out
-    assert "| bloom | refused | TargetError: this bloom target's forward fails" in out
+    assert "| llama | exact | yes | distinct=" in out
+    assert "| qwen3_next | refused | - | TargetError: this qwen3_next target: its layer 0" in out
+    assert "| bloom | refused | - | TargetError: this bloom target's forward fails" in out
     assert out.rstrip().endswith("1 exact, 2 refused")
 
     from headway.decode import generate
@@ -36,7 +36,7 @@ def test_families_are_classified_and_a_bug_fails_the_sweep(
     real = generate.Decoder.generate
     monkeypatch.setattr(generate.Decoder, "generate", wrong)
     assert script.main(["llama"]) == 1
-    assert "| llama | MISMATCH | eager: first differs at token 3 |" in capsys.readouterr().out
+    assert "| llama | MISMATCH | - | eager: first differs at token 3 |" in capsys.readouterr().out
 
 
 def test_a_traceback_inside_headway_is_reported_where_it_happened(
@@ -51,5 +51,5 @@ def test_a_traceback_inside_headway_is_reported_where_it_happened(
     monkeypatch.setattr(forwards, "compact_cache", broken)  # the eager path's compaction
     assert script.main(["llama"]) == 1
     row = capsys.readouterr().out.splitlines()[2]
-    assert row.startswith("| llama | ERROR in headway | eager: IndexError: out of range at ")
+    assert row.startswith("| llama | ERROR in headway | - | eager: IndexError: out of range at ")
     assert " at forwards.py:" in row  # the innermost frame of headway's own code

@@ -87,6 +87,24 @@ def test_a_kept_fingerprint_follows_changes_of_the_head_weight() -> None:
     assert fingerprint(model) == first
 
 
+def test_forgotten_digests_are_hashed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    import headway.target as target_module
+
+    hashed: list[int] = []
+    digest = target_module._embedding_digest
+
+    def counted(weight: torch.Tensor) -> str:
+        hashed.append(1)
+        return digest(weight)
+
+    monkeypatch.setattr(target_module, "_embedding_digest", counted)
+    model = tiny_model("llama")
+    first = fingerprint(model)
+    assert fingerprint(model) == first and len(hashed) == 1
+    target_module.forget_digests()
+    assert fingerprint(model) == first and len(hashed) == 2
+
+
 def test_check_fingerprint_refuses_other_target_unless_forced() -> None:
     llama, qwen = fingerprint(tiny_model("llama")), fingerprint(tiny_model("qwen2"))
     check_fingerprint(llama, llama)

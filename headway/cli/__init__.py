@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from headway import __version__
+from headway.cli.check import add_check
 from headway.cli.common import add_target_flags
 from headway.cli.data import add_data
 from headway.cli.env import add_env
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_quickstart,
         add_data,
         add_env,
+        add_check,
         add_plan,
     ):
         add(commands)

@@ -24,7 +24,7 @@ def final_hidden_layer(model: PreTrainedModel) -> int:
 def _probe_ids(model: PreTrainedModel) -> Tensor:
     """A few ordinary token ids ``[1, 4]`` (not the pad token, whose embedding is often zero and
     would make every hidden state zero, hence equal)."""
-    pad = model.config.get_text_config().pad_token_id
+    pad = getattr(model.config.get_text_config(), "pad_token_id", None)  # CodeGen has none
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = [token for token in range(1, min(vocab, 6)) if token != pad][:4]
     return torch.tensor([ids], dtype=torch.long, device=model.device)

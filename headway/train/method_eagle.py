@@ -70,7 +70,9 @@ class Eagle1(nn.Module):
         self.target_head = TargetHead.of(target.model)  # a plain attribute: not a submodule
         self.feature_layers = (final_hidden_layer(target.model),)
         self.settings = config.eagle
-        self.pad_token_id = int(target.model.config.get_text_config().pad_token_id or 0)
+        self.pad_token_id = int(
+            getattr(target.model.config.get_text_config(), "pad_token_id", None) or 0
+        )
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,0 +1,167 @@
+"""What headway can do with a target: every check it makes, run once, every refusal said at once.
+
+headway refuses a target where it cannot stay lossless, each refusal where the capability is
+first used: the cache's layers and the mask probe when decoding starts
+(:mod:`headway.decode.kv`, :mod:`headway.decode.probe`), the hidden states when a Medusa or EAGLE
+drafter is built or trained (:mod:`headway.heads.hidden_states`), EAGLE-3's feature layers when
+its config is made (:func:`~headway.heads.eagle3.default_feature_layers`). A person choosing a
+target wants all of them before training anything: :func:`target_support` runs those same checks
+(no second implementation of any) and reports each as a :class:`Support` row, the reason of a
+refusal in the words the point of use would raise it with (``headway check``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+
+from transformers import PreTrainedModel
+
+from headway.decode.kv import context_limit, recurrent_layer
+from headway.decode.local_attention import (
+    attention_chunk,
+    has_local_attention,
+    mask_types,
+    sliding_window,
+)
+from headway.decode.probe import check_tree_mask
+from headway.errors import HeadwayError
+from headway.heads.eagle3 import default_feature_layers
+from headway.heads.hidden_states import check_final_hidden, final_hidden_layer
+
+__all__ = [
+    "ATTENTION",
+    "EAGLE3",
+    "FEATURES",
+    "REGENERATION",
+    "STATIC",
+    "TREE",
+    "Support",
+    "target_support",
+]
+
+TREE, ATTENTION, STATIC = "tree decoding", "attention", "static verify"
+FEATURES, EAGLE3, REGENERATION = "Medusa, EAGLE-1/2", "EAGLE-3", "regeneration"
+
+
+@dataclass(frozen=True)
+class Support:
+    """One capability of headway on a target.
+
+    Attributes:
+        capability: what it is about (``"tree decoding"``, ``"EAGLE-3"``, ...).
+        ok: whether headway does it for this target.
+        detail: how it does it, or the one-line reason it refuses.
+    """
+
+    capability: str
+    ok: bool
+    detail: str
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def target_support(model: PreTrainedModel) -> tuple[Support, ...]:
+    """Every capability row for ``model`` (in its own dtype and device: the mask probe runs a
+    few tiny forwards, the hidden-state check one): tree decoding, what its attention needs,
+    the static verify path, Medusa and EAGLE-1/2 drafters, EAGLE-3 drafters, regeneration."""
+    tree = _tree(model)
+    rows = [tree, _attention(model), _static(model, tree)]
+    features = _features(model, tree)
+    return (*rows, features, _eagle3(model, features), _regeneration(model))
+
+
+def _tree(model: PreTrainedModel) -> Support:
+    try:
+        check_tree_mask(model)  # the cache's layers first, then the probe forwards
+    except HeadwayError as error:
+        return Support(TREE, False, str(error))
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    limit = context_limit(model)
+    context = (
+        "no context limit in its config" if limit == sys.maxsize else f"up to {limit:,} tokens"
+    )
+    return Support(
+        TREE,
+        True,
+        f"a tree verified in one forward equals each path decoded alone (mask probe, {dtype}); "
+        f"prompt lookup and retrieval draft for it; {context}",
+    )
+
+
+def _attention(model: PreTrainedModel) -> Support:
+    window, mixed = sliding_window(model)
+    chunk = attention_chunk(model)
+    if not has_local_attention(model):
+        return Support(ATTENTION, True, "every layer attends to the whole prefix")
+    local = f"a sliding window of {window:,} tokens" if window else f"chunks of {chunk:,} tokens"
+    per_type = len(mask_types(model)) > 1
+    if window and not mixed:
+        how = "every layer slides: one windowed mask"
+    elif per_type:
+        how = "one mask per layer type (transformers' causal_mask_mapping)"
+    else:
+        span = window if window else chunk
+        return Support(
+            ATTENTION,
+            True,
+            f"layers with {local} beside full ones, and a forward that takes a single mask: "
+            f"decoding is refused past the first {span:,} tokens",
+        )
+    return Support(ATTENTION, True, f"layers with {local}, masked exactly: {how}")
+
+
+def _static(model: PreTrainedModel, tree: Support) -> Support:
+    if not tree.ok:
+        return Support(STATIC, False, "needs tree decoding")
+    steps = (
+        "trees are checked against the window on the host each step"
+        if has_local_attention(model)
+        else "trees stay on the device, one host read a step (the device step)"
+    )
+    return Support(
+        STATIC,
+        True,
+        f"over a static cache (--verify captured or compiled: CUDA graphs on a GPU); {steps}",
+    )
+
+
+def _features(model: PreTrainedModel, tree: Support) -> Support:
+    if not tree.ok:
+        return Support(FEATURES, False, "needs tree decoding")
+    layer = final_hidden_layer(model)
+    try:
+        check_final_hidden(model, layer)
+    except HeadwayError as error:
+        return Support(FEATURES, False, str(error))
+    return Support(
+        FEATURES,
+        True,
+        f"trained and run on output_hidden_states[{layer}], checked to be the LM head's input",
+    )
+
+
+def _eagle3(model: PreTrainedModel, features: Support) -> Support:
+    if not features.ok:
+        return Support(EAGLE3, False, f"needs what {FEATURES} needs: {features.detail}")
+    layers = int(model.config.get_text_config().num_hidden_layers)
+    try:
+        low, middle, high = default_feature_layers(layers)
+    except HeadwayError as error:
+        return Support(EAGLE3, False, str(error))
+    return Support(
+        EAGLE3,
+        True,
+        f"fuses output_hidden_states[{low}], [{middle}] and [{high}] of its {layers} layers "
+        "(the engines' default)",
+    )
+
+
+def _regeneration(model: PreTrainedModel) -> Support:
+    recurrent = recurrent_layer(model)
+    if recurrent is None:
+        how = "the continuous-batching engine (--engine auto)"
+    else:
+        how = f"HF generate in padded batches ({recurrent}; --engine auto)"
+    return Support(REGENERATION, True, f"headway data regenerate answers with {how}")
