@@ -1,6 +1,7 @@
 """The static cache's batch dimension (headway.decode.static_cache, issue #32): ragged rows,
 each with its own trees, acceptances and compaction, decoded through one batched cache give
-each row's own greedy output, as transformers decodes that row alone (fp32)."""
+each row's own greedy output, as transformers decodes that row alone (fp32); the device step's
+tree layout and acceptance take a batch of trees, each row what it gives alone."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from headway.decode.device_tree import open_columns
+from headway.decode.device_tree import accept_greedy, accept_sampled, open_columns, tree_layout
 from headway.decode.kv import cache_argument
 from headway.decode.static_cache import StaticCache
 from headway.decode.tree import ancestor_mask
@@ -185,3 +186,42 @@ def test_a_forward_of_another_batch_is_refused() -> None:
         cache.layers[0].update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
     with pytest.raises(ValueError, match="at least one row"):
         StaticCache(1, 8, torch.device("cpu"), batch=0)
+
+
+@pytest.mark.parametrize("nodes", [0, 1, 6, 11])
+def test_batched_tree_layout_and_acceptance_are_each_rows_own(nodes: int) -> None:
+    """Five trees of ``nodes`` nodes, each of another shape, laid out and accepted as one
+    batch ``[B, ...]`` (greedy, and sampled over each row's own uniforms): every row's depths,
+    ancestors, count, path and committed tokens are those the same functions give that tree
+    alone (which ``tests/test_device_step.py`` holds to the host's verification)."""
+    generator = torch.Generator().manual_seed(nodes)
+    batch, vocab, pad = 5, 6, 2
+    parents = torch.stack(
+        [
+            torch.tensor([int(torch.randint(-1, i, (), generator=generator)) for i in range(nodes)])
+            .long()
+            .reshape(nodes)
+            for _ in range(batch)
+        ]
+    )  # [B, n], row 0 and others differ in shape
+    size = nodes + 1 + pad
+    ids = torch.randint(0, vocab, (batch, size), generator=generator)
+    argmax = torch.where(  # often the drafted token, so paths get long
+        torch.rand(batch, size, generator=generator) < 0.6, ids.roll(-1, -1), ids.roll(1, -1)
+    )
+    probs = torch.softmax(3 * torch.randn(batch, size, vocab, generator=generator), -1)
+    noise = torch.rand(batch, nodes + vocab, generator=generator)
+    rows = nodes + 1
+    depths, ancestors = tree_layout(parents, nodes)
+    greedy = accept_greedy(ids, parents, depths, ancestors, argmax, rows)
+    sampled = accept_sampled(ids, parents, probs, noise, rows, nodes)
+    assert greedy[0].shape == (batch,) and sampled[2].shape == greedy[2].shape
+    for b in range(batch):
+        alone_depths, alone_ancestors = tree_layout(parents[b], nodes)
+        assert torch.equal(depths[b], alone_depths) and torch.equal(ancestors[b], alone_ancestors)
+        alone = accept_greedy(ids[b], parents[b], alone_depths, alone_ancestors, argmax[b], rows)
+        assert all(torch.equal(mine[b], its) for mine, its in zip(greedy, alone, strict=True)), b
+        alone = accept_sampled(ids[b], parents[b], probs[b], noise[b], rows, nodes)
+        assert all(torch.equal(mine[b], its) for mine, its in zip(sampled, alone, strict=True)), b
+    if nodes > 1:  # the batch differs between rows: a test of rows, not of one row five times
+        assert len({tuple(row.tolist()) for row in greedy[2]}) > 1

@@ -13,11 +13,13 @@ differ per row (:meth:`StaticCache.update` scatters with per-row indices), compa
 per-row gather (:meth:`StaticCache.move_columns` with ``[B, k]`` indices) and each row's
 committed length is its caller's device vector ``[B]`` (``length`` is the longest row's, what
 transformers reads). ``tests/test_static_batch.py`` decodes ragged rows with per-row trees and
-acceptances through one batched cache and matches each row decoded alone. What remains for
-batched speculative decoding is the device step's plan tensors gaining the same leading ``B``
-(trees ``[B, n]``, acceptance over ``[B, n + 1]``, one host read for all rows), and a finished
-row stepping on padding until the batch refills it (as
-:mod:`headway.generation.batched_generation` does with its ragged cache).
+acceptances through one batched cache and matches each row decoded alone, and the device
+step's tree layout and acceptance (:mod:`headway.decode.device_tree`) take trees ``[B, n]``,
+each row what it gives alone. What remains for batched speculative decoding is the verify
+forward's buffers and the device step's plan gaining the same leading ``B`` (one host read for
+all rows), drafters drafting ``B`` trees at once, and a finished row stepping on padding until
+the batch refills it (as :mod:`headway.generation.batched_generation` does with its ragged
+cache).
 """
 
 from __future__ import annotations
