@@ -83,7 +83,12 @@ class StaticForward:
     ``capture`` (default: on CUDA). See the module docstring."""
 
     def __init__(
-        self, model: PreTrainedModel, *, capture: bool | None = None, compile: bool = False
+        self,
+        model: PreTrainedModel,
+        *,
+        capture: bool | None = None,
+        compile: bool = False,
+        batch: int = 1,
     ) -> None:
         check_tree_decodable(model)  # as the eager path's cache does: one line, not a crash
         on_cuda = model.device.type == "cuda"
@@ -100,7 +105,8 @@ class StaticForward:
         self._local = has_local_attention(model)  # sliding or chunked layers
         self._mask_keys = mask_types(model)
         self._layers = int(model.config.get_text_config().num_hidden_layers)
-        self.cache = StaticCache(self._layers, self._min_capacity, model.device)
+        # batch > 1: rows of their own (headway.decode.batch_step); the methods here take one
+        self.cache = StaticCache(self._layers, self._min_capacity, model.device, batch)
         self.keys = torch.arange(self._min_capacity, device=model.device)  # [capacity] column ids
         self._shapes: dict[tuple[int, tuple[int, ...]], _Shape] = {}
         self._pool: Any = None
@@ -142,9 +148,9 @@ class StaticForward:
         mask = torch.zeros(behind.shape, dtype=self.model.dtype, device=device)
         mask.masked_fill_(behind < 0, torch.finfo(mask.dtype).min)
         masks = self._windowed(mask, positions, keys, "prefill")
-        logits, hidden = self._run(ids.to(device), positions[None], masks, hidden_layers, 1)
+        logits, hidden = self.forward_rows(ids.to(device), positions[None], masks, hidden_layers, 1)
         self.cache.length = start + count
-        return logits[-1], hidden
+        return logits[0, -1], tuple(layer[0] for layer in hidden)
 
     def verify(
         self, block: Tensor, parents: Tensor, prefix_len: int, hidden_layers: tuple[int, ...]
@@ -266,7 +272,10 @@ class StaticForward:
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The target over ``shape``'s ids, positions and masks: logits ``[S, V]`` and the
         ``hidden_layers``' states ``[S, H]`` of every block entry."""
-        return self._run(shape.ids, shape.positions, shape.masks, hidden_layers, 0, True)
+        logits, hidden = self.forward_rows(
+            shape.ids, shape.positions, shape.masks, hidden_layers, 0, True
+        )
+        return logits[0], tuple(layer[0] for layer in hidden)
 
     def _fill(self, shape: _Shape, block: Tensor, parents: Tensor, prefix_len: int) -> None:
         """For a target with sliding or chunked layers (whose mask needs a host check): copy
@@ -304,7 +313,7 @@ class StaticForward:
             return result
         return {name: result for name in self._mask_keys}
 
-    def _run(
+    def forward_rows(
         self,
         ids: Tensor,
         positions: Tensor,
@@ -313,6 +322,9 @@ class StaticForward:
         logits_to_keep: int,
         compiled: bool = False,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The target over ``ids``/``positions [B, S]`` (each row at the cache's ``columns``)
+        with ``masks`` (each ``[B, 1, S, capacity]``): logits ``[B, S', V]`` (the last
+        ``logits_to_keep``, 0 for all) and the ``hidden_layers``' states ``[B, S, H]``."""
         forward = self._compiled if compiled and self._compiled is not None else self.model
         outputs = forward(
             input_ids=ids,
@@ -323,7 +335,7 @@ class StaticForward:
             output_hidden_states=bool(hidden_layers),
             logits_to_keep=logits_to_keep,
         )
-        return outputs.logits[0], tuple(outputs.hidden_states[i][0] for i in hidden_layers)
+        return outputs.logits, tuple(outputs.hidden_states[i] for i in hidden_layers)
 
     def _capture(self, shape: _Shape, hidden_layers: tuple[int, ...]) -> None:
         """Capture ``shape``'s forward as a CUDA graph (:func:`record_graph`)."""

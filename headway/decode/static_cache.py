@@ -15,11 +15,11 @@ committed length is its caller's device vector ``[B]`` (``length`` is the longes
 transformers reads). ``tests/test_static_batch.py`` decodes ragged rows with per-row trees and
 acceptances through one batched cache and matches each row decoded alone, and the device
 step's tree layout and acceptance (:mod:`headway.decode.device_tree`) take trees ``[B, n]``,
-each row what it gives alone. What remains for batched speculative decoding is the verify
-forward's buffers and the device step's plan gaining the same leading ``B`` (one host read for
-all rows), drafters drafting ``B`` trees at once, and a finished row stepping on padding until
-the batch refills it (as :mod:`headway.generation.batched_generation` does with its ragged
-cache).
+each row what it gives alone; :class:`~headway.decode.batch_step.BatchVerify` takes greedy
+steps for ``B`` rows with them (one host read a step for all rows). What remains for batched
+speculative decoding is drafters drafting ``B`` trees at once, sampling, and a finished row
+stepping on padding until the batch refills it (as :mod:`headway.generation.batched_generation`
+does with its ragged cache).
 """
 
 from __future__ import annotations

@@ -11,4 +11,4 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', tr
       'accelerate', accelerate.__version__, 'datasets', datasets.__version__, 'pyarrow',
       pyarrow.__version__, 'peft', peft.__version__, 'safetensors', s.__version__)"
 set -o pipefail
-timeout 420 python3 -m pytest -m gpu -rs -p no:cacheprovider tests/test_gpu.py tests/test_gpu_families.py 2>&1 | tee "$OUT/test-gpu.log"
+timeout 420 python3 -m pytest -m gpu -rs -p no:cacheprovider tests/test_gpu.py tests/test_batch_step.py tests/test_gpu_families.py 2>&1 | tee "$OUT/test-gpu.log"

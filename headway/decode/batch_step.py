@@ -1,0 +1,177 @@
+"""Greedy speculative steps for a batch of sequences over one static cache (issue #32's next step).
+
+``B`` sequences, each with its own prompt, tree and acceptance, share a
+:class:`~headway.decode.captured.StaticForward` built with ``batch=B``: row ``b`` keeps its
+tokens at columns ``0 .. lengths[b] - 1`` of the batched :class:`~headway.decode.static_cache.
+StaticCache`. A step verifies one tree of ``n`` nodes per row in one forward and accepts each
+row's own path, as :class:`~headway.decode.device_step.DeviceVerify` does for one sequence, with
+the same functions over a leading batch dimension (:mod:`headway.decode.device_tree`):
+
+1. each row's block (its root, then its tree, padded to a power of two) is written at its own
+   columns ``lengths[b] ..``, its positions and mask from its own tree and length;
+2. one verify forward of ``[B, S]`` entries;
+3. greedy acceptance per row, each row's accepted path moved behind its own prefix, and
+   ``lengths`` advanced by each row's count, all on the device;
+
+then one host read for all rows (the committed tokens). Shapes depend only on ``B`` and ``n``,
+so on CUDA the step is captured as one graph per tree size and replayed; off CUDA it runs
+uncaptured. A row that has finished keeps stepping (its tokens are ignored) until its caller
+refills or drops the batch. Rows' outputs are each row's own greedy output, as transformers
+decodes that prompt alone (``tests/test_batch_step.py``, fp32).
+
+Not yet: drafters proposing ``B`` trees at once (the tests draft from each row's known answer),
+sampling (the acceptance function takes a batch, the noise staging does not yet), targets with
+sliding or chunked layers (their masks need a host check a step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from headway.decode.captured import StaticForward, block_bucket, run_graph
+from headway.decode.device_tree import accept_greedy, open_columns, tree_layout
+from headway.errors import TargetError
+
+__all__ = ["BatchVerify"]
+
+
+@dataclass
+class _Plan:
+    """The buffers (and, on CUDA, the graph) of one tree size."""
+
+    nodes: int
+    rows: int  # the longest path counted with the root
+    roots: Tensor  # [B]: each row's next token to feed (its last committed one)
+    tokens: Tensor  # [B, n]: the trees, copied in
+    parents: Tensor  # [B, n]
+    cache: object  # the StaticCache the graph writes into
+    graph: object = None
+    out: Tensor | None = None  # [B, 1 + rows]: each row's count, then its committed tokens
+
+
+class BatchVerify:
+    """Greedy tree steps for the ``B`` rows of ``target`` (module docstring); ``max_depth``
+    bounds the trees' depth."""
+
+    def __init__(self, target: StaticForward, max_depth: int) -> None:
+        if not target.takes_device_trees:
+            raise TargetError(
+                "batched speculative steps need a target without sliding-window or chunked "
+                "layers (their masks need a check on the host each step); decode its rows "
+                "one at a time"
+            )
+        self.target, self.max_depth = target, max_depth
+        self.batch = target.cache.batch
+        device = target.model.device
+        self.lengths = torch.zeros(self.batch, dtype=torch.long, device=device)  # per row
+        self._known = [0] * self.batch  # the same on the host, from each step's one read
+        self._plans: dict[int, _Plan] = {}
+
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[Tensor]) -> Tensor:
+        """Run each row's prompt (``B`` LongTensors ``[L_b]``, L_b >= 1) from column 0 in one
+        forward; returns each row's greedy next token ``[B]`` (on the device), the first
+        root to feed :meth:`step`. Shorter prompts are padded with entries that see only
+        themselves (their columns are overwritten or never opened later)."""
+        target, device = self.target, self.target.model.device
+        if len(prompts) != self.batch or min(p.numel() for p in prompts) < 1:
+            raise ValueError(f"need {self.batch} prompts of at least one token each")
+        sizes = torch.tensor([p.numel() for p in prompts], device=device)
+        width = int(max(p.numel() for p in prompts))
+        target.begin(width)
+        ids = torch.zeros(self.batch, width, dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            ids[row, : prompt.numel()] = prompt.to(device)
+        order = torch.arange(width, device=device)
+        real = order < sizes[:, None]  # [B, L]
+        visible = order[None, :, None] >= order[None, None, :]  # causal [1, L, L]
+        visible = (visible & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
+        starts = torch.zeros(self.batch, dtype=torch.long, device=device)
+        logits = self._forward(ids, order.expand(self.batch, width), visible, starts, width)[0]
+        self.lengths.copy_(sizes)
+        self._known = [p.numel() for p in prompts]
+        target.cache.length = width
+        last = (sizes - 1)[:, None, None].expand(-1, 1, logits.shape[-1])
+        return logits.gather(1, last)[:, 0].argmax(-1)
+
+    @torch.no_grad()
+    def step(self, roots: Tensor, tokens: Tensor, parents: Tensor) -> list[list[int]]:
+        """Verify each row's tree (``tokens``/``parents [B, n]``, topological order, -1 for the
+        root's children) below its root (``roots [B]``: each row's last committed token, not
+        yet in the cache) and commit each row's accepted path and bonus token; returns each
+        row's committed tokens (its next root is the last)."""
+        nodes = tokens.shape[-1]
+        if tokens.shape != (self.batch, nodes) or parents.shape != tokens.shape:
+            raise ValueError(f"need trees [{self.batch}, n]; got {list(tokens.shape)}")
+        target = self.target
+        target.reserve(max(self._known) + block_bucket(nodes + 1))
+        plan = self._plan(nodes)
+        plan.roots.copy_(roots)
+        plan.tokens.copy_(tokens)
+        plan.parents.copy_(parents)
+        body = lambda: self._body(plan)  # noqa: E731
+        plan.graph = run_graph(plan.graph, body, target.model.device, target.capture)
+        assert plan.out is not None
+        host = plan.out.cpu()  # the step's one read of the device, for every row
+        counts = host[:, 0].tolist()
+        self._known = [length + count for length, count in zip(self._known, counts, strict=True)]
+        target.cache.length = max(self._known)  # what transformers reads; masks say the rest
+        return [host[row, 1 : 1 + count].tolist() for row, count in enumerate(counts)]
+
+    def _plan(self, nodes: int) -> _Plan:
+        if any(plan.cache is not self.target.cache for plan in self._plans.values()):
+            self._plans.clear()  # the cache grew: every graph wrote into the old one
+        plan = self._plans.get(nodes)
+        if plan is None:
+            device = self.target.model.device
+            zeros = torch.zeros(self.batch, nodes, dtype=torch.long, device=device)
+            plan = _Plan(
+                nodes=nodes,
+                rows=min(self.max_depth, nodes) + 1,
+                roots=torch.zeros(self.batch, dtype=torch.long, device=device),
+                tokens=zeros,
+                parents=zeros.clone(),
+                cache=self.target.cache,
+            )
+            self._plans[nodes] = plan
+        return plan
+
+    def _body(self, plan: _Plan) -> None:
+        """Device work only, of fixed shapes (what a CUDA graph holds): steps 1-3 of the
+        module docstring; leaves the counts and committed tokens in ``plan.out``."""
+        nodes, size = plan.nodes, block_bucket(plan.nodes + 1)
+        depths, ancestors = tree_layout(plan.parents, self.max_depth)  # [B, n+1], [B, n+1, n+1]
+        pad = plan.tokens.new_zeros(self.batch, size - nodes - 1)
+        ids = torch.cat([plan.roots[:, None], plan.tokens, pad], dim=-1)
+        positions = torch.cat([depths, pad], dim=-1) + self.lengths[:, None]
+        visible = torch.eye(size, dtype=torch.bool, device=ids.device).repeat(self.batch, 1, 1)
+        visible[:, : nodes + 1, : nodes + 1] = ancestors
+        logits = self._forward(ids, positions, visible, self.lengths, size)[0]
+        count, path, committed = accept_greedy(
+            ids, plan.parents, depths, ancestors, logits.argmax(-1), plan.rows
+        )
+        keys = self.target.keys[: plan.rows]
+        if nodes:  # each row's accepted path behind its own prefix
+            self.target.cache.move_columns(
+                self.lengths[:, None] + path, self.lengths[:, None] + keys
+            )
+        self.lengths.add_(count)
+        plan.out = torch.cat([count[:, None], committed], dim=-1)
+
+    def _forward(
+        self, ids: Tensor, positions: Tensor, visible: Tensor, starts: Tensor, size: int
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The target over ``ids``/``positions [B, S]``, row ``b`` written at columns
+        ``starts[b] ..`` and attending to its earlier columns and the entries ``visible [B, S,
+        S]`` opens; logits ``[B, S, V]``."""
+        target = self.target
+        target.cache.columns[:, :size].copy_(starts[:, None] + target.keys[:size])
+        opened = open_columns(target.keys, starts, visible)  # [B, S, capacity]
+        dtype = target.model.dtype
+        mask = torch.zeros(opened.shape, dtype=dtype, device=ids.device)
+        mask.masked_fill_(~opened, torch.finfo(dtype).min)
+        return target.forward_rows(ids, positions, {"": mask[:, None]}, (), 0)

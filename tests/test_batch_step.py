@@ -1,0 +1,158 @@
+"""Batched greedy speculative steps (:mod:`headway.decode.batch_step`): rows of different prompts,
+each with its own trees and acceptances, decode through one static cache to each row's own greedy
+output, as transformers decodes that prompt alone (fp32), across a growth of the cache too; a
+step reads the device once for all rows, and what a GPU would capture is device work only."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from headway.decode.batch_step import BatchVerify
+from headway.decode.captured import MIN_CAPACITY, StaticForward
+from headway.errors import TargetError
+from headway.eval.dispatch import DispatchCounter
+from headway.eval.dispatch_decoding import seeds_of
+from tests.families import family_model
+from tests.test_generate import hf_greedy
+from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_config, tiny_model
+
+NEW_TOKENS = 24
+DEPTH = 4
+BRANCHES = 3  # random branches: every row's tree has 1 + DEPTH + BRANCHES nodes
+
+
+def _tree(truth: list[int], done: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """A wrong first child of the root, then a chain whose first ``k`` tokens (``k`` drawn per
+    step) continue the row's reference answer after its ``done`` tokens, then wrong ones, and
+    random branches: an accepted path skips block entries, so its keys/values must move."""
+    right = truth[done : done + DEPTH] + [0] * DEPTH
+    k = rng.randint(0, DEPTH)
+    decoy = (right[0] + 2) % TINY_VOCAB
+    tokens = [decoy, *(right[i] if i < k else (right[i] + 1) % TINY_VOCAB for i in range(DEPTH))]
+    parents = [-1, -1, *range(1, DEPTH)]
+    for _ in range(BRANCHES):
+        parents.append(rng.randint(-1, len(tokens) - 1))
+        tokens.append(rng.randrange(3, TINY_VOCAB))
+    return tokens, parents
+
+
+def _decode(
+    step: BatchVerify, prompts: Sequence[Tensor], truths: list[list[int]], new_tokens: int
+) -> list[list[int]]:
+    """Prefill, then batched steps until every row has ``new_tokens``; each row's tokens."""
+    rng = random.Random(0)
+    generated = [[int(root)] for root in step.prefill(prompts).tolist()]
+    while min(len(row) for row in generated) < new_tokens:
+        trees = [_tree(truth, len(row), rng) for truth, row in zip(truths, generated, strict=True)]
+        committed = step.step(
+            torch.tensor([row[-1] for row in generated]),
+            torch.tensor([tokens for tokens, _ in trees]),
+            torch.tensor([parents for _, parents in trees]),
+        )
+        for row, tokens in zip(generated, committed, strict=True):
+            row += tokens
+    return generated
+
+
+def _prompts(sizes: Sequence[int], seed: int = 3) -> list[Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, TINY_VOCAB, (size,), generator=generator) for size in sizes]
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_rows_decode_through_one_cache_as_each_alone(family: str) -> None:
+    """Four prompts of 3, 11, 6 and 1 tokens, each row its own trees (0-4 drafted tokens right
+    a step, so rows commit different counts and move different columns)."""
+    model = tiny_model(family)
+    prompts = _prompts((3, 11, 6, 1))
+    truths = [hf_greedy(model, p, NEW_TOKENS + DEPTH + 1, eos=None) for p in prompts]
+    step = BatchVerify(StaticForward(model, batch=len(prompts)), max_depth=DEPTH)
+    with torch.no_grad():
+        generated = _decode(step, prompts, truths, NEW_TOKENS)
+    for row, (tokens, truth) in enumerate(zip(generated, truths, strict=True)):
+        assert tokens[:NEW_TOKENS] == truth[:NEW_TOKENS], row
+    lengths = step.lengths.tolist()
+    assert len(set(lengths)) > 1 and lengths == [
+        len(p) + len(g) - 1 for p, g in zip(prompts, generated, strict=True)
+    ]
+
+
+def test_a_row_growing_the_cache_keeps_every_rows_output() -> None:
+    """A 240-token prompt beside a 5-token one: the long row passes the smallest cache's
+    ``MIN_CAPACITY`` columns mid-decoding, the cache grows (every row's columns kept) and the
+    step's buffers are made again for the new one."""
+    config = tiny_config("llama")
+    config.max_position_embeddings = 600
+    torch.manual_seed(0)
+    model = type(tiny_model("llama"))(config).eval()
+    prompts = _prompts((240, 5))
+    truths = [hf_greedy(model, p, 40 + DEPTH + 1, eos=None) for p in prompts]
+    forward = StaticForward(model, batch=2)
+    step = BatchVerify(forward, max_depth=DEPTH)
+    with torch.no_grad():
+        generated = _decode(step, prompts, truths, 40)
+    assert forward.cache.capacity > MIN_CAPACITY
+    assert [row[:40] for row in generated] == [truth[:40] for truth in truths]
+
+
+def test_a_step_reads_the_device_once_and_its_body_is_device_work_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dispatch counter of ``headway.eval.dispatch``: one host read a step for all rows,
+    and the body a GPU records as a graph reads nothing back and copies nothing in."""
+    model = tiny_model("llama")
+    prompts = _prompts((3, 9, 5))
+    truths = [hf_greedy(model, p, 16 + DEPTH + 1, eos=None) for p in prompts]
+    step = BatchVerify(StaticForward(model, batch=len(prompts)), max_depth=DEPTH)
+    roots = step.prefill(prompts)  # the buffers exist before counting
+    tensors, devices = seeds_of(step, 4, every_tensor=True)
+    counter = DispatchCounter([*tensors, *model.parameters(), *model.buffers(), roots], devices)
+    body = BatchVerify._body
+
+    def captured(self: BatchVerify, plan: Any) -> None:
+        with counter.region("captured"):
+            body(self, plan)
+
+    monkeypatch.setattr(BatchVerify, "_body", captured)
+    monkeypatch.setattr(step, "prefill", lambda prompts: roots)
+    steps = []
+    original = step.step
+
+    def counted(*args: Any) -> list[list[int]]:
+        steps.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(step, "step", counted)
+    with torch.inference_mode(), counter:
+        generated = _decode(step, prompts, truths, 16)
+    assert [row[:16] for row in generated] == [truth[:16] for truth in truths]
+    assert counter.counts.syncs == len(steps) + 1 > 4  # and the read of the first tokens
+    assert counter.counts.graph_faults == {}
+
+
+def test_a_target_with_local_attention_is_refused_in_one_line() -> None:
+    model = family_model("gemma2")
+    with pytest.raises(TargetError, match="sliding-window or chunked") as refused:
+        BatchVerify(StaticForward(model, batch=2), max_depth=DEPTH)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_captured_batched_steps_decode_each_row_as_alone_on_cuda(family: str) -> None:
+    """The same rows on CUDA, each step replayed from a CUDA graph (one per tree size)."""
+    model = tiny_model(family).to("cuda")
+    prompts = [prompt.to("cuda") for prompt in _prompts((3, 11, 6, 1))]
+    truths = [hf_greedy(model, p, NEW_TOKENS + DEPTH + 1, eos=None) for p in prompts]
+    forward = StaticForward(model, batch=len(prompts))
+    step = BatchVerify(forward, max_depth=DEPTH)
+    generated = _decode(step, prompts, truths, NEW_TOKENS)
+    assert forward.capture and all(plan.graph is not None for plan in step._plans.values())
+    assert [row[:NEW_TOKENS] for row in generated] == [t[:NEW_TOKENS] for t in truths]
