@@ -10,17 +10,18 @@ from typing import Any
 
 from headway.version import __version__
 
-__all__ = ["__version__", "generate", "load_drafter", "load_target", "release"]
+__all__ = ["__version__", "generate", "generate_batch", "load_drafter", "load_target", "release"]
 
 
 def __getattr__(name: str) -> Any:
     # The API pulls in torch and transformers; import it on first use, so `import headway` and
     # `headway --help` stay quick.
-    if name in {"generate", "load_drafter", "load_target", "release"}:
+    if name in {"generate", "generate_batch", "load_drafter", "load_target", "release"}:
         from headway import api, named_drafters, target
 
         return {
             "generate": api.generate,
+            "generate_batch": api.generate_batch,
             "load_drafter": api.load_drafter,
             "load_target": target.load_target,
             "release": named_drafters.release,

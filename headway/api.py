@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 
+from headway.decode.batch_decode import decode_batch
 from headway.decode.generate import Decoder, Drafter
 from headway.decode.options import DecodeOptions, verify_path
 from headway.decode.probe import check_tree_mask
 from headway.decode.sampling import SamplingParams
-from headway.drafters.build import build_drafter
+from headway.drafters.build import build_drafter, spec_for
 from headway.drafters.specs import SPEC_TYPES, DrafterSpec
 from headway.errors import HeadwayError
 from headway.named_drafters import DEFAULT_DRAFTER, borrow, choice_for
@@ -184,6 +185,59 @@ def generate(
         stop_reason=result.stop_reason,
         acceptance=decoder.options.acceptance,
     )
+
+
+BATCH_DRAFTERS = ("prompt-lookup", "retrieval")
+"""Drafters :func:`generate_batch` takes (those drafting from the tokens alone)."""
+
+
+def generate_batch(
+    target: Target,
+    prompts: Sequence[str],
+    *,
+    drafter: str | None = "prompt-lookup",
+    draft_options: Mapping[str, object] | None = None,
+    max_new_tokens: int = 128,
+    chat: bool = True,
+) -> list[Generation]:
+    """Greedy-decode ``prompts`` together: every step verifies one draft tree per prompt in one
+    forward over one static cache and reads the device once for all of them
+    (:mod:`headway.decode.batch_decode`); each output is the target's greedy output for its
+    prompt alone (exactly, in fp32). ``drafter``: ``"prompt-lookup"`` (default),
+    ``"retrieval"`` or None, one per prompt, with ``draft_options`` as ``--draft-option``'s.
+    Each generation's ``tokens_per_s`` is its own tokens over the whole batch's time (the
+    batch's throughput is their sum).
+
+    Raises:
+        HeadwayError: another drafter (Medusa and EAGLE drafters decode one prompt at a time
+            for now), or prompts and ``max_new_tokens`` past the target's context.
+    """
+    if drafter is not None and drafter not in BATCH_DRAFTERS:
+        raise HeadwayError(
+            f"batched decoding drafts with {' or '.join(BATCH_DRAFTERS)} or none, not "
+            f"{drafter!r}: drafters reading the target's hidden states decode one prompt at a time"
+        )
+    model = target.model
+    check_tree_mask(model)
+    ids = [prompt_ids(target, prompt, chat=chat) for prompt in prompts]
+    spec = None if drafter is None else spec_for(drafter, options=draft_options)
+    drafters = [None if spec is None else build_drafter(spec, target) for _ in prompts]
+    start = time.perf_counter()
+    rows = decode_batch(
+        model, ids, drafters, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(target)
+    )
+    seconds = time.perf_counter() - start
+    return [
+        Generation(
+            text=str(target.tokenizer.decode(row.tokens, skip_special_tokens=True)),
+            token_ids=row.tokens,
+            accept_lengths=row.accept_lengths,
+            tau=row.tau,
+            tokens_per_s=len(row.tokens) / seconds if seconds > 0 else 0.0,
+            stop_reason=row.stop_reason or "max_new_tokens",
+        )
+        for row in rows
+    ]
 
 
 def _stop_strings(target: Target, stops: Sequence[str]) -> Callable[[list[int]], bool]:

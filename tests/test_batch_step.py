@@ -136,6 +136,17 @@ def test_a_step_reads_the_device_once_and_its_body_is_device_work_only(
     assert counter.counts.graph_faults == {}
 
 
+def test_a_row_left_inactive_commits_nothing() -> None:
+    """A finished row steps on beside the others without advancing: its length stays."""
+    model = tiny_model("llama")
+    prompts = _prompts((4, 7))
+    step = BatchVerify(StaticForward(model, batch=2), max_depth=DEPTH)
+    roots = step.prefill(prompts)
+    tokens, parents = torch.tensor([[5, 6], [5, 6]]), torch.tensor([[-1, 0], [-1, 0]])
+    committed = step.step(roots, tokens, parents, torch.tensor([True, False]))
+    assert step.lengths.tolist() == [4 + len(committed[0]), 7]
+
+
 def test_a_target_with_local_attention_is_refused_in_one_line() -> None:
     model = family_model("gemma2")
     with pytest.raises(TargetError, match="sliding-window or chunked") as refused:

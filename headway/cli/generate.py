@@ -11,15 +11,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from headway.cli.common import (
     add_decode_flags,
     add_drafter_flags,
     decode_options,
     drafter_from_flags,
+    parse_draft_options,
     target_from_flags,
 )
 from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, text
+from headway.errors import HeadwayError
+
+if TYPE_CHECKING:
+    from headway.target import Target
 
 
 def add_generate_flags(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +61,15 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         help="wrap each prompt as one user message through the target's chat template",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    parser.add_argument(
+        "--batch",
+        action="store_true",
+        help="decode all prompts together, greedy: one forward a step verifies every prompt's "
+        "draft tree (on a GPU several prompts cost about what one does; on a CPU the forward's "
+        "work grows with the batch). Drafters: prompt-lookup (the default here), retrieval or "
+        "none; each output is the target's greedy output for that prompt alone, and "
+        "tokens_per_s counts its tokens over the whole batch's time",
+    )
     add_drafter_flags(parser, allow_none=True)
     add_decode_flags(parser)
 
@@ -66,6 +81,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     target = target_from_flags(args)
     check_tree_mask(target.model)  # as eval does: a target refused before a drafter is built
+    if args.batch:
+        return _run_batch(args, target)
     lookup = args.drafter in (None, "prompt-lookup", "retrieval") and not args.heads
     preset = {}
     if lookup and args.draft_length is not None:
@@ -98,6 +115,40 @@ def run_generate(args: argparse.Namespace) -> int:
             print(
                 f"[{len(result.token_ids)} tokens, tau {result.tau:.2f}, "
                 f"{result.tokens_per_s:.1f} tok/s{lossy}]",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def _run_batch(args: argparse.Namespace, target: Target) -> int:
+    """``--batch``: every prompt decoded together (:func:`headway.api.generate_batch`)."""
+    from headway.api import generate_batch
+
+    if args.temperature > 0 or args.stop or args.heads:
+        raise HeadwayError(
+            "--batch decodes greedily with prompt lookup, retrieval or no drafter: drop "
+            "--temperature, --stop and --heads, or decode the prompts one at a time"
+        )
+    drafter = {None: "prompt-lookup", "none": None}.get(args.drafter, args.drafter)
+    options = parse_draft_options(args.draft_option)
+    if args.draft_length is not None:
+        options.setdefault("num_draft_tokens", args.draft_length)
+    results = generate_batch(
+        target,
+        args.prompts,
+        drafter=drafter,
+        draft_options=options,
+        max_new_tokens=args.max_new_tokens,
+        chat=args.chat,
+    )
+    for prompt, result in zip(args.prompts, results, strict=True):
+        if args.json:
+            print(json.dumps({"prompt": prompt, **result.to_dict()}), flush=True)
+        else:
+            print(result.text, flush=True)
+            print(
+                f"[{len(result.token_ids)} tokens, tau {result.tau:.2f}, "
+                f"{result.tokens_per_s:.1f} tok/s of the batch's time]",
                 file=sys.stderr,
             )
     return 0

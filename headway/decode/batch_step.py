@@ -34,6 +34,7 @@ from torch import Tensor
 
 from headway.decode.captured import StaticForward, block_bucket, run_graph
 from headway.decode.device_tree import accept_greedy, open_columns, tree_layout
+from headway.decode.gemm import routed_linears
 from headway.errors import TargetError
 
 __all__ = ["BatchVerify"]
@@ -48,9 +49,10 @@ class _Plan:
     roots: Tensor  # [B]: each row's next token to feed (its last committed one)
     tokens: Tensor  # [B, n]: the trees, copied in
     parents: Tensor  # [B, n]
+    active: Tensor  # [B] bool: rows that commit this step
     cache: object  # the StaticCache the graph writes into
     graph: object = None
-    out: Tensor | None = None  # [B, 1 + rows]: each row's count, then its committed tokens
+    out: Tensor | None = None  # [B, 2 + rows]: count, committed tokens, whether it commits
 
 
 class BatchVerify:
@@ -91,19 +93,26 @@ class BatchVerify:
         visible = order[None, :, None] >= order[None, None, :]  # causal [1, L, L]
         visible = (visible & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
         starts = torch.zeros(self.batch, dtype=torch.long, device=device)
-        logits = self._forward(ids, order.expand(self.batch, width), visible, starts, width)[0]
+        # logits only from the shortest prompt's last entry on: every row's last is among them
+        keep = width - min(p.numel() for p in prompts) + 1
+        positions = order.expand(self.batch, width)
+        logits = self._forward(ids, positions, visible, starts, width, keep)[0]
         self.lengths.copy_(sizes)
         self._known = [p.numel() for p in prompts]
         target.cache.length = width
-        last = (sizes - 1)[:, None, None].expand(-1, 1, logits.shape[-1])
+        last = (sizes - 1 - (width - keep))[:, None, None].expand(-1, 1, logits.shape[-1])
         return logits.gather(1, last)[:, 0].argmax(-1)
 
     @torch.no_grad()
-    def step(self, roots: Tensor, tokens: Tensor, parents: Tensor) -> list[list[int]]:
+    def step(
+        self, roots: Tensor, tokens: Tensor, parents: Tensor, active: Tensor | None = None
+    ) -> list[list[int]]:
         """Verify each row's tree (``tokens``/``parents [B, n]``, topological order, -1 for the
         root's children) below its root (``roots [B]``: each row's last committed token, not
         yet in the cache) and commit each row's accepted path and bonus token; returns each
-        row's committed tokens (its next root is the last)."""
+        row's committed tokens (its next root is the last). A row ``active [B]`` (bool,
+        default all) leaves False is computed but commits nothing: its length stays, and the
+        tokens returned for it are to be ignored (a finished row, until the batch ends)."""
         nodes = tokens.shape[-1]
         if tokens.shape != (self.batch, nodes) or parents.shape != tokens.shape:
             raise ValueError(f"need trees [{self.batch}, n]; got {list(tokens.shape)}")
@@ -113,12 +122,14 @@ class BatchVerify:
         plan.roots.copy_(roots)
         plan.tokens.copy_(tokens)
         plan.parents.copy_(parents)
+        plan.active.copy_(torch.ones(self.batch, dtype=torch.bool) if active is None else active)
         body = lambda: self._body(plan)  # noqa: E731
         plan.graph = run_graph(plan.graph, body, target.model.device, target.capture)
         assert plan.out is not None
         host = plan.out.cpu()  # the step's one read of the device, for every row
         counts = host[:, 0].tolist()
-        self._known = [length + count for length, count in zip(self._known, counts, strict=True)]
+        moved = (host[:, 0] * host[:, -1]).tolist()  # the last column: whether the row commits
+        self._known = [length + count for length, count in zip(self._known, moved, strict=True)]
         target.cache.length = max(self._known)  # what transformers reads; masks say the rest
         return [host[row, 1 : 1 + count].tolist() for row, count in enumerate(counts)]
 
@@ -135,6 +146,7 @@ class BatchVerify:
                 roots=torch.zeros(self.batch, dtype=torch.long, device=device),
                 tokens=zeros,
                 parents=zeros.clone(),
+                active=torch.ones(self.batch, dtype=torch.bool, device=device),
                 cache=self.target.cache,
             )
             self._plans[nodes] = plan
@@ -159,19 +171,26 @@ class BatchVerify:
             self.target.cache.move_columns(
                 self.lengths[:, None] + path, self.lengths[:, None] + keys
             )
-        self.lengths.add_(count)
-        plan.out = torch.cat([count[:, None], committed], dim=-1)
+        self.lengths.add_(count * plan.active)
+        plan.out = torch.cat([count[:, None], committed, plan.active[:, None].long()], dim=-1)
 
     def _forward(
-        self, ids: Tensor, positions: Tensor, visible: Tensor, starts: Tensor, size: int
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        visible: Tensor,
+        starts: Tensor,
+        size: int,
+        keep: int = 0,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The target over ``ids``/``positions [B, S]``, row ``b`` written at columns
         ``starts[b] ..`` and attending to its earlier columns and the entries ``visible [B, S,
-        S]`` opens; logits ``[B, S, V]``."""
+        S]`` opens; logits ``[B, S, V]`` (the last ``keep`` entries' only, 0: all)."""
         target = self.target
         target.cache.columns[:, :size].copy_(starts[:, None] + target.keys[:size])
         opened = open_columns(target.keys, starts, visible)  # [B, S, capacity]
         dtype = target.model.dtype
         mask = torch.zeros(opened.shape, dtype=dtype, device=ids.device)
         mask.masked_fill_(~opened, torch.finfo(dtype).min)
-        return target.forward_rows(ids, positions, {"": mask[:, None]}, (), 0)
+        with routed_linears(target.model):  # a CPU's GEMM route for blocks of B x S rows
+            return target.forward_rows(ids, positions, {"": mask[:, None]}, (), keep)

@@ -1,0 +1,258 @@
+"""Greedy speculative decoding of several prompts at once (``headway.generate_batch``,
+``headway generate --batch``).
+
+Every row has its own drafter (one per prompt, of the :class:`~headway.decode.session.Drafter`
+protocol, drafting from the row's own tokens on the host: prompt lookup, retrieval) or none, and
+each step verifies every row's tree in one forward over one static cache
+(:class:`~headway.decode.batch_step.BatchVerify`: one host read a step for all rows). Trees
+differ in size between rows; a step pads each row's tree to the step's size with children of
+the root (whatever a padding node holds, it is accepted only where it is the target's own
+greedy token, so the output is unchanged), the size rounded so the block is a power of two:
+a handful of shapes (and, on CUDA, of captured graphs) covers every step. A row that has
+finished (EOS or ``max_new_tokens``) steps on with an empty tree, committing nothing, until
+every row has.
+
+How far to draft is weighed a step at a time (:class:`BatchSizer`): every row's tree is cut to
+one block size ``S`` (1, 2, 4, ... entries a row), the size whose expected committed tokens
+over the measured time of a step of that size is highest. The sizes are timed on the rows
+themselves once per machine, model, batch size and cache size (kept, as the GEMM route and the
+verify cost table are: :mod:`headway.timings`); the expected tokens count each row's tree depth
+at that size times the share of drafted depth accepted so far. On a CPU, where a step's time
+grows with ``B x S``, one row's long draft no longer makes every row verify its padding
+(MT-bench x8, SmolLM2 fp32, 2-core EPYC, prompt lookup: a batch whose rows all verified the
+longest row's tree ran 1.48x HF greedy one prompt at a time, sized so 2.85x, both on the stock
+GEMM route; 4.11x on the packed one, docs/usage.md);
+on a GPU, where a small model's step costs about the same at any size, the whole trees go.
+
+Each row's tokens are the target's greedy output for that prompt alone (fp32,
+``tests/test_batch_decode.py``). Greedy only: sampling and drafters that read the target's
+hidden states (Medusa, EAGLE) are refused in one line for now.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from headway.decode.batch_step import BatchVerify
+from headway.decode.captured import StaticForward, block_bucket
+from headway.decode.gemm import gemm_route
+from headway.decode.kv import context_limit
+from headway.decode.session import Drafter, StopReason
+from headway.errors import HeadwayError
+from headway.timings import remembered, shapes_digest
+
+__all__ = ["BatchRow", "BatchSizer", "decode_batch"]
+
+
+@dataclass
+class BatchRow:
+    """One prompt's generation in a batch: its tokens and committed tokens per step."""
+
+    tokens: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    stop_reason: StopReason | None = None
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per verify step (the first token, from the prefill, not counted);
+        NaN before any step."""
+        steps = self.accept_lengths
+        return sum(steps) / len(steps) if steps else math.nan
+
+
+def decode_batch(
+    model: PreTrainedModel,
+    prompts: Sequence[Tensor],
+    drafters: Sequence[Drafter | None],
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    capture: bool | None = None,
+) -> list[BatchRow]:
+    """Greedy-decode ``prompts`` (LongTensors ``[P_b]``) together, row ``b`` drafted by
+    ``drafters[b]`` (None: no drafter); see the module docstring. ``capture``: CUDA graphs
+    (default: on CUDA).
+
+    Raises:
+        HeadwayError: a drafter that reads the target's hidden states, or prompts and
+            ``max_new_tokens`` past the target's context.
+    """
+    if len(drafters) != len(prompts) or not prompts:
+        raise ValueError(f"need one drafter (or None) per prompt; got {len(drafters)}")
+    _check(model, prompts, drafters, max_new_tokens)
+    gemm_route(model)  # the model's GEMM route on a CPU ("auto" where none was applied)
+    steps = BatchVerify(StaticForward(model, capture=capture, batch=len(prompts)), _depth(drafters))
+    rows = [BatchRow() for _ in prompts]
+    ids = [prompt.tolist() for prompt in prompts]
+    for drafter, prompt in zip(drafters, prompts, strict=True):
+        if drafter is not None:
+            drafter.begin(prompt)
+    firsts = steps.prefill([prompt.to(model.device) for prompt in prompts]).tolist()
+    eos = frozenset(eos_token_ids)
+    for row, sequence, first, drafter in zip(rows, ids, firsts, drafters, strict=True):
+        _commit(row, sequence, [int(first)], eos, max_new_tokens, count=False)
+        if drafter is not None:  # the prompt's pairs and the first token, as the loop's
+            drafter.observe(torch.tensor(sequence[1:]), ())
+    sizer = BatchSizer(steps, block_bucket(_depth(drafters) + 1)) if any(drafters) else None
+    while any(row.stop_reason is None for row in rows):
+        trees = [
+            _tree(drafter, sequence) if row.stop_reason is None else ([], [])
+            for drafter, sequence, row in zip(drafters, ids, rows, strict=True)
+        ]
+        nodes = 0 if sizer is None else sizer.nodes([parents for _, parents in trees])
+        trees = [(tokens[:nodes], parents[:nodes]) for tokens, parents in trees]
+        tokens = torch.tensor([_padded(t, nodes, 0) for t, _ in trees], dtype=torch.long)
+        parents = torch.tensor([_padded(p, nodes, -1) for _, p in trees], dtype=torch.long)
+        roots = torch.tensor([sequence[-1] for sequence in ids])
+        active = torch.tensor([row.stop_reason is None for row in rows])
+        committed = steps.step(roots, tokens, parents, active)
+        for row, sequence, drafter, new, (_, sent) in zip(
+            rows, ids, drafters, committed, trees, strict=True
+        ):
+            if row.stop_reason is not None:
+                continue
+            if sizer is not None and sent:
+                sizer.learn(_depth_of(sent), len(new) - 1)
+            kept = _commit(row, sequence, new, eos, max_new_tokens)
+            if drafter is not None and row.stop_reason is None:
+                drafter.observe(torch.tensor(kept), ())
+    return rows
+
+
+class BatchSizer:
+    """The block size of a batch's steps (module docstring): ``seconds[i]``, what a step of
+    ``2^i`` entries a row takes on ``steps``' rows, timed once per machine, model shapes, GEMM
+    route, batch size and cache capacity (kept by :mod:`headway.timings`; each size one run that
+    builds its buffers, or graph, then one timed, both committing nothing), and the share of
+    drafted depth accepted so far."""
+
+    def __init__(self, steps: BatchVerify, largest: int) -> None:
+        self.steps = steps
+        model = steps.target.model
+        count = largest.bit_length()  # sizes 1, 2, 4, ..., largest
+        key = {"model": shapes_digest(model), "route": gemm_route(model), "sizes": count}
+        key |= {"batch": steps.batch, "capacity": steps.target.cache.capacity, "step": "routed"}
+        self.seconds: list[float] = remembered(
+            "the batched step cost table",
+            key,
+            lambda: [self._time(1 << index) for index in range(count)],
+            device=model.device,
+            valid=lambda table: (
+                isinstance(table, list)
+                and len(table) == count
+                and all(isinstance(t, float) and 0 < t < math.inf for t in table)
+            ),
+        )
+        self.accepted, self.drafted = 1.0, 2.0  # a prior: half of what is drafted
+
+    def _time(self, size: int) -> float:
+        batch, nodes = self.steps.batch, size - 1
+        roots = torch.zeros(batch, dtype=torch.long)
+        tokens = torch.zeros(batch, nodes, dtype=torch.long)
+        parents = torch.full((batch, nodes), -1, dtype=torch.long)
+        idle = torch.zeros(batch, dtype=torch.bool)
+        self.steps.step(roots, tokens, parents, idle)
+        start = time.perf_counter()
+        self.steps.step(roots, tokens, parents, idle)
+        return time.perf_counter() - start
+
+    def nodes(self, parents: Sequence[list[int]]) -> int:
+        """The tree size (``S - 1`` nodes a row) whose expected tokens a second are highest
+        for these rows' trees (``parents`` each, cut to a size by keeping their first nodes)."""
+        share = self.accepted / self.drafted
+        best, best_rate = 0, 0.0
+        for index, seconds in enumerate(self.seconds):
+            size = 1 << index
+            expected = sum(1 + share * _depth_of(tree[: size - 1]) for tree in parents)
+            if expected / seconds > best_rate:
+                best, best_rate = size - 1, expected / seconds
+        return best
+
+    def learn(self, depth: int, accepted: int) -> None:
+        """A row's tree of ``depth`` had ``accepted`` of its nodes accepted."""
+        self.drafted += depth
+        self.accepted += accepted
+
+
+def _depth_of(parents: list[int]) -> int:
+    """The depth of a tree given by ``parents`` in topological order (0 for no nodes)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return max(depths, default=0)
+
+
+def _check(
+    model: PreTrainedModel,
+    prompts: Sequence[Tensor],
+    drafters: Sequence[Drafter | None],
+    max_new_tokens: int,
+) -> None:
+    if max_new_tokens < 1 or min(prompt.numel() for prompt in prompts) < 1:
+        raise ValueError("need max_new_tokens >= 1 and prompts of at least one token")
+    if any(drafter is not None and drafter.hidden_layers for drafter in drafters):
+        raise HeadwayError(
+            "batched decoding drafts with prompt lookup, retrieval or no drafter for now: "
+            "drafters reading the target's hidden states (Medusa, EAGLE) decode one prompt "
+            "at a time"
+        )
+    depth = _depth(drafters)
+    longest = max(prompt.numel() for prompt in prompts) + max_new_tokens + depth + 1
+    if longest > context_limit(model):
+        raise HeadwayError(
+            f"the longest prompt and max_new_tokens={max_new_tokens} need {longest} positions; "
+            f"the target holds {context_limit(model)}: shorten them"
+        )
+
+
+def _depth(drafters: Sequence[Drafter | None]) -> int:
+    """The deepest node any row's tree can hold: the largest ``max_nodes``."""
+    return max((drafter.max_nodes for drafter in drafters if drafter is not None), default=0)
+
+
+def _tree(drafter: Drafter | None, sequence: list[int]) -> tuple[list[int], list[int]]:
+    """The row's tree (tokens, parents) from its drafter; empty without one."""
+    if drafter is None:
+        return [], []
+    tree = drafter.propose(torch.tensor(sequence))
+    keep = min(tree.size, drafter.max_nodes)  # a proposal past its own bound is cut
+    return tree.tokens[:keep].tolist(), tree.parents[:keep].tolist()
+
+
+def _padded(values: list[int], size: int, fill: int) -> list[int]:
+    """``values`` followed by ``fill`` up to ``size`` (padding nodes: children of the root)."""
+    return values + [fill] * (size - len(values))
+
+
+def _commit(
+    row: BatchRow,
+    sequence: list[int],
+    new: list[int],
+    eos: frozenset[int],
+    max_new_tokens: int,
+    *,
+    count: bool = True,
+) -> list[int]:
+    """Append ``new`` to the row, stopping right after an EOS or the ``max_new_tokens``-th
+    token; returns what was kept."""
+    kept: list[int] = []
+    for token in new:
+        kept.append(token)
+        row.tokens.append(token)
+        if token in eos:
+            row.stop_reason = "eos"
+        elif len(row.tokens) >= max_new_tokens:
+            row.stop_reason = "max_new_tokens"
+        if row.stop_reason is not None:
+            break
+    sequence += kept
+    if count:
+        row.accept_lengths.append(len(kept))
+    return kept

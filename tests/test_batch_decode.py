@@ -1,0 +1,126 @@
+"""Greedy speculative decoding of several prompts at once (:mod:`headway.decode.batch_decode`):
+each row's tokens are transformers' greedy output for that prompt alone (fp32), whatever its
+drafter (prompt lookup, none) and wherever it stops (EOS, ``max_new_tokens``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from headway.decode.batch_decode import decode_batch
+from headway.decode.tree import DraftTree
+from headway.drafters.lookup import PromptLookupDrafter
+from headway.errors import HeadwayError
+from tests.test_generate import hf_greedy
+from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_model
+
+NEW_TOKENS = 30
+
+
+def _prompts() -> list[Tensor]:
+    """Four prompts, two of them repeating a phrase (prompt lookup drafts from those)."""
+    generator = torch.Generator().manual_seed(5)
+    phrase = torch.randint(3, TINY_VOCAB, (5,), generator=generator)
+    return [
+        torch.cat([phrase, torch.tensor([7]), phrase, phrase[:2]]),
+        torch.randint(3, TINY_VOCAB, (4,), generator=generator),
+        torch.tensor([9]),
+        torch.cat([phrase[:3], phrase[:3], phrase[:3]]),
+    ]
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_every_row_is_its_prompts_own_greedy_output(family: str) -> None:
+    """Prompt lookup for two rows, none for the others: every row equals transformers' greedy
+    decoding of its prompt alone, and lookup's accepted drafts commit several tokens a step."""
+    model = tiny_model(family)
+    prompts = _prompts()
+    drafters = [PromptLookupDrafter(), None, PromptLookupDrafter(), PromptLookupDrafter()]
+    rows = decode_batch(model, prompts, drafters, max_new_tokens=NEW_TOKENS)
+    for index, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
+        assert row.tokens == hf_greedy(model, prompt, NEW_TOKENS, eos=None), index
+        assert row.stop_reason == "max_new_tokens" and sum(row.accept_lengths) == NEW_TOKENS - 1
+    assert rows[1].accept_lengths == [1] * (NEW_TOKENS - 1)  # no drafter: one token a step
+    assert max(max(row.accept_lengths) for row in rows) > 1
+
+
+def test_a_row_stopping_at_eos_leaves_the_others_going() -> None:
+    """EOS is a token row 0 generates early: row 0 stops right after it, the others decode
+    to ``max_new_tokens`` undisturbed (row 0 keeps stepping without committing)."""
+    model = tiny_model("llama")
+    prompts = _prompts()
+    truths = [hf_greedy(model, prompt, NEW_TOKENS, eos=None) for prompt in prompts]
+    eos = truths[0][5]
+    stop = truths[0].index(eos) + 1
+    drafters = [PromptLookupDrafter() for _ in prompts]
+    rows = decode_batch(model, prompts, drafters, max_new_tokens=NEW_TOKENS, eos_token_ids=[eos])
+    assert rows[0].tokens == truths[0][:stop] and rows[0].stop_reason == "eos"
+    for row, truth in zip(rows[1:], truths[1:], strict=True):
+        cut = truth.index(eos) + 1 if eos in truth else NEW_TOKENS
+        assert row.tokens == truth[:cut]
+    assert any(row.stop_reason == "max_new_tokens" for row in rows)
+
+
+class _HiddenStateDrafter:
+    """A drafter reading the target's hidden states (as Medusa and EAGLE do)."""
+
+    hidden_layers = (2,)
+    max_nodes = 4
+
+    def begin(self, prompt_ids: Tensor) -> None: ...
+
+    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
+        raise AssertionError("never asked")
+
+    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None: ...
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [("hidden", "prompt lookup, retrieval or no drafter"), ("long", "positions")],
+)
+def test_what_cannot_be_batched_is_refused_in_one_line(case: str, match: str) -> None:
+    model = tiny_model("llama")
+    prompts = _prompts()
+    drafters: list[Any] = [None] * len(prompts)
+    new = NEW_TOKENS
+    if case == "hidden":
+        drafters[2] = _HiddenStateDrafter()
+    else:
+        new = 250  # the tiny target holds 256 positions
+    with pytest.raises(HeadwayError, match=match) as refused:
+        decode_batch(model, prompts, drafters, max_new_tokens=new)
+    assert "\n" not in str(refused.value)
+
+
+def test_headway_generate_batch_prints_what_one_prompt_at_a_time_does(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``headway generate --batch --json``: the same token ids, prompt by prompt, as without
+    ``--batch`` (fp32, prompt lookup); sampling with ``--batch`` is refused in one line."""
+    import json
+
+    from headway.cli import main
+    from tests.tokenizers_fixture import smollm2_tokenizer
+
+    tokenizer = smollm2_tokenizer()
+    config = tiny_model("llama").config
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    type(tiny_model("llama"))(config).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    prompts = ["the cat sat on the mat, the cat sat", "hello", "one two three one two"]
+    common = ["generate", "--target", str(tmp_path / "tiny"), "--dtype", "float32", "--json"]
+    common += ["--max-new-tokens", "16", "--drafter", "prompt-lookup", *prompts]
+    capsys.readouterr()
+    assert main([*common, "--batch"]) == 0
+    batched = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(common) == 0
+    alone = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in batched] == [r["token_ids"] for r in alone]
+    assert [r["prompt"] for r in batched] == prompts
+    assert main([*common, "--batch", "--temperature", "0.7"]) == 2
+    assert "--batch decodes greedily" in capsys.readouterr().err.strip().splitlines()[-1]
