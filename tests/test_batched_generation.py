@@ -170,7 +170,7 @@ def test_sampled_tokens_follow_the_distribution() -> None:
 def test_grouped_attention_restores_the_model_and_changes_no_logits() -> None:
     """Inside the block the tiny Llama (4 query heads over 2 key/value heads) runs its
     multi-token forward through packed_sdpa; the logits are those of its own sdpa."""
-    from headway.generation.grouped_attention import PACKED, grouped_attention
+    from headway.decode.grouped_attention import PACKED, grouped_attention
 
     model = tiny_model("llama")
     assert model.config._attn_implementation == "sdpa"
@@ -189,7 +189,7 @@ def test_grouped_attention_restores_the_model_and_changes_no_logits() -> None:
 def test_a_model_that_refuses_packed_attention_runs_as_it_is(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from headway.generation.grouped_attention import grouped_attention
+    from headway.decode.grouped_attention import grouped_attention
 
     model = tiny_model("llama")
 
@@ -211,7 +211,7 @@ def test_packed_sdpa_reads_each_key_head_once_and_equals_sdpa(
     the environment forces it for stock sdpa), with sdpa's output."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from headway.generation.grouped_attention import packed_sdpa
+    from headway.decode.grouped_attention import packed_sdpa
 
     module = torch.nn.Module()
     module.num_key_value_groups = 3  # type: ignore[assignment]

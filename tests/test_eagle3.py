@@ -16,8 +16,8 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from headway.config import load_config
+from headway.decode.grouped_attention import PACKED
 from headway.errors import ConfigError, TargetError
-from headway.generation.grouped_attention import PACKED
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model, default_feature_layers
 from headway.heads.vocab import DraftVocab, choose_vocab, token_counts
 from headway.run_config import RunConfig

@@ -21,7 +21,7 @@ at that size times the share of drafted depth accepted so far. On a CPU, where a
 grows with ``B x S``, one row's long draft no longer makes every row verify its padding
 (MT-bench x8, SmolLM2 fp32, 2-core EPYC, prompt lookup: a batch whose rows all verified the
 longest row's tree ran 1.48x HF greedy one prompt at a time, sized so 2.85x, both on the stock
-GEMM route; 4.11x on the packed one, docs/usage.md);
+GEMM route; 4.25x on the packed one with grouped heads read once, docs/usage.md);
 on a GPU, where a small model's step costs about the same at any size, the whole trees go.
 
 Each row's tokens are the target's greedy output for that prompt alone (fp32,
@@ -43,6 +43,7 @@ from transformers import PreTrainedModel
 from headway.decode.batch_step import BatchVerify
 from headway.decode.captured import StaticForward, block_bucket
 from headway.decode.gemm import gemm_route
+from headway.decode.grouped_attention import grouped_attention
 from headway.decode.kv import context_limit
 from headway.decode.session import Drafter, StopReason
 from headway.errors import HeadwayError
@@ -88,6 +89,18 @@ def decode_batch(
         raise ValueError(f"need one drafter (or None) per prompt; got {len(drafters)}")
     _check(model, prompts, drafters, max_new_tokens)
     gemm_route(model)  # the model's GEMM route on a CPU ("auto" where none was applied)
+    with grouped_attention(model):  # each grouped key/value head read once a step
+        return _decode(model, prompts, drafters, max_new_tokens, eos_token_ids, capture)
+
+
+def _decode(
+    model: PreTrainedModel,
+    prompts: Sequence[Tensor],
+    drafters: Sequence[Drafter | None],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    capture: bool | None,
+) -> list[BatchRow]:
     steps = BatchVerify(StaticForward(model, capture=capture, batch=len(prompts)), _depth(drafters))
     rows = [BatchRow() for _ in prompts]
     ids = [prompt.tolist() for prompt in prompts]

@@ -132,7 +132,7 @@ def _soft_ce_chunk(rows: int, vocab: int) -> int:
 
 def _mask(batch: int, queries: int, keys: int, groups: int, element: int) -> int:
     """A 4-D additive mask ``[b, 1, q, k]`` as SDPA keeps it: grouped SDPA
-    (:func:`~headway.generation.grouped_attention.packed_sdpa`) keeps a copy repeated for the
+    (:func:`~headway.decode.grouped_attention.packed_sdpa`) keeps a copy repeated for the
     ``groups`` query heads of a key/value head (the mask itself when there is one)."""
     return batch * queries * keys * element * max(groups, 1)
 

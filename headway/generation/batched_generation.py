@@ -16,7 +16,7 @@ model, no forked modeling code):
   prompt and answer, and one forward of ``1 + k`` tokens per row verifies every chain
   (:mod:`headway.generation.lookahead`): a CPU step is bound by reading the KV cache, which a longer
   step reads once for all its tokens;
-- grouped key/value heads are read once per step (:mod:`headway.generation.grouped_attention`);
+- grouped key/value heads are read once per step (:mod:`headway.decode.grouped_attention`);
 - the LM head gets a contiguous input (:func:`~headway.decode.gemm.contiguous_head`): a prefill
   keeps the last position only, a strided ``[rows, 1, hidden]`` view;
 - a conversation's next turn continues from its previous answer's keys/values: a prompt
@@ -57,11 +57,11 @@ from headway.decode.gemm import (
     gemm_route,
     routed_linears,
 )
+from headway.decode.grouped_attention import grouped_attention
 from headway.decode.kv import cache_argument, recurrent_layer
 from headway.decode.sampling import SamplingParams, pick_tokens
 from headway.drafters.lookup import NgramIndex
 from headway.errors import HeadwayError
-from headway.generation.grouped_attention import grouped_attention
 from headway.generation.lookahead import accept_chains
 from headway.generation.ragged_cache import RaggedCache, step_mask
 from headway.generation.repetition import ends_in_loop

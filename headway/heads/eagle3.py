@@ -271,7 +271,7 @@ class Eagle3Model(nn.Module):
         config: sizes, see :class:`Eagle3Config`.
         attn_implementation: ``"sdpa"``, ``"eager"`` or another attention function registered
             with transformers' ``AttentionInterface`` (training uses
-            :func:`~headway.generation.grouped_attention.packed_sdpa`); all take 4-D additive masks.
+            :func:`~headway.decode.grouped_attention.packed_sdpa`); all take 4-D additive masks.
     """
 
     d2t: Tensor

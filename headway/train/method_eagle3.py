@@ -16,7 +16,7 @@ pairs) and steps ``1 .. j`` at row t itself (its own chain), nothing else. :func
 the stock draft layer once per step over a ``DynamicCache`` that grows by T keys per step, with
 the 4-D mask ``[causal within the sample | I | I | ... | I]`` (:func:`ttt_attention_mask`): the
 reference's concatenated per-step KV and custom mask, written with transformers' own attention
-layer; its attention function is :func:`~headway.generation.grouped_attention.packed_sdpa` (SDPA
+layer; its attention function is :func:`~headway.decode.grouped_attention.packed_sdpa` (SDPA
 with each grouped key/value head read once for its query heads, where the stock function
 repeats it; fwd + bwd of a TTT chunk is faster on a CPU). :func:`ttt_unroll_reference`
 recomputes every (row, step) from scratch as plain causal decoding, and a test holds the two
@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from headway.generation.grouped_attention import PACKED
+from headway.decode.grouped_attention import PACKED
 from headway.heads.eagle import TargetHead, additive_mask
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.hidden_states import final_hidden_layer
