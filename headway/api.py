@@ -198,13 +198,19 @@ def generate_batch(
     drafter: str | None = "prompt-lookup",
     draft_options: Mapping[str, object] | None = None,
     max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
     chat: bool = True,
 ) -> list[Generation]:
-    """Greedy-decode ``prompts`` together: every step verifies one draft tree per prompt in one
-    forward over one static cache and reads the device once for all of them
-    (:mod:`headway.decode.batch_decode`); each output is the target's greedy output for its
-    prompt alone (exactly, in fp32). ``drafter``: ``"prompt-lookup"`` (default),
-    ``"retrieval"`` or None, one per prompt, with ``draft_options`` as ``--draft-option``'s.
+    """Decode ``prompts`` together: every step verifies one draft tree per prompt in one forward
+    over one static cache and reads the device once for all of them
+    (:mod:`headway.decode.batch_decode`); at temperature 0 each output is the target's greedy
+    output for its prompt alone (exactly, in fp32), sampled each follows the target's
+    distribution (one generator seeded with ``seed`` draws for every row). ``drafter``:
+    ``"prompt-lookup"`` (default), ``"retrieval"`` or None, one per prompt, with
+    ``draft_options`` as ``--draft-option``'s.
     Each generation's ``tokens_per_s`` is its own tokens over the whole batch's time (the
     batch's throughput is their sum).
 
@@ -224,7 +230,13 @@ def generate_batch(
     drafters = [None if spec is None else build_drafter(spec, target) for _ in prompts]
     start = time.perf_counter()
     rows = decode_batch(
-        model, ids, drafters, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(target)
+        model,
+        ids,
+        drafters,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids(target),
+        sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+        generator=torch.Generator(device=model.device).manual_seed(seed),
     )
     seconds = time.perf_counter() - start
     return [

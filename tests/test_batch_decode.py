@@ -100,7 +100,8 @@ def test_headway_generate_batch_prints_what_one_prompt_at_a_time_does(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``headway generate --batch --json``: the same token ids, prompt by prompt, as without
-    ``--batch`` (fp32, prompt lookup); sampling with ``--batch`` is refused in one line."""
+    ``--batch`` (fp32, prompt lookup); seeded sampling draws the same twice; ``--stop`` with
+    ``--batch`` is refused in one line."""
     import json
 
     from headway.cli import main
@@ -122,5 +123,55 @@ def test_headway_generate_batch_prints_what_one_prompt_at_a_time_does(
     alone = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["token_ids"] for r in batched] == [r["token_ids"] for r in alone]
     assert [r["prompt"] for r in batched] == prompts
-    assert main([*common, "--batch", "--temperature", "0.7"]) == 2
-    assert "--batch decodes greedily" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert main([*common, "--batch", "--stop", "cat"]) == 2
+    assert "drop --stop and --heads" in capsys.readouterr().err.strip().splitlines()[-1]
+    sampled = [*common, "--batch", "--temperature", "0.7", "--seed", "3"]
+    runs = []
+    for _ in range(2):  # seeded: the same draws twice
+        assert main(sampled) == 0
+        runs.append(
+            [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+        )
+    assert runs[0] == runs[1] and runs[0] != [r["token_ids"] for r in alone]
+
+
+def test_sampled_rows_follow_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1,500 rows of one prompt, in batches of 300, sampled at temperature 1 with the top-3 of
+    the target's own second-token table drafted below the first token (every step sends the
+    whole tree, padding included): each row's first two tokens follow the target's exact
+    two-token distribution, and drafts are accepted."""
+    from headway.decode import batch_decode
+    from headway.decode.sampling import SamplingParams
+    from tests.test_eagle3 import tiny4
+    from tests.test_generate import PROMPT, TableDrafter, chi_square, exact_two_token_probs
+
+    model = tiny4("gpt2")
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 5.0)
+    params = SamplingParams(temperature=1.0)
+    first, second = exact_two_token_probs(model, params)
+    monkeypatch.setattr(batch_decode.BatchSizer, "nodes", lambda self, parents: 7)
+    generator = torch.Generator().manual_seed(5)
+    counts = torch.zeros(TINY_VOCAB * TINY_VOCAB)
+    accepted = 0
+    for seed in range(5):
+        drafters: list[Any] = []
+        for index in range(300):
+            drafter = TableDrafter(second, width=3, depth=2, random=False, seed=seed * 300 + index)
+            drafter.max_nodes = 6
+            drafters.append(drafter)
+        rows = decode_batch(
+            model,
+            [PROMPT] * 300,
+            drafters,
+            max_new_tokens=3,  # room for a step to commit a drafted token and its bonus
+            sampling=params,
+            generator=generator,
+        )
+        for row in rows:
+            counts[row.tokens[0] * TINY_VOCAB + row.tokens[1]] += 1
+            accepted += row.accept_lengths[0] > 1
+    exact = (first[:, None] * second).flatten()
+    assert not bool(counts[exact == 0].any())
+    statistic, bound = chi_square(counts, exact)
+    assert statistic < bound, (statistic, bound)
+    assert accepted > 1500 / 3

@@ -167,3 +167,17 @@ def test_captured_batched_steps_decode_each_row_as_alone_on_cuda(family: str) ->
     generated = _decode(step, prompts, truths, NEW_TOKENS)
     assert forward.capture and all(plan.graph is not None for plan in step._plans.values())
     assert [row[:NEW_TOKENS] for row in generated] == [t[:NEW_TOKENS] for t in truths]
+    # sampled, through the batched decoding loop: each step's graph draws nothing itself
+    from headway.decode.batch_decode import decode_batch
+    from headway.decode.sampling import SamplingParams
+    from headway.drafters.lookup import PromptLookupDrafter
+
+    rows = decode_batch(
+        model,
+        prompts,
+        [PromptLookupDrafter() for _ in prompts],
+        max_new_tokens=NEW_TOKENS,
+        sampling=SamplingParams(temperature=1.0),
+        generator=torch.Generator("cuda").manual_seed(0),
+    )
+    assert all(len(row.tokens) == NEW_TOKENS for row in rows)

@@ -64,11 +64,12 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch",
         action="store_true",
-        help="decode all prompts together, greedy: one forward a step verifies every prompt's "
-        "draft tree (on a GPU several prompts cost about what one does; on a CPU the forward's "
-        "work grows with the batch). Drafters: prompt-lookup (the default here), retrieval or "
-        "none; each output is the target's greedy output for that prompt alone, and "
-        "tokens_per_s counts its tokens over the whole batch's time",
+        help="decode all prompts together: one forward a step verifies every prompt's draft "
+        "tree (on a GPU several prompts cost about what one does; on a CPU the forward's work "
+        "grows with the batch). Drafters: prompt-lookup (the default here), retrieval or none; "
+        "each output is the target's greedy output for that prompt alone (or, sampling, "
+        "follows its distribution), and tokens_per_s counts its tokens over the whole batch's "
+        "time; no --stop",
     )
     add_drafter_flags(parser, allow_none=True)
     add_decode_flags(parser)
@@ -124,10 +125,10 @@ def _run_batch(args: argparse.Namespace, target: Target) -> int:
     """``--batch``: every prompt decoded together (:func:`headway.api.generate_batch`)."""
     from headway.api import generate_batch
 
-    if args.temperature > 0 or args.stop or args.heads:
+    if args.stop or args.heads:
         raise HeadwayError(
-            "--batch decodes greedily with prompt lookup, retrieval or no drafter: drop "
-            "--temperature, --stop and --heads, or decode the prompts one at a time"
+            "--batch drafts with prompt lookup, retrieval or no drafter and stops at EOS or "
+            "--max-new-tokens: drop --stop and --heads, or decode the prompts one at a time"
         )
     drafter = {None: "prompt-lookup", "none": None}.get(args.drafter, args.drafter)
     options = parse_draft_options(args.draft_option)
@@ -139,6 +140,10 @@ def _run_batch(args: argparse.Namespace, target: Target) -> int:
         drafter=drafter,
         draft_options=options,
         max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
         chat=args.chat,
     )
     for prompt, result in zip(args.prompts, results, strict=True):

@@ -5,12 +5,13 @@ Every row has its own drafter (one per prompt, of the :class:`~headway.decode.se
 protocol, drafting from the row's own tokens on the host: prompt lookup, retrieval) or none, and
 each step verifies every row's tree in one forward over one static cache
 (:class:`~headway.decode.batch_step.BatchVerify`: one host read a step for all rows). Trees
-differ in size between rows; a step pads each row's tree to the step's size with children of
-the root (whatever a padding node holds, it is accepted only where it is the target's own
-greedy token, so the output is unchanged), the size rounded so the block is a power of two:
-a handful of shapes (and, on CUDA, of captured graphs) covers every step. A row that has
-finished (EOS or ``max_new_tokens``) steps on with an empty tree, committing nothing, until
-every row has.
+differ in size between rows; a step pads each row's tree to the step's size with a chain of
+padding nodes under the root, the first holding a token none of the root's children holds (a
+padding node is a candidate like any other: accepted only where it is what greedy decoding or
+speculative sampling would commit, so the output is unchanged), the size rounded so the block
+is a power of two: a handful of shapes (and, on CUDA, of captured graphs) covers every step. A
+row that has finished (EOS or ``max_new_tokens``) steps on with an empty tree, committing
+nothing, until every row has.
 
 How far to draft is weighed a step at a time (:class:`BatchSizer`): every row's tree is cut to
 one block size ``S`` (1, 2, 4, ... entries a row), the size whose expected committed tokens
@@ -24,9 +25,10 @@ longest row's tree ran 1.48x HF greedy one prompt at a time, sized so 2.85x, bot
 GEMM route; 4.25x on the packed one with grouped heads read once, docs/usage.md);
 on a GPU, where a small model's step costs about the same at any size, the whole trees go.
 
-Each row's tokens are the target's greedy output for that prompt alone (fp32,
-``tests/test_batch_decode.py``). Greedy only: sampling and drafters that read the target's
-hidden states (Medusa, EAGLE) are refused in one line for now.
+Greedy, each row's tokens are the target's greedy output for that prompt alone (fp32);
+sampled, each row's tokens follow the target's distribution for its prompt
+(``tests/test_batch_decode.py``). Drafters that read the target's hidden states (Medusa, EAGLE)
+are refused in one line for now.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from headway.decode.captured import StaticForward, block_bucket
 from headway.decode.gemm import gemm_route
 from headway.decode.grouped_attention import grouped_attention
 from headway.decode.kv import context_limit
+from headway.decode.sampling import GREEDY, SamplingParams
 from headway.decode.session import Drafter, StopReason
 from headway.errors import HeadwayError
 from headway.timings import remembered, shapes_digest
@@ -75,11 +78,13 @@ def decode_batch(
     *,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
     capture: bool | None = None,
 ) -> list[BatchRow]:
-    """Greedy-decode ``prompts`` (LongTensors ``[P_b]``) together, row ``b`` drafted by
-    ``drafters[b]`` (None: no drafter); see the module docstring. ``capture``: CUDA graphs
-    (default: on CUDA).
+    """Decode ``prompts`` (LongTensors ``[P_b]``) together, row ``b`` drafted by
+    ``drafters[b]`` (None: no drafter), greedy or by ``sampling`` with ``generator``; see the
+    module docstring. ``capture``: CUDA graphs (default: on CUDA).
 
     Raises:
         HeadwayError: a drafter that reads the target's hidden states, or prompts and
@@ -90,7 +95,9 @@ def decode_batch(
     _check(model, prompts, drafters, max_new_tokens)
     gemm_route(model)  # the model's GEMM route on a CPU ("auto" where none was applied)
     with grouped_attention(model):  # each grouped key/value head read once a step
-        return _decode(model, prompts, drafters, max_new_tokens, eos_token_ids, capture)
+        return _decode(
+            model, prompts, drafters, max_new_tokens, eos_token_ids, sampling, generator, capture
+        )
 
 
 def _decode(
@@ -99,21 +106,25 @@ def _decode(
     drafters: Sequence[Drafter | None],
     max_new_tokens: int,
     eos_token_ids: Sequence[int],
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
     capture: bool | None,
 ) -> list[BatchRow]:
-    steps = BatchVerify(StaticForward(model, capture=capture, batch=len(prompts)), _depth(drafters))
+    forward = StaticForward(model, capture=capture, batch=len(prompts))
+    steps = BatchVerify(forward, _depth(drafters))
     rows = [BatchRow() for _ in prompts]
     ids = [prompt.tolist() for prompt in prompts]
     for drafter, prompt in zip(drafters, prompts, strict=True):
         if drafter is not None:
             drafter.begin(prompt)
-    firsts = steps.prefill([prompt.to(model.device) for prompt in prompts]).tolist()
+    on_device = [prompt.to(model.device) for prompt in prompts]
+    firsts = steps.prefill(on_device, sampling, generator).tolist()
     eos = frozenset(eos_token_ids)
     for row, sequence, first, drafter in zip(rows, ids, firsts, drafters, strict=True):
         _commit(row, sequence, [int(first)], eos, max_new_tokens, count=False)
         if drafter is not None:  # the prompt's pairs and the first token, as the loop's
             drafter.observe(torch.tensor(sequence[1:]), ())
-    sizer = BatchSizer(steps, block_bucket(_depth(drafters) + 1)) if any(drafters) else None
+    sizer = BatchSizer(steps, _depth(drafters) + 1) if any(drafters) else None
     while any(row.stop_reason is None for row in rows):
         trees = [
             _tree(drafter, sequence) if row.stop_reason is None else ([], [])
@@ -121,11 +132,12 @@ def _decode(
         ]
         nodes = 0 if sizer is None else sizer.nodes([parents for _, parents in trees])
         trees = [(tokens[:nodes], parents[:nodes]) for tokens, parents in trees]
-        tokens = torch.tensor([_padded(t, nodes, 0) for t, _ in trees], dtype=torch.long)
-        parents = torch.tensor([_padded(p, nodes, -1) for _, p in trees], dtype=torch.long)
+        padded = [_padded(tokens, parents, nodes) for tokens, parents in trees]
+        tokens = torch.tensor([t for t, _ in padded], dtype=torch.long)
+        parents = torch.tensor([p for _, p in padded], dtype=torch.long)
         roots = torch.tensor([sequence[-1] for sequence in ids])
         active = torch.tensor([row.stop_reason is None for row in rows])
-        committed = steps.step(roots, tokens, parents, active)
+        committed = steps.step(roots, tokens, parents, active, sampling, generator)
         for row, sequence, drafter, new, (_, sent) in zip(
             rows, ids, drafters, committed, trees, strict=True
         ):
@@ -216,7 +228,7 @@ def _check(
             "drafters reading the target's hidden states (Medusa, EAGLE) decode one prompt "
             "at a time"
         )
-    depth = _depth(drafters)
+    depth = _depth(drafters)  # padding included
     longest = max(prompt.numel() for prompt in prompts) + max_new_tokens + depth + 1
     if longest > context_limit(model):
         raise HeadwayError(
@@ -226,8 +238,10 @@ def _check(
 
 
 def _depth(drafters: Sequence[Drafter | None]) -> int:
-    """The deepest node any row's tree can hold: the largest ``max_nodes``."""
-    return max((drafter.max_nodes for drafter in drafters if drafter is not None), default=0)
+    """The deepest node a step's tree can hold, padding included: the most nodes a step sends
+    (the largest ``max_nodes``, rounded so the block is a power of two)."""
+    most = max((drafter.max_nodes for drafter in drafters if drafter is not None), default=0)
+    return block_bucket(most + 1) - 1
 
 
 def _tree(drafter: Drafter | None, sequence: list[int]) -> tuple[list[int], list[int]]:
@@ -239,9 +253,17 @@ def _tree(drafter: Drafter | None, sequence: list[int]) -> tuple[list[int], list
     return tree.tokens[:keep].tolist(), tree.parents[:keep].tolist()
 
 
-def _padded(values: list[int], size: int, fill: int) -> list[int]:
-    """``values`` followed by ``fill`` up to ``size`` (padding nodes: children of the root)."""
-    return values + [fill] * (size - len(values))
+def _padded(tokens: list[int], parents: list[int], size: int) -> tuple[list[int], list[int]]:
+    """The tree grown to ``size`` nodes by a chain of padding nodes under the root, the first
+    holding a token none of the root's children holds: siblings stay distinct, which lossless
+    sampling over a tree needs (a padding node is then a candidate like any other)."""
+    missing = size - len(tokens)
+    if missing <= 0:
+        return tokens, parents
+    taken = {token for token, parent in zip(tokens, parents, strict=True) if parent < 0}
+    fill = next(token for token in range(len(taken) + 1) if token not in taken)
+    chain = [-1, *range(len(tokens), len(tokens) + missing - 1)]
+    return tokens + [fill] * missing, parents + chain
 
 
 def _commit(

@@ -1,4 +1,4 @@
-"""Greedy speculative steps for a batch of sequences over one static cache (issue #32's next step).
+"""Speculative steps for a batch of sequences over one static cache (issue #32's next step).
 
 ``B`` sequences, each with its own prompt, tree and acceptance, share a
 :class:`~headway.decode.captured.StaticForward` built with ``batch=B``: row ``b`` keeps its
@@ -10,18 +10,20 @@ the same functions over a leading batch dimension (:mod:`headway.decode.device_t
 1. each row's block (its root, then its tree, padded to a power of two) is written at its own
    columns ``lengths[b] ..``, its positions and mask from its own tree and length;
 2. one verify forward of ``[B, S]`` entries;
-3. greedy acceptance per row, each row's accepted path moved behind its own prefix, and
-   ``lengths`` advanced by each row's count, all on the device;
+3. acceptance per row (greedy, or lossless speculative sampling over uniforms drawn before the
+   step), each row's accepted path moved behind its own prefix, and ``lengths`` advanced by
+   each row's count, all on the device;
 
 then one host read for all rows (the committed tokens). Shapes depend only on ``B`` and ``n``,
 so on CUDA the step is captured as one graph per tree size and replayed; off CUDA it runs
 uncaptured. A row that has finished keeps stepping (its tokens are ignored) until its caller
 refills or drops the batch. Rows' outputs are each row's own greedy output, as transformers
-decodes that prompt alone (``tests/test_batch_step.py``, fp32).
+decodes that prompt alone (``tests/test_batch_step.py``, fp32); sampled, each row's tokens
+follow the target's distribution (``tests/test_batch_decode.py``).
 
-Not yet: drafters proposing ``B`` trees at once (the tests draft from each row's known answer),
-sampling (the acceptance function takes a batch, the noise staging does not yet), targets with
-sliding or chunked layers (their masks need a host check a step).
+Not yet: drafters proposing ``B`` trees at once (:mod:`headway.decode.batch_decode` asks each
+row's own drafter), targets with sliding or chunked layers (their masks need a host check a
+step).
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ import torch
 from torch import Tensor
 
 from headway.decode.captured import StaticForward, block_bucket, run_graph
-from headway.decode.device_tree import accept_greedy, open_columns, tree_layout
+from headway.decode.device_step import draw_uniforms
+from headway.decode.device_tree import accept_greedy, accept_sampled, open_columns, tree_layout
 from headway.decode.gemm import routed_linears
+from headway.decode.sampling import GREEDY, SamplingParams, pick_tokens, probs_from_logits
 from headway.errors import TargetError
 
 __all__ = ["BatchVerify"]
@@ -51,12 +55,14 @@ class _Plan:
     parents: Tensor  # [B, n]
     active: Tensor  # [B] bool: rows that commit this step
     cache: object  # the StaticCache the graph writes into
+    sampling: SamplingParams = GREEDY
+    noise: Tensor | None = None  # sampling: [B, n + V] uniforms, drawn before each step
     graph: object = None
     out: Tensor | None = None  # [B, 2 + rows]: count, committed tokens, whether it commits
 
 
 class BatchVerify:
-    """Greedy tree steps for the ``B`` rows of ``target`` (module docstring); ``max_depth``
+    """Tree steps for the ``B`` rows of ``target`` (module docstring); ``max_depth``
     bounds the trees' depth."""
 
     def __init__(self, target: StaticForward, max_depth: int) -> None:
@@ -71,14 +77,20 @@ class BatchVerify:
         device = target.model.device
         self.lengths = torch.zeros(self.batch, dtype=torch.long, device=device)  # per row
         self._known = [0] * self.batch  # the same on the host, from each step's one read
-        self._plans: dict[int, _Plan] = {}
+        self._plans: dict[tuple[int, SamplingParams], _Plan] = {}
 
     @torch.no_grad()
-    def prefill(self, prompts: Sequence[Tensor]) -> Tensor:
+    def prefill(
+        self,
+        prompts: Sequence[Tensor],
+        sampling: SamplingParams = GREEDY,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
         """Run each row's prompt (``B`` LongTensors ``[L_b]``, L_b >= 1) from column 0 in one
-        forward; returns each row's greedy next token ``[B]`` (on the device), the first
-        root to feed :meth:`step`. Shorter prompts are padded with entries that see only
-        themselves (their columns are overwritten or never opened later)."""
+        forward; returns each row's next token ``[B]`` (on the device; greedy, or drawn with
+        ``generator`` by ``sampling``), the first root to feed :meth:`step`. Shorter prompts
+        are padded with entries that see only themselves (their columns are overwritten or
+        never opened later)."""
         target, device = self.target, self.target.model.device
         if len(prompts) != self.batch or min(p.numel() for p in prompts) < 1:
             raise ValueError(f"need {self.batch} prompts of at least one token each")
@@ -101,24 +113,34 @@ class BatchVerify:
         self._known = [p.numel() for p in prompts]
         target.cache.length = width
         last = (sizes - 1 - (width - keep))[:, None, None].expand(-1, 1, logits.shape[-1])
-        return logits.gather(1, last)[:, 0].argmax(-1)
+        return pick_tokens(logits.gather(1, last)[:, 0], sampling, generator)
 
     @torch.no_grad()
     def step(
-        self, roots: Tensor, tokens: Tensor, parents: Tensor, active: Tensor | None = None
+        self,
+        roots: Tensor,
+        tokens: Tensor,
+        parents: Tensor,
+        active: Tensor | None = None,
+        sampling: SamplingParams = GREEDY,
+        generator: torch.Generator | None = None,
     ) -> list[list[int]]:
         """Verify each row's tree (``tokens``/``parents [B, n]``, topological order, -1 for the
         root's children) below its root (``roots [B]``: each row's last committed token, not
         yet in the cache) and commit each row's accepted path and bonus token; returns each
         row's committed tokens (its next root is the last). A row ``active [B]`` (bool,
         default all) leaves False is computed but commits nothing: its length stays, and the
-        tokens returned for it are to be ignored (a finished row, until the batch ends)."""
+        tokens returned for it are to be ignored (a finished row, until the batch ends).
+        ``sampling``: greedy acceptance, or lossless speculative sampling over uniforms drawn
+        from ``generator`` before the step runs (the graph holds no random op)."""
         nodes = tokens.shape[-1]
         if tokens.shape != (self.batch, nodes) or parents.shape != tokens.shape:
             raise ValueError(f"need trees [{self.batch}, n]; got {list(tokens.shape)}")
         target = self.target
         target.reserve(max(self._known) + block_bucket(nodes + 1))
-        plan = self._plan(nodes)
+        plan = self._plan(nodes, sampling)
+        if plan.noise is not None:
+            draw_uniforms(plan.noise, generator)
         plan.roots.copy_(roots)
         plan.tokens.copy_(tokens)
         plan.parents.copy_(parents)
@@ -133,10 +155,10 @@ class BatchVerify:
         target.cache.length = max(self._known)  # what transformers reads; masks say the rest
         return [host[row, 1 : 1 + count].tolist() for row, count in enumerate(counts)]
 
-    def _plan(self, nodes: int) -> _Plan:
+    def _plan(self, nodes: int, sampling: SamplingParams) -> _Plan:
         if any(plan.cache is not self.target.cache for plan in self._plans.values()):
             self._plans.clear()  # the cache grew: every graph wrote into the old one
-        plan = self._plans.get(nodes)
+        plan = self._plans.get((nodes, sampling))
         if plan is None:
             device = self.target.model.device
             zeros = torch.zeros(self.batch, nodes, dtype=torch.long, device=device)
@@ -148,8 +170,12 @@ class BatchVerify:
                 parents=zeros.clone(),
                 active=torch.ones(self.batch, dtype=torch.bool, device=device),
                 cache=self.target.cache,
+                sampling=sampling,
             )
-            self._plans[nodes] = plan
+            if not sampling.greedy:  # one uniform per node, then the bonus token's noise
+                vocab = int(self.target.model.get_output_embeddings().weight.shape[0])
+                plan.noise = torch.zeros(self.batch, nodes + vocab, device=device)
+            self._plans[(nodes, sampling)] = plan
         return plan
 
     def _body(self, plan: _Plan) -> None:
@@ -163,9 +189,15 @@ class BatchVerify:
         visible = torch.eye(size, dtype=torch.bool, device=ids.device).repeat(self.batch, 1, 1)
         visible[:, : nodes + 1, : nodes + 1] = ancestors
         logits = self._forward(ids, positions, visible, self.lengths, size)[0]
-        count, path, committed = accept_greedy(
-            ids, plan.parents, depths, ancestors, logits.argmax(-1), plan.rows
-        )
+        if plan.noise is None:
+            count, path, committed = accept_greedy(
+                ids, plan.parents, depths, ancestors, logits.argmax(-1), plan.rows
+            )
+        else:
+            probs = probs_from_logits(logits, plan.sampling)  # [B, S, V]
+            count, path, committed = accept_sampled(
+                ids, plan.parents, probs, plan.noise, plan.rows, self.max_depth
+            )
         keys = self.target.keys[: plan.rows]
         if nodes:  # each row's accepted path behind its own prefix
             self.target.cache.move_columns(
