@@ -35,14 +35,16 @@ class _Row:
         self.generated: list[int] = []
 
     def draft(self, rng: random.Random) -> tuple[list[int], list[int]]:
-        """A tree (tokens, parents; parents index earlier nodes, -1 the root): a chain whose
-        first ``k`` tokens (``k`` drawn per step) are the reference's, then wrong ones, and a
-        few random branches."""
+        """A tree (tokens, parents; parents index earlier nodes, -1 the root): a wrong first
+        child of the root, then a chain whose first ``k`` tokens (``k`` drawn per step) are the
+        reference's, then wrong ones, and a few random branches (an accepted path skips the
+        first child's block entry, so its keys/values must move)."""
         done = len(self.generated)
         right = self.truth[done : done + DEPTH] + [0] * DEPTH
         k = rng.randint(0, DEPTH)
-        tokens = [right[i] if i < k else (right[i] + 1) % TINY_VOCAB for i in range(DEPTH)]
-        parents = list(range(-1, DEPTH - 1))
+        chain = [right[i] if i < k else (right[i] + 1) % TINY_VOCAB for i in range(DEPTH)]
+        tokens = [(right[0] + 2) % TINY_VOCAB, *chain]
+        parents = [-1, -1, *range(1, DEPTH)]
         for _ in range(rng.randint(0, 4)):
             parents.append(rng.randint(-1, len(tokens) - 1))
             tokens.append(rng.randrange(3, TINY_VOCAB))
