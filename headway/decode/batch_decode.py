@@ -130,7 +130,10 @@ def _decode(
             _tree(drafter, sequence) if row.stop_reason is None else ([], [])
             for drafter, sequence, row in zip(drafters, ids, rows, strict=True)
         ]
-        nodes = 0 if sizer is None else sizer.nodes([parents for _, parents in trees])
+        live = [
+            parents for (_, parents), row in zip(trees, rows, strict=True) if not row.stop_reason
+        ]
+        nodes = 0 if sizer is None else sizer.nodes(live)
         trees = [(tokens[:nodes], parents[:nodes]) for tokens, parents in trees]
         padded = [_padded(tokens, parents, nodes) for tokens, parents in trees]
         tokens = torch.tensor([t for t, _ in padded], dtype=torch.long)
