@@ -138,6 +138,8 @@ class StaticForward:
     def prefill(
         self, ids: Tensor, hidden_layers: tuple[int, ...]
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        if self.cache.batch != 1:  # a batch's rows are run by headway.decode.batch_step
+            raise ValueError(f"one sequence's prefill over a cache of {self.cache.batch} rows")
         start, count = self.cache.length, ids.shape[1]
         self.reserve(start + count)
         device = self.model.device
