@@ -23,7 +23,7 @@ from headway.decode.sampling import SamplingParams
 from headway.errors import DataError
 from headway.generation.batched_generation import ContinuousBatcher
 from headway.generation.repetition import loop_cut
-from headway.target import Target
+from headway.target import Target, eos_token_ids
 from headway.train.prompts import PromptItem
 
 logger = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ def _answer_continuously(
     """All items through one :class:`ContinuousBatcher`, shortest prompts first; an item's next
     turn is submitted as soon as its previous answer is in."""
     tokenizer = target.tokenizer
-    eos_ids = eos_token_ids(target)
+    eos_ids = sorted(set(eos_token_ids(target)))
     batcher = ContinuousBatcher(
         target.model,
         slots=options.batch_size,
@@ -215,14 +215,6 @@ def _answer_continuously(
         batcher.prefilled,
         batcher.reused,
     )
-
-
-def eos_token_ids(target: Target) -> list[int]:
-    """The ids that end an answer: the generation config's EOS (one id or a list)."""
-    eos = target.model.generation_config.eos_token_id
-    if eos is None:
-        eos = target.tokenizer.eos_token_id
-    return sorted(set(eos if isinstance(eos, list) else [eos]))
 
 
 def _answer_in_padded_batches(
