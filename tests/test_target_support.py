@@ -36,6 +36,7 @@ def test_a_plain_target_supports_everything() -> None:
         "float32" in rows["tree decoding"].detail and "256 tokens" in rows["tree decoding"].detail
     )
     assert "one host read a step" in rows["static verify"].detail
+    assert "several prompts verified in one forward" in rows["batched"].detail
     assert "output_hidden_states[4]" in rows["Medusa, EAGLE-1/2"].detail
     assert "[1], [2] and [3] of its 4 layers" in rows["EAGLE-3"].detail
     assert "continuous-batching" in rows["regeneration"].detail
@@ -61,7 +62,7 @@ def test_a_recurrent_target_is_refused_as_decoding_refuses_it(family: str) -> No
     with pytest.raises(TargetError) as raised:
         Decoder(model, None, DecodeOptions(verify="eager"))
     assert not rows["tree decoding"].ok and rows["tree decoding"].detail == str(raised.value)
-    for name in ("static verify", "Medusa, EAGLE-1/2", "EAGLE-3"):
+    for name in ("static verify", "batched", "Medusa, EAGLE-1/2", "EAGLE-3"):
         assert not rows[name].ok and "needs" in rows[name].detail, name
     assert rows["regeneration"].ok and "HF generate" in rows["regeneration"].detail
 
@@ -83,6 +84,7 @@ def test_local_attention_is_described_and_keeps_the_host_check() -> None:
     assert "chunks of 16 tokens" in chunked["attention"].detail
     assert "one mask per layer type" in chunked["attention"].detail
     assert "on the host" in chunked["static verify"].detail
+    assert not chunked["batched"].ok and "sliding-window or chunked" in chunked["batched"].detail
     mixed = _rows(family_model("gemma2"))
     window = family_config("gemma2").sliding_window
     assert f"sliding window of {window:,} tokens" in mixed["attention"].detail
@@ -125,8 +127,8 @@ def test_headway_check_prints_every_row_and_exits_by_tree_decoding(
     capsys.readouterr()
     assert main(["check", "--target", str(tmp_path / "llama")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].endswith("llama, 2 layers, float32 on cpu") and len(lines) == 7
-    assert lines[1].startswith("- yes  tree decoding") and lines[5].startswith("- no   EAGLE-3")
+    assert lines[0].endswith("llama, 2 layers, float32 on cpu") and len(lines) == 8
+    assert lines[1].startswith("- yes  tree decoding") and lines[6].startswith("- no   EAGLE-3")
     assert main(["check", "--target", str(tmp_path / "mamba"), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["support"][0] == {

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 
 from transformers import PreTrainedModel
 
+from headway.decode.batch_step import BatchVerify
+from headway.decode.captured import StaticForward
 from headway.decode.kv import context_limit, recurrent_layer
 from headway.decode.local_attention import (
     attention_chunk,
@@ -40,7 +42,7 @@ __all__ = [
     "target_support",
 ]
 
-TREE, ATTENTION, STATIC = "tree decoding", "attention", "static verify"
+TREE, ATTENTION, STATIC, BATCHED = "tree decoding", "attention", "static verify", "batched"
 FEATURES, EAGLE3, REGENERATION = "Medusa, EAGLE-1/2", "EAGLE-3", "regeneration"
 
 
@@ -65,9 +67,10 @@ class Support:
 def target_support(model: PreTrainedModel) -> tuple[Support, ...]:
     """Every capability row for ``model`` (in its own dtype and device: the mask probe runs a
     few tiny forwards, the hidden-state check one): tree decoding, what its attention needs,
-    the static verify path, Medusa and EAGLE-1/2 drafters, EAGLE-3 drafters, regeneration."""
+    the static verify path, batched decoding, Medusa and EAGLE-1/2 drafters, EAGLE-3 drafters,
+    regeneration."""
     tree = _tree(model)
-    rows = [tree, _attention(model), _static(model, tree)]
+    rows = [tree, _attention(model), _static(model, tree), _batched(model, tree)]
     features = _features(model, tree)
     return (*rows, features, _eagle3(model, features), _regeneration(model))
 
@@ -124,6 +127,21 @@ def _static(model: PreTrainedModel, tree: Support) -> Support:
         STATIC,
         True,
         f"over a static cache (--verify captured or compiled: CUDA graphs on a GPU); {steps}",
+    )
+
+
+def _batched(model: PreTrainedModel, tree: Support) -> Support:
+    if not tree.ok:
+        return Support(BATCHED, False, "needs tree decoding")
+    try:  # what generate --batch builds (no memory until a forward)
+        BatchVerify(StaticForward(model, capture=False, batch=2), max_depth=1)
+    except HeadwayError as error:
+        return Support(BATCHED, False, str(error))
+    return Support(
+        BATCHED,
+        True,
+        "generate --batch: several prompts verified in one forward a step (prompt lookup, "
+        "retrieval or no drafter; greedy or sampled)",
     )
 
 
