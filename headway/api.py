@@ -33,7 +33,8 @@ from headway.decode.generate import Decoder, Drafter
 from headway.decode.options import DecodeOptions, verify_path
 from headway.decode.probe import check_tree_mask
 from headway.decode.sampling import SamplingParams
-from headway.drafters.build import build_drafter, spec_for
+from headway.drafters.build import build_drafter
+from headway.drafters.resolve import resolve_drafter
 from headway.drafters.specs import SPEC_TYPES, DrafterSpec
 from headway.errors import HeadwayError
 from headway.named_drafters import DEFAULT_DRAFTER, borrow, choice_for
@@ -187,15 +188,12 @@ def generate(
     )
 
 
-BATCH_DRAFTERS = ("prompt-lookup", "retrieval")
-"""Drafters :func:`generate_batch` takes (those drafting from the tokens alone)."""
-
-
 def generate_batch(
     target: Target,
     prompts: Sequence[str],
     *,
     drafter: str | None = "prompt-lookup",
+    heads: str | Path | None = None,
     draft_options: Mapping[str, object] | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
@@ -208,25 +206,26 @@ def generate_batch(
     over one static cache and reads the device once for all of them
     (:mod:`headway.decode.batch_decode`); at temperature 0 each output is the target's greedy
     output for its prompt alone (exactly, in fp32), sampled each follows the target's
-    distribution (one generator seeded with ``seed`` draws for every row). ``drafter``:
-    ``"prompt-lookup"`` (default), ``"retrieval"`` or None, one per prompt, with
-    ``draft_options`` as ``--draft-option``'s.
-    Each generation's ``tokens_per_s`` is its own tokens over the whole batch's time (the
-    batch's throughput is their sum).
+    distribution (one generator seeded with ``seed`` draws for every row). ``drafter``: a
+    name (``"prompt-lookup"``, the default here, ``"retrieval"``, ``"lookup-medusa"``),
+    ``"default"`` (what :func:`generate` takes: the drafter shipped for the target, ...) or
+    None; ``heads``: a trained drafter's folder; ``draft_options`` as ``--draft-option``'s.
+    One drafter per prompt (a trained one's weights loaded once a prompt), drafting eagerly
+    from that prompt's own tokens and the target's states. Each generation's ``tokens_per_s``
+    is its own tokens over the whole batch's time (the batch's throughput is their sum).
 
     Raises:
-        HeadwayError: another drafter (Medusa and EAGLE drafters decode one prompt at a time
-            for now), or prompts and ``max_new_tokens`` past the target's context.
+        HeadwayError: a drafter that cannot be built for the target, or prompts and
+            ``max_new_tokens`` past the target's context.
     """
-    if drafter is not None and drafter not in BATCH_DRAFTERS:
-        raise HeadwayError(
-            f"batched decoding drafts with {' or '.join(BATCH_DRAFTERS)} or none, not "
-            f"{drafter!r}: drafters reading the target's hidden states decode one prompt at a time"
-        )
     model = target.model
     check_tree_mask(model)
     ids = [prompt_ids(target, prompt, chat=chat) for prompt in prompts]
-    spec = None if drafter is None else spec_for(drafter, options=draft_options)
+    spec = None
+    if drafter is not None or heads is not None:
+        name = None if drafter == DEFAULT_DRAFTER else drafter
+        heads_dir = None if heads is None else str(heads)
+        spec = resolve_drafter(model, drafter=name, heads=heads_dir, options=draft_options).spec
     drafters = [None if spec is None else build_drafter(spec, target) for _ in prompts]
     start = time.perf_counter()
     rows = decode_batch(

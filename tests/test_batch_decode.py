@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from headway.decode.batch_decode import decode_batch
-from headway.decode.tree import DraftTree
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.errors import HeadwayError
 from tests.test_generate import hf_greedy
@@ -64,36 +63,65 @@ def test_a_row_stopping_at_eos_leaves_the_others_going() -> None:
     assert any(row.stop_reason == "max_new_tokens" for row in rows)
 
 
-class _HiddenStateDrafter:
-    """A drafter reading the target's hidden states (as Medusa and EAGLE do)."""
+class _LayersDrafter(PromptLookupDrafter):
+    """Prompt lookup that says it reads the target's states at ``layers``."""
 
-    hidden_layers = (2,)
-    max_nodes = 4
-
-    def begin(self, prompt_ids: Tensor) -> None: ...
-
-    def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
-        raise AssertionError("never asked")
-
-    def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None: ...
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        super().__init__()
+        self.hidden_layers = layers
 
 
-@pytest.mark.parametrize(
-    "case, match",
-    [("hidden", "prompt lookup, retrieval or no drafter"), ("long", "positions")],
-)
+@pytest.mark.parametrize("case, match", [("layers", "one set of layers"), ("long", "positions")])
 def test_what_cannot_be_batched_is_refused_in_one_line(case: str, match: str) -> None:
     model = tiny_model("llama")
     prompts = _prompts()
     drafters: list[Any] = [None] * len(prompts)
     new = NEW_TOKENS
-    if case == "hidden":
-        drafters[2] = _HiddenStateDrafter()
+    if case == "layers":  # rows whose drafters read the target at different layers
+        drafters[1], drafters[2] = _LayersDrafter((1,)), _LayersDrafter((2,))
     else:
         new = 250  # the tiny target holds 256 positions
     with pytest.raises(HeadwayError, match=match) as refused:
         decode_batch(model, prompts, drafters, max_new_tokens=new)
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_drafters_reading_the_target_states_draft_each_row(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Medusa heads (random) and a fitted EAGLE-3 draft model, one drafter per row over the
+    states the batched steps leave for that row: every row is its prompt's own greedy output,
+    and EAGLE-3's drafts are accepted (every step sends the whole tree)."""
+    from headway.decode import batch_decode
+    from headway.decode.generate import generate
+    from headway.drafters.eagle3_drafter import Eagle3Drafter
+    from headway.drafters.medusa_drafter import MedusaDrafter
+    from headway.heads.eagle import TargetHead
+    from headway.heads.hidden_states import final_hidden_layer
+    from headway.heads.medusa import MedusaConfig, MedusaHeads
+    from tests.test_eagle3 import PROMPT, TREE, target_and_truth, trained
+
+    model, truth = target_and_truth("llama")  # the EAGLE-3 draft is fitted on PROMPT + truth
+    prompts = [PROMPT, PROMPT[:5], torch.cat([PROMPT, torch.tensor(truth[:3])])]
+    drafters: list[Any] = []
+    for _ in prompts:
+        if kind == "medusa":
+            torch.manual_seed(1)
+            heads = MedusaHeads(MedusaConfig(2, 1, 32, TINY_VOCAB), model.lm_head.weight)
+            drafters.append(MedusaDrafter(heads.eval(), hidden_layer=final_hidden_layer(model)))
+        else:
+            drafters.append(Eagle3Drafter(trained("llama"), TargetHead.of(model), **TREE))
+    monkeypatch.setattr(batch_decode.BatchSizer, "nodes", lambda self, parents: 15)
+    rows = decode_batch(model, prompts, drafters, max_new_tokens=NEW_TOKENS)
+    for index, (row, prompt, drafter) in enumerate(zip(rows, prompts, drafters, strict=True)):
+        assert row.tokens == hf_greedy(model, prompt, NEW_TOKENS, eos=None), index
+        alone = generate(
+            model, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS, eos_token_ids=()
+        )
+        assert row.accept_lengths == alone.accept_lengths[1:], index  # the same drafts accepted
+    if kind == "eagle3":
+        assert max(max(row.accept_lengths) for row in rows) > 2
 
 
 def test_headway_generate_batch_prints_what_one_prompt_at_a_time_does(
@@ -124,7 +152,7 @@ def test_headway_generate_batch_prints_what_one_prompt_at_a_time_does(
     assert [r["token_ids"] for r in batched] == [r["token_ids"] for r in alone]
     assert [r["prompt"] for r in batched] == prompts
     assert main([*common, "--batch", "--stop", "cat"]) == 2
-    assert "drop --stop and --heads" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert "drop --stop" in capsys.readouterr().err.strip().splitlines()[-1]
     sampled = [*common, "--batch", "--temperature", "0.7", "--seed", "3"]
     runs = []
     for _ in range(2):  # seeded: the same draws twice
@@ -175,3 +203,41 @@ def test_sampled_rows_follow_the_target_distribution(monkeypatch: pytest.MonkeyP
     statistic, bound = chi_square(counts, exact)
     assert statistic < bound, (statistic, bound)
     assert accepted > 1500 / 3
+
+
+def test_headway_generate_batch_with_heads_prints_what_one_at_a_time_does(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--batch --heads RUN`` (Medusa heads saved for the tiny target): one Medusa drafter
+    per prompt over the batch's states, the same token ids as without ``--batch``."""
+    import json
+
+    from headway.cli import main
+    from headway.heads.io import save_heads
+    from headway.heads.medusa import MedusaConfig, MedusaHeads
+    from headway.target import fingerprint
+    from tests.tokenizers_fixture import smollm2_tokenizer
+
+    tokenizer = smollm2_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    torch.manual_seed(1)
+    config = MedusaConfig(2, 1, 32, len(tokenizer))
+    heads = MedusaHeads(config, model.lm_head.weight)
+    save_heads(
+        tmp_path / "run",
+        method="medusa1",
+        head_config=config.to_dict(),
+        state_dict=heads.state_dict(),
+        target_fingerprint=fingerprint(model),
+        target_name=str(tmp_path / "tiny"),
+    )
+    common = ["generate", "--target", str(tmp_path / "tiny"), "--dtype", "float32", "--json"]
+    common += ["--max-new-tokens", "12", "--heads", str(tmp_path / "run"), "one two", "three"]
+    capsys.readouterr()
+    assert main([*common, "--batch"]) == 0
+    batched = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+    assert main(common) == 0
+    alone = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+    assert batched == alone and len(batched) == 2

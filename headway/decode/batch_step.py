@@ -59,13 +59,17 @@ class _Plan:
     noise: Tensor | None = None  # sampling: [B, n + V] uniforms, drawn before each step
     graph: object = None
     out: Tensor | None = None  # [B, 2 + rows]: count, committed tokens, whether it commits
+    hidden: tuple[Tensor, ...] = ()  # [B, rows, H] per hidden layer, along each accepted path
 
 
 class BatchVerify:
     """Tree steps for the ``B`` rows of ``target`` (module docstring); ``max_depth``
-    bounds the trees' depth."""
+    bounds the trees' depth; the target's states at ``hidden_layers`` (indices into
+    ``output_hidden_states``, for drafters that read them) are left in :attr:`hidden`."""
 
-    def __init__(self, target: StaticForward, max_depth: int) -> None:
+    def __init__(
+        self, target: StaticForward, max_depth: int, hidden_layers: tuple[int, ...] = ()
+    ) -> None:
         if not target.takes_device_trees:
             raise TargetError(
                 "batched speculative steps need a target without sliding-window or chunked "
@@ -73,11 +77,15 @@ class BatchVerify:
                 "one at a time"
             )
         self.target, self.max_depth = target, max_depth
+        self.hidden_layers = hidden_layers
         self.batch = target.cache.batch
         device = target.model.device
         self.lengths = torch.zeros(self.batch, dtype=torch.long, device=device)  # per row
         self._known = [0] * self.batch  # the same on the host, from each step's one read
         self._plans: dict[tuple[int, SamplingParams], _Plan] = {}
+        # the target's states (``hidden_layers``) the last prefill or step left: [B, L, H]
+        # at every prompt entry, then [B, rows, H] along each row's accepted path
+        self.hidden: tuple[Tensor, ...] = ()
 
     @torch.no_grad()
     def prefill(
@@ -108,7 +116,7 @@ class BatchVerify:
         # logits only from the shortest prompt's last entry on: every row's last is among them
         keep = width - min(p.numel() for p in prompts) + 1
         positions = order.expand(self.batch, width)
-        logits = self._forward(ids, positions, visible, starts, width, keep)[0]
+        logits, self.hidden = self._forward(ids, positions, visible, starts, width, keep)
         self.lengths.copy_(sizes)
         self._known = [p.numel() for p in prompts]
         target.cache.length = width
@@ -148,6 +156,7 @@ class BatchVerify:
         body = lambda: self._body(plan)  # noqa: E731
         plan.graph = run_graph(plan.graph, body, target.model.device, target.capture)
         assert plan.out is not None
+        self.hidden = plan.hidden
         host = plan.out.cpu()  # the step's one read of the device, for every row
         counts = host[:, 0].tolist()
         moved = (host[:, 0] * host[:, -1]).tolist()  # the last column: whether the row commits
@@ -188,7 +197,7 @@ class BatchVerify:
         positions = torch.cat([depths, pad], dim=-1) + self.lengths[:, None]
         visible = torch.eye(size, dtype=torch.bool, device=ids.device).repeat(self.batch, 1, 1)
         visible[:, : nodes + 1, : nodes + 1] = ancestors
-        logits = self._forward(ids, positions, visible, self.lengths, size)[0]
+        logits, hidden = self._forward(ids, positions, visible, self.lengths, size)
         if plan.noise is None:
             count, path, committed = accept_greedy(
                 ids, plan.parents, depths, ancestors, logits.argmax(-1), plan.rows
@@ -198,6 +207,9 @@ class BatchVerify:
             count, path, committed = accept_sampled(
                 ids, plan.parents, probs, plan.noise, plan.rows, self.max_depth
             )
+        plan.hidden = tuple(
+            states.gather(1, path[..., None].expand(-1, -1, states.shape[-1])) for states in hidden
+        )  # [B, rows, H]: each row's states along its accepted path
         keys = self.target.keys[: plan.rows]
         if nodes:  # each row's accepted path behind its own prefix
             self.target.cache.move_columns(
@@ -217,7 +229,8 @@ class BatchVerify:
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The target over ``ids``/``positions [B, S]``, row ``b`` written at columns
         ``starts[b] ..`` and attending to its earlier columns and the entries ``visible [B, S,
-        S]`` opens; logits ``[B, S, V]`` (the last ``keep`` entries' only, 0: all)."""
+        S]`` opens; logits ``[B, S, V]`` (the last ``keep`` entries' only, 0: all) and the
+        ``hidden_layers``' states ``[B, S, H]``."""
         target = self.target
         target.cache.columns[:, :size].copy_(starts[:, None] + target.keys[:size])
         opened = open_columns(target.keys, starts, visible)  # [B, S, capacity]
@@ -225,4 +238,5 @@ class BatchVerify:
         mask = torch.zeros(opened.shape, dtype=dtype, device=ids.device)
         mask.masked_fill_(~opened, torch.finfo(dtype).min)
         with routed_linears(target.model):  # a CPU's GEMM route for blocks of B x S rows
-            return target.forward_rows(ids, positions, {"": mask[:, None]}, (), keep)
+            masks = {"": mask[:, None]}
+            return target.forward_rows(ids, positions, masks, self.hidden_layers, keep)
