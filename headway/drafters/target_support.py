@@ -140,8 +140,8 @@ def _batched(model: PreTrainedModel, tree: Support) -> Support:
     return Support(
         BATCHED,
         True,
-        "generate --batch: several prompts verified in one forward a step (prompt lookup, "
-        "retrieval or no drafter; greedy or sampled)",
+        "generate --batch: several prompts verified in one forward a step (any drafter, one "
+        "per prompt; greedy or sampled)",
     )
 
 
