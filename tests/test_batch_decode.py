@@ -112,7 +112,7 @@ def test_drafters_reading_the_target_states_draft_each_row(
             drafters.append(MedusaDrafter(heads.eval(), hidden_layer=final_hidden_layer(model)))
         else:
             drafters.append(Eagle3Drafter(trained("llama"), TargetHead.of(model), **TREE))
-    monkeypatch.setattr(batch_decode.BatchSizer, "nodes", lambda self, parents: 15)
+    monkeypatch.setattr(batch_decode.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 15)
     rows = decode_batch(model, prompts, drafters, max_new_tokens=NEW_TOKENS)
     for index, (row, prompt, drafter) in enumerate(zip(rows, prompts, drafters, strict=True)):
         assert row.tokens == hf_greedy(model, prompt, NEW_TOKENS, eos=None), index
@@ -177,7 +177,7 @@ def test_sampled_rows_follow_the_target_distribution(monkeypatch: pytest.MonkeyP
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 5.0)
     params = SamplingParams(temperature=1.0)
     first, second = exact_two_token_probs(model, params)
-    monkeypatch.setattr(batch_decode.BatchSizer, "nodes", lambda self, parents: 7)
+    monkeypatch.setattr(batch_decode.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 7)
     generator = torch.Generator().manual_seed(5)
     counts = torch.zeros(TINY_VOCAB * TINY_VOCAB)
     accepted = 0
@@ -241,3 +241,26 @@ def test_headway_generate_batch_with_heads_prints_what_one_at_a_time_does(
     assert main(common) == 0
     alone = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
     assert batched == alone and len(batched) == 2
+
+
+def test_the_sizer_weighs_drafting_time_and_pauses_drafting_that_does_not_pay() -> None:
+    """A step table where bigger blocks cost little: deep trees win while drafting is cheap;
+    drafting that costs more than it brings (the trees drafted are still sent: their cost is
+    paid) is skipped for 1, then 2, 4 ... steps, and a step where it wins again ends the
+    pauses."""
+    from headway.decode.batch_decode import BatchSizer
+
+    sizer = object.__new__(BatchSizer)
+    sizer.seconds = [0.010, 0.011, 0.012, 0.014]  # blocks of 1, 2, 4, 8 entries a row
+    sizer.accepted, sizer.drafted, sizer.pause, sizer.skipped = 3.0, 4.0, 0, 0
+    chain = [[-1, 0, 1, 2, 3, 4]] * 4  # four rows, a six-deep chain each
+    assert sizer.nodes(chain, drafting=0.001) == 7 and sizer.drafts()
+    pauses = []
+    for _ in range(3):  # drafting ten times a step's time: never pays
+        assert sizer.nodes(chain, drafting=0.1) == 7
+        skipped = 0
+        while not sizer.drafts():
+            skipped += 1
+        pauses.append(skipped)
+    assert pauses == [1, 2, 4]
+    assert sizer.nodes(chain, drafting=0.001) == 7 and sizer.skipped == 0

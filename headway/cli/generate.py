@@ -68,7 +68,7 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         "tree (on a GPU several prompts cost about what one does; on a CPU the forward's work "
         "grows with the batch). Drafters: prompt-lookup (the default here: on a 2-core CPU "
         "the shipped EAGLE-3 drafter, drafting one prompt at a time, made a batch of 8 slower, "
-        "71-73 against 109-111 tokens/s without a drafter), retrieval, none, or --heads; each "
+        "78-80 against 110-115 tokens/s without a drafter), retrieval, none, or --heads; each "
         "output is the target's greedy output for that prompt alone (or, sampling, follows "
         "its distribution), and tokens_per_s counts its tokens over the whole batch's time; "
         "no --stop",

@@ -32,7 +32,8 @@ sampled, each row's tokens follow the target's distribution for its prompt
 (``tests/test_batch_decode.py``; with Medusa and EAGLE-3 drafters every row accepts what it
 accepts decoded alone). Those drafters draft one row at a time (eagerly, on the host's
 schedule): on a 2-core CPU the shipped EAGLE-3 drafter made a batch of 8 MT-bench prompts
-slower than no drafter (71-73 against 109-111 tokens/s, tau 1.50), so prompt lookup is the
+slower than no drafter (78-80 against 110-115 tokens/s, tau 1.06-1.08, drafting paused where
+it did not pay; 71-73 at tau 1.50 before the pauses), so prompt lookup is the
 batch's default; drafting every row's tree in one step is what is left.
 """
 
@@ -134,14 +135,18 @@ def _decode(
             drafter.observe(torch.tensor(sequence[1:]), _states(steps, index, pairs))
     sizer = BatchSizer(steps, _depth(drafters) + 1) if any(drafters) else None
     while any(row.stop_reason is None for row in rows):
+        drafting = sizer is not None and sizer.drafts()
+        start = time.perf_counter()
         trees = [
-            _tree(drafter, sequence) if row.stop_reason is None else ([], [])
+            _tree(drafter, sequence) if row.stop_reason is None and drafting else ([], [])
             for drafter, sequence, row in zip(drafters, ids, rows, strict=True)
         ]
         live = [
             parents for (_, parents), row in zip(trees, rows, strict=True) if not row.stop_reason
         ]
-        nodes = 0 if sizer is None else sizer.nodes(live)
+        nodes = 0
+        if sizer is not None and drafting:
+            nodes = sizer.nodes(live, time.perf_counter() - start)
         trees = [(tokens[:nodes], parents[:nodes]) for tokens, parents in trees]
         padded = [_padded(tokens, parents, nodes) for tokens, parents in trees]
         tokens = torch.tensor([t for t, _ in padded], dtype=torch.long)
@@ -187,6 +192,17 @@ class BatchSizer:
             ),
         )
         self.accepted, self.drafted = 1.0, 2.0  # a prior: half of what is drafted
+        self.pause = 0  # steps left without drafting (drafting did not pay when last weighed)
+        self.skipped = 0  # the pause drafting takes next time it does not pay (doubles)
+
+    def drafts(self) -> bool:
+        """Whether this step's rows draft: not while a pause runs (drafting was weighed and
+        did not pay), so the drafters' cost is not paid either; afterwards they draft again
+        and the step is weighed anew."""
+        if self.pause > 0:
+            self.pause -= 1
+            return False
+        return True
 
     def _time(self, size: int) -> float:
         batch, nodes = self.steps.batch, size - 1
@@ -199,16 +215,25 @@ class BatchSizer:
         self.steps.step(roots, tokens, parents, idle)
         return time.perf_counter() - start
 
-    def nodes(self, parents: Sequence[list[int]]) -> int:
+    def nodes(self, parents: Sequence[list[int]], drafting: float = 0.0) -> int:
         """The tree size (``S - 1`` nodes a row) whose expected tokens a second are highest
-        for these rows' trees (``parents`` each, cut to a size by keeping their first nodes)."""
+        for these rows' trees (``parents`` each, cut to a size by keeping their first nodes),
+        the ``drafting`` seconds the trees took counted against every size but none. Where the
+        best is slower than a step whose rows never drafted, the next steps skip drafting: 1,
+        then 2, 4, ... up to 64 steps while it keeps losing (a win resets the pause)."""
         share = self.accepted / self.drafted
-        best, best_rate = 0, 0.0
-        for index, seconds in enumerate(self.seconds):
+        best, best_rate = 0, len(parents) / (self.seconds[0] + drafting)  # drafting, unused
+        plain = len(parents) / self.seconds[0]  # had the rows not drafted at all
+        for index, seconds in enumerate(self.seconds[1:], start=1):
             size = 1 << index
             expected = sum(1 + share * _depth_of(tree[: size - 1]) for tree in parents)
-            if expected / seconds > best_rate:
-                best, best_rate = size - 1, expected / seconds
+            if expected / (seconds + drafting) > best_rate:
+                best, best_rate = size - 1, expected / (seconds + drafting)
+        if best_rate < plain:  # drafting costs more than it brings: pause it
+            self.skipped = min(64, max(1, 2 * self.skipped))
+            self.pause = self.skipped
+        else:
+            self.skipped = 0
         return best
 
     def learn(self, depth: int, accepted: int) -> None:
