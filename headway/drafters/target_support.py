@@ -4,7 +4,8 @@ headway refuses a target where it cannot stay lossless, each refusal where the c
 first used: the cache's layers and the mask probe when decoding starts
 (:mod:`headway.decode.kv`, :mod:`headway.decode.probe`), the hidden states when a Medusa or EAGLE
 drafter is built or trained (:mod:`headway.heads.hidden_states`), EAGLE-3's feature layers when
-its config is made (:func:`~headway.heads.eagle3.default_feature_layers`). A person choosing a
+its config is made (:func:`~headway.heads.eagle3.default_feature_layers`), local attention when
+a batch of prompts is (:class:`~headway.decode.batch_step.BatchVerify`). A person choosing a
 target wants all of them before training anything: :func:`target_support` runs those same checks
 (no second implementation of any) and reports each as a :class:`Support` row, the reason of a
 refusal in the words the point of use would raise it with (``headway check``).
@@ -33,6 +34,7 @@ from headway.heads.hidden_states import check_final_hidden, final_hidden_layer
 
 __all__ = [
     "ATTENTION",
+    "BATCHED",
     "EAGLE3",
     "FEATURES",
     "REGENERATION",
