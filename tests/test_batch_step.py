@@ -181,3 +181,20 @@ def test_captured_batched_steps_decode_each_row_as_alone_on_cuda(family: str) ->
         generator=torch.Generator("cuda").manual_seed(0),
     )
     assert all(len(row.tokens) == NEW_TOKENS for row in rows)
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_the_prefill_takes_each_rows_last_logits_either_way(
+    per_row: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model taking ``logits_to_keep`` positions per row runs its LM head on each prompt's
+    last entry alone; one taking a count keeps the shortest prompt's last entry on: the first
+    tokens are each prompt's greedy next token either way."""
+    from headway.decode import batch_step
+
+    monkeypatch.setattr(batch_step, "_keeps_per_row", lambda model: per_row)
+    model = tiny_model("qwen2")
+    prompts = _prompts((2, 13, 7))
+    step = BatchVerify(StaticForward(model, batch=3), max_depth=DEPTH)
+    firsts = step.prefill(prompts).tolist()
+    assert firsts == [hf_greedy(model, p, 1, eos=None)[0] for p in prompts]

@@ -28,6 +28,7 @@ step).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -113,15 +114,20 @@ class BatchVerify:
         visible = order[None, :, None] >= order[None, None, :]  # causal [1, L, L]
         visible = (visible & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
         starts = torch.zeros(self.batch, dtype=torch.long, device=device)
-        # logits only from the shortest prompt's last entry on: every row's last is among them
-        keep = width - min(p.numel() for p in prompts) + 1
         positions = order.expand(self.batch, width)
-        logits, self.hidden = self._forward(ids, positions, visible, starts, width, keep)
+        if _keeps_per_row(target.model):  # each row's last entry alone through the LM head
+            keep: int | Tensor = (sizes - 1)[:, None]
+            logits, self.hidden = self._forward(ids, positions, visible, starts, width, keep)
+            last_logits = logits[:, 0]
+        else:  # from the shortest prompt's last entry on: every row's last is among them
+            keep = width - min(p.numel() for p in prompts) + 1
+            logits, self.hidden = self._forward(ids, positions, visible, starts, width, keep)
+            last = (sizes - 1 - (width - keep))[:, None, None].expand(-1, 1, logits.shape[-1])
+            last_logits = logits.gather(1, last)[:, 0]
         self.lengths.copy_(sizes)
         self._known = [p.numel() for p in prompts]
         target.cache.length = width
-        last = (sizes - 1 - (width - keep))[:, None, None].expand(-1, 1, logits.shape[-1])
-        return pick_tokens(logits.gather(1, last)[:, 0], sampling, generator)
+        return pick_tokens(last_logits, sampling, generator)
 
     @torch.no_grad()
     def step(
@@ -225,12 +231,12 @@ class BatchVerify:
         visible: Tensor,
         starts: Tensor,
         size: int,
-        keep: int = 0,
+        keep: int | Tensor = 0,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The target over ``ids``/``positions [B, S]``, row ``b`` written at columns
         ``starts[b] ..`` and attending to its earlier columns and the entries ``visible [B, S,
-        S]`` opens; logits ``[B, S, V]`` (the last ``keep`` entries' only, 0: all) and the
-        ``hidden_layers``' states ``[B, S, H]``."""
+        S]`` opens; logits ``[B, S, V]`` (the last ``keep`` entries' only, 0: all; a tensor
+        ``[B, k]``: those entries of each row) and the ``hidden_layers``' states ``[B, S, H]``."""
         target = self.target
         target.cache.columns[:, :size].copy_(starts[:, None] + target.keys[:size])
         opened = open_columns(target.keys, starts, visible)  # [B, S, capacity]
@@ -240,3 +246,10 @@ class BatchVerify:
         with routed_linears(target.model):  # a CPU's GEMM route for blocks of B x S rows
             masks = {"": mask[:, None]}
             return target.forward_rows(ids, positions, masks, self.hidden_layers, keep)
+
+
+def _keeps_per_row(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes ``logits_to_keep`` as a tensor of positions (the
+    template transformers' models follow: ``int | torch.Tensor``, per row when 2-D)."""
+    annotation = inspect.signature(type(model).forward).parameters.get("logits_to_keep")
+    return annotation is not None and "Tensor" in str(annotation.annotation)

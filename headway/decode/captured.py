@@ -321,7 +321,7 @@ class StaticForward:
         positions: Tensor,
         masks: dict[str, Tensor],
         hidden_layers: tuple[int, ...],
-        logits_to_keep: int,
+        logits_to_keep: int | Tensor,
         compiled: bool = False,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The target over ``ids``/``positions [B, S]`` (each row at the cache's ``columns``)
