@@ -24,7 +24,7 @@ at that size times the share of drafted depth accepted so far. On a CPU, where a
 grows with ``B x S``, one row's long draft no longer makes every row verify its padding
 (MT-bench x8, SmolLM2 fp32, 2-core EPYC, prompt lookup: a batch whose rows all verified the
 longest row's tree ran 1.48x HF greedy one prompt at a time, sized so 2.85x, both on the stock
-GEMM route; 4.54x on the packed one with grouped heads read once, docs/usage.md);
+GEMM route; 4.64x on the packed one with grouped heads read once, docs/usage.md);
 on a GPU, where a small model's step costs about the same at any size, the whole trees go.
 
 Greedy, each row's tokens are the target's greedy output for that prompt alone (fp32);
