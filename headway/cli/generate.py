@@ -71,7 +71,8 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         "78-80 against 110-115 tokens/s without a drafter), retrieval, none, or --heads; each "
         "output is the target's greedy output for that prompt alone (or, sampling, follows "
         "its distribution), and tokens_per_s counts its tokens over the whole batch's time; "
-        "no --stop",
+        "no --stop, and --sizing, --verify, --chain and --acceptance do not apply (the batch "
+        "sizes its own trees over a static cache, lossless)",
     )
     add_drafter_flags(parser, allow_none=True)
     add_decode_flags(parser)
