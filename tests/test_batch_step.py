@@ -181,6 +181,19 @@ def test_captured_batched_steps_decode_each_row_as_alone_on_cuda(family: str) ->
         generator=torch.Generator("cuda").manual_seed(0),
     )
     assert all(len(row.tokens) == NEW_TOKENS for row in rows)
+    # Medusa heads, one per row, reading the states each captured step leaves (graph outputs)
+    from headway.drafters.medusa_drafter import MedusaDrafter
+    from headway.heads.hidden_states import final_hidden_layer
+    from headway.heads.medusa import MedusaConfig, MedusaHeads
+
+    torch.manual_seed(1)
+    hidden = int(model.config.get_text_config().hidden_size)
+    heads = MedusaHeads(
+        MedusaConfig(2, 1, hidden, TINY_VOCAB), model.get_output_embeddings().weight
+    )
+    medusa = [MedusaDrafter(heads.eval(), hidden_layer=final_hidden_layer(model)) for _ in prompts]
+    rows = decode_batch(model, prompts, medusa, max_new_tokens=NEW_TOKENS)
+    assert [row.tokens for row in rows] == [t[:NEW_TOKENS] for t in truths]
 
 
 @pytest.mark.parametrize("per_row", [True, False])
