@@ -201,12 +201,15 @@ def generate_batch(
     top_k: int = 0,
     seed: int = 0,
     chat: bool = True,
+    stop: Sequence[str] = (),
 ) -> list[Generation]:
     """Decode ``prompts`` together: every step verifies one draft tree per prompt in one forward
     over one static cache and reads the device once for all of them
     (:mod:`headway.decode.batch_decode`); at temperature 0 each output is the target's greedy
     output for its prompt alone (exactly, in fp32), sampled each follows the target's
-    distribution (one generator seeded with ``seed`` draws for every row). ``drafter``: a
+    distribution (one generator seeded with ``seed`` draws for every row); a row stops right
+    after the token that completes one of the ``stop`` strings, as in :func:`generate`.
+    ``drafter``: a
     name (``"prompt-lookup"``, the default here, ``"retrieval"``, ``"lookup-medusa"``),
     ``"default"`` (what :func:`generate` takes: the drafter shipped for the target, ...) or
     None; ``heads``: a trained drafter's folder; ``draft_options`` as ``--draft-option``'s.
@@ -234,6 +237,7 @@ def generate_batch(
         drafters,
         max_new_tokens=max_new_tokens,
         eos_token_ids=eos_token_ids(target),
+        stop_check=_stop_strings(target, stop) if stop else None,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         generator=torch.Generator(device=model.device).manual_seed(seed),
     )

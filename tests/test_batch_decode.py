@@ -128,8 +128,8 @@ def test_headway_generate_batch_prints_what_one_prompt_at_a_time_does(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``headway generate --batch --json``: the same token ids, prompt by prompt, as without
-    ``--batch`` (fp32, prompt lookup); seeded sampling draws the same twice; ``--stop`` with
-    ``--batch`` is refused in one line."""
+    ``--batch`` (fp32, prompt lookup), with stop strings too; seeded sampling draws the same
+    twice."""
     import json
 
     from headway.cli import main
@@ -151,8 +151,15 @@ def test_headway_generate_batch_prints_what_one_prompt_at_a_time_does(
     alone = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["token_ids"] for r in batched] == [r["token_ids"] for r in alone]
     assert [r["prompt"] for r in batched] == prompts
-    assert main([*common, "--batch", "--stop", "cat"]) == 2
-    assert "drop --stop" in capsys.readouterr().err.strip().splitlines()[-1]
+    texts = [r["text"] for r in alone]  # stop strings from inside two rows' own answers
+    stop = ["--stop", texts[1][5:7], "--stop", texts[2][6:8]]
+    assert main([*common, "--batch", *stop]) == 0
+    stopped = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main([*common, *stop]) == 0
+    stopped_alone = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in stopped] == [r["token_ids"] for r in stopped_alone]
+    assert [r["stop_reason"] for r in stopped] == [r["stop_reason"] for r in stopped_alone]
+    assert [r["stop_reason"] for r in stopped].count("stop_sequence") >= 2
     sampled = [*common, "--batch", "--temperature", "0.7", "--seed", "3"]
     runs = []
     for _ in range(2):  # seeded: the same draws twice

@@ -22,7 +22,6 @@ from headway.cli.common import (
     target_from_flags,
 )
 from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, text
-from headway.errors import HeadwayError
 
 if TYPE_CHECKING:
     from headway.target import Target
@@ -71,8 +70,8 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         "78-80 against 110-115 tokens/s without a drafter), retrieval, none, or --heads; each "
         "output is the target's greedy output for that prompt alone (or, sampling, follows "
         "its distribution), and tokens_per_s counts its tokens over the whole batch's time; "
-        "no --stop, and --sizing, --verify, --chain and --acceptance do not apply (the batch "
-        "sizes its own trees over a static cache, lossless)",
+        "--sizing, --verify, --chain and --acceptance do not apply (the batch sizes its own "
+        "trees over a static cache, lossless)",
     )
     add_drafter_flags(parser, allow_none=True)
     add_decode_flags(parser)
@@ -128,11 +127,6 @@ def _run_batch(args: argparse.Namespace, target: Target) -> int:
     """``--batch``: every prompt decoded together (:func:`headway.api.generate_batch`)."""
     from headway.api import generate_batch
 
-    if args.stop:
-        raise HeadwayError(
-            "--batch stops at EOS or --max-new-tokens: drop --stop, or decode the prompts one "
-            "at a time"
-        )
     default = None if args.heads else "prompt-lookup"  # heads alone: their own drafter
     drafter = {None: default, "none": None}.get(args.drafter, args.drafter)
     options = parse_draft_options(args.draft_option)
@@ -150,6 +144,7 @@ def _run_batch(args: argparse.Namespace, target: Target) -> int:
         top_k=args.top_k,
         seed=args.seed,
         chat=args.chat,
+        stop=args.stop,
     )
     for prompt, result in zip(args.prompts, results, strict=True):
         if args.json:

@@ -12,8 +12,8 @@ padding nodes under the root, the first holding a token none of the root's child
 padding node is a candidate like any other: accepted only where it is what greedy decoding or
 speculative sampling would commit, so the output is unchanged), the size rounded so the block
 is a power of two: a handful of shapes (and, on CUDA, of captured graphs) covers every step. A
-row that has finished (EOS or ``max_new_tokens``) steps on with an empty tree, committing
-nothing, until every row has.
+row that has finished (EOS, a stop string or ``max_new_tokens``) steps on with an empty tree,
+committing nothing, until every row has.
 
 How far to draft is weighed a step at a time (:class:`BatchSizer`): every row's tree is cut to
 one block size ``S`` (1, 2, 4, ... entries a row), the size whose expected committed tokens
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -84,13 +84,15 @@ def decode_batch(
     *,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
+    stop_check: Callable[[list[int]], bool] | None = None,
     sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
     capture: bool | None = None,
 ) -> list[BatchRow]:
     """Decode ``prompts`` (LongTensors ``[P_b]``) together, row ``b`` drafted by
     ``drafters[b]`` (None: no drafter), greedy or by ``sampling`` with ``generator``; see the
-    module docstring. ``capture``: CUDA graphs (default: on CUDA).
+    module docstring. ``stop_check(generated)`` true ends a row after that token (stop
+    strings). ``capture``: CUDA graphs (default: on CUDA).
 
     Raises:
         HeadwayError: drafters reading the target's states at different layers, or prompts
@@ -101,17 +103,15 @@ def decode_batch(
     _check(model, prompts, drafters, max_new_tokens)
     gemm_route(model)  # the model's GEMM route on a CPU ("auto" where none was applied)
     with grouped_attention(model):  # each grouped key/value head read once a step
-        return _decode(
-            model, prompts, drafters, max_new_tokens, eos_token_ids, sampling, generator, capture
-        )
+        ending = _Ending(frozenset(eos_token_ids), max_new_tokens, stop_check)
+        return _decode(model, prompts, drafters, ending, sampling, generator, capture)
 
 
 def _decode(
     model: PreTrainedModel,
     prompts: Sequence[Tensor],
     drafters: Sequence[Drafter | None],
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int],
+    ending: _Ending,
     sampling: SamplingParams,
     generator: torch.Generator | None,
     capture: bool | None,
@@ -125,11 +125,10 @@ def _decode(
             drafter.begin(prompt)
     on_device = [prompt.to(model.device) for prompt in prompts]
     firsts = steps.prefill(on_device, sampling, generator).tolist()
-    eos = frozenset(eos_token_ids)
     for index, (row, sequence, first, drafter) in enumerate(
         zip(rows, ids, firsts, drafters, strict=True)
     ):
-        _commit(row, sequence, [int(first)], eos, max_new_tokens, count=False)
+        _commit(row, sequence, [int(first)], ending, count=False)
         if drafter is not None:  # the prompt's pairs and the first token, as the loop's
             pairs = len(sequence) - 1  # each prompt entry's state predicted the next token
             drafter.observe(torch.tensor(sequence[1:]), _states(steps, index, pairs))
@@ -161,7 +160,7 @@ def _decode(
                 continue
             if sizer is not None and sent:
                 sizer.learn(_depth_of(sent), len(new) - 1)
-            kept = _commit(row, sequence, new, eos, max_new_tokens)
+            kept = _commit(row, sequence, new, ending)
             if drafter is not None and row.stop_reason is None:
                 drafter.observe(torch.tensor(kept), _states(steps, index, len(kept)))
     return rows
@@ -313,24 +312,35 @@ def _padded(tokens: list[int], parents: list[int], size: int) -> tuple[list[int]
     return tokens + [fill] * missing, parents + chain
 
 
+@dataclass(frozen=True)
+class _Ending:
+    """When a row stops: an EOS id, ``check(generated)`` true (stop strings), or
+    ``max_new_tokens``."""
+
+    eos: frozenset[int]
+    max_new_tokens: int
+    check: Callable[[list[int]], bool] | None
+
+
 def _commit(
     row: BatchRow,
     sequence: list[int],
     new: list[int],
-    eos: frozenset[int],
-    max_new_tokens: int,
+    ending: _Ending,
     *,
     count: bool = True,
 ) -> list[int]:
-    """Append ``new`` to the row, stopping right after an EOS or the ``max_new_tokens``-th
-    token; returns what was kept."""
+    """Append ``new`` to the row, stopping right after an EOS, the token the stop check
+    stops at, or the ``max_new_tokens``-th token; returns what was kept."""
     kept: list[int] = []
     for token in new:
         kept.append(token)
         row.tokens.append(token)
-        if token in eos:
+        if token in ending.eos:
             row.stop_reason = "eos"
-        elif len(row.tokens) >= max_new_tokens:
+        elif ending.check is not None and ending.check(row.tokens):
+            row.stop_reason = "stop_sequence"
+        elif len(row.tokens) >= ending.max_new_tokens:
             row.stop_reason = "max_new_tokens"
         if row.stop_reason is not None:
             break
