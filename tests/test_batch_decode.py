@@ -1,6 +1,8 @@
-"""Greedy speculative decoding of several prompts at once (:mod:`headway.decode.batch_decode`):
+"""Speculative decoding of several prompts at once (:mod:`headway.decode.batch_decode`): greedy,
 each row's tokens are transformers' greedy output for that prompt alone (fp32), whatever its
-drafter (prompt lookup, none) and wherever it stops (EOS, ``max_new_tokens``)."""
+drafter (prompt lookup, none, Medusa, EAGLE-3) and wherever it stops (EOS, a stop string,
+``max_new_tokens``); sampled, each row follows the target's distribution; the sizer weighs the
+drafters' time and pauses drafting that does not pay."""
 
 from __future__ import annotations
 
