@@ -94,7 +94,7 @@ def headway_one_at_a_time(drafter: str | None) -> Callable[[Target, list[EvalPro
                 target, text.text, drafter=drafter, max_new_tokens=new, chat=text.chat
             )
             outputs.append(out.token_ids)
-            steps += out.accept_lengths
+            steps += out.accept_lengths[1:]  # the draft steps (the prefill's first token out)
         return outputs, steps
 
     return run
@@ -106,7 +106,7 @@ def headway_batched(drafter: str | None) -> Callable[[Target, list[EvalPrompt], 
             target, [t.text for t in texts], drafter=drafter, max_new_tokens=new,
             chat=texts[0].chat,
         )  # fmt: skip
-        return [r.token_ids for r in results], [n for r in results for n in r.accept_lengths]
+        return [r.token_ids for r in results], [n for r in results for n in r.accept_lengths[1:]]
 
     return run
 

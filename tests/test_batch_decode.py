@@ -43,8 +43,8 @@ def test_every_row_is_its_prompts_own_greedy_output(family: str) -> None:
     rows = decode_batch(model, prompts, drafters, max_new_tokens=NEW_TOKENS)
     for index, (row, prompt) in enumerate(zip(rows, prompts, strict=True)):
         assert row.tokens == hf_greedy(model, prompt, NEW_TOKENS, eos=None), index
-        assert row.stop_reason == "max_new_tokens" and sum(row.accept_lengths) == NEW_TOKENS - 1
-    assert rows[1].accept_lengths == [1] * (NEW_TOKENS - 1)  # no drafter: one token a step
+        assert row.stop_reason == "max_new_tokens" and sum(row.accept_lengths) == NEW_TOKENS
+    assert rows[1].accept_lengths == [1] * NEW_TOKENS  # no drafter: one token a forward
     assert max(max(row.accept_lengths) for row in rows) > 1
 
 
@@ -121,7 +121,7 @@ def test_drafters_reading_the_target_states_draft_each_row(
         alone = generate(
             model, prompt, drafter=drafter, max_new_tokens=NEW_TOKENS, eos_token_ids=()
         )
-        assert row.accept_lengths == alone.accept_lengths[1:], index  # the same drafts accepted
+        assert row.accept_lengths == alone.accept_lengths, index  # the same drafts accepted
     if kind == "eagle3":
         assert max(max(row.accept_lengths) for row in rows) > 2
 
@@ -206,7 +206,7 @@ def test_sampled_rows_follow_the_target_distribution(monkeypatch: pytest.MonkeyP
         )
         for row in rows:
             counts[row.tokens[0] * TINY_VOCAB + row.tokens[1]] += 1
-            accepted += row.accept_lengths[0] > 1
+            accepted += row.accept_lengths[1] > 1  # the first step, after the prefill's
     exact = (first[:, None] * second).flatten()
     assert not bool(counts[exact == 0].any())
     statistic, bound = chi_square(counts, exact)

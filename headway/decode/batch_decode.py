@@ -63,7 +63,9 @@ __all__ = ["BatchRow", "BatchSizer", "decode_batch"]
 
 @dataclass
 class BatchRow:
-    """One prompt's generation in a batch: its tokens and committed tokens per step."""
+    """One prompt's generation in a batch: its tokens, and the tokens each target forward
+    committed for it, the prefill first (:class:`~headway.decode.generate.GenerationResult`'s
+    convention: their sum is ``len(tokens)``)."""
 
     tokens: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
@@ -71,9 +73,9 @@ class BatchRow:
 
     @property
     def tau(self) -> float:
-        """Tokens committed per verify step (the first token, from the prefill, not counted);
-        NaN before any step."""
-        steps = self.accept_lengths
+        """Tokens committed per verify step (the prefill's first token not counted); NaN
+        before any step."""
+        steps = self.accept_lengths[1:]
         return sum(steps) / len(steps) if steps else math.nan
 
 
@@ -128,7 +130,7 @@ def _decode(
     for index, (row, sequence, first, drafter) in enumerate(
         zip(rows, ids, firsts, drafters, strict=True)
     ):
-        _commit(row, sequence, [int(first)], ending, count=False)
+        _commit(row, sequence, [int(first)], ending)
         if drafter is not None:  # the prompt's pairs and the first token, as the loop's
             pairs = len(sequence) - 1  # each prompt entry's state predicted the next token
             drafter.observe(torch.tensor(sequence[1:]), _states(steps, index, pairs))
@@ -327,8 +329,6 @@ def _commit(
     sequence: list[int],
     new: list[int],
     ending: _Ending,
-    *,
-    count: bool = True,
 ) -> list[int]:
     """Append ``new`` to the row, stopping right after an EOS, the token the stop check
     stops at, or the ``max_new_tokens``-th token; returns what was kept."""
@@ -345,6 +345,5 @@ def _commit(
         if row.stop_reason is not None:
             break
     sequence += kept
-    if count:
-        row.accept_lengths.append(len(kept))
+    row.accept_lengths.append(len(kept))
     return kept
