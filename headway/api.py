@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from headway.decode.batch_decode import decode_batch
-from headway.decode.generate import Decoder, Drafter
+from headway.decode.generate import Decoder, Drafter, GenerationResult
 from headway.decode.options import DecodeOptions, verify_path
 from headway.decode.probe import check_tree_mask
 from headway.decode.sampling import SamplingParams
@@ -176,16 +176,7 @@ def generate(
         give_back()
     if streamer is not None:
         streamer.flush()
-    tokens = [int(token) for token in result.tokens]
-    return Generation(
-        text=str(target.tokenizer.decode(tokens, skip_special_tokens=True)),
-        token_ids=tokens,
-        accept_lengths=list(result.accept_lengths),
-        tau=result.tau,
-        tokens_per_s=len(tokens) / seconds if seconds > 0 else 0.0,
-        stop_reason=result.stop_reason,
-        acceptance=decoder.options.acceptance,
-    )
+    return _generation(target, result, seconds, decoder.options.acceptance)
 
 
 def generate_batch(
@@ -231,7 +222,7 @@ def generate_batch(
         spec = resolve_drafter(model, drafter=name, heads=heads_dir, options=draft_options).spec
     drafters = [None if spec is None else build_drafter(spec, target) for _ in prompts]
     start = time.perf_counter()
-    rows = decode_batch(
+    results = decode_batch(
         model,
         ids,
         drafters,
@@ -241,18 +232,24 @@ def generate_batch(
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         generator=torch.Generator(device=model.device).manual_seed(seed),
     )
-    seconds = time.perf_counter() - start
-    return [
-        Generation(
-            text=str(target.tokenizer.decode(row.tokens, skip_special_tokens=True)),
-            token_ids=row.tokens,
-            accept_lengths=row.accept_lengths,
-            tau=row.tau,
-            tokens_per_s=len(row.tokens) / seconds if seconds > 0 else 0.0,
-            stop_reason=row.stop_reason or "max_new_tokens",
-        )
-        for row in rows
-    ]
+    seconds = time.perf_counter() - start  # every row's tokens/s over the batch's time
+    return [_generation(target, result, seconds, "lossless") for result in results]
+
+
+def _generation(
+    target: Target, result: GenerationResult, seconds: float, acceptance: str
+) -> Generation:
+    """``result`` as text and figures, its tokens over ``seconds`` of generation."""
+    tokens = [int(token) for token in result.tokens]
+    return Generation(
+        text=str(target.tokenizer.decode(tokens, skip_special_tokens=True)),
+        token_ids=tokens,
+        accept_lengths=list(result.accept_lengths),
+        tau=result.tau,
+        tokens_per_s=len(tokens) / seconds if seconds > 0 else 0.0,
+        stop_reason=result.stop_reason,
+        acceptance=acceptance,
+    )
 
 
 def _stop_strings(target: Target, stops: Sequence[str]) -> Callable[[list[int]], bool]:

@@ -51,6 +51,7 @@ from transformers import PreTrainedModel
 from headway.decode.batch_step import BatchVerify
 from headway.decode.captured import StaticForward, block_bucket
 from headway.decode.gemm import gemm_route
+from headway.decode.generate import GenerationResult
 from headway.decode.grouped_attention import grouped_attention
 from headway.decode.kv import context_limit
 from headway.decode.sampling import GREEDY, SamplingParams
@@ -58,25 +59,17 @@ from headway.decode.session import Drafter, StopReason
 from headway.errors import HeadwayError
 from headway.timings import remembered, shapes_digest
 
-__all__ = ["BatchRow", "BatchSizer", "decode_batch"]
+__all__ = ["BatchSizer", "decode_batch"]
 
 
 @dataclass
-class BatchRow:
-    """One prompt's generation in a batch: its tokens, and the tokens each target forward
-    committed for it, the prefill first (:class:`~headway.decode.generate.GenerationResult`'s
-    convention: their sum is ``len(tokens)``)."""
+class _Row:
+    """One prompt's generation while the batch runs: its tokens, the tokens each target
+    forward committed for it (prefill first), and why it stopped (None while it goes on)."""
 
     tokens: list[int] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
     stop_reason: StopReason | None = None
-
-    @property
-    def tau(self) -> float:
-        """Tokens committed per verify step (the prefill's first token not counted); NaN
-        before any step."""
-        steps = self.accept_lengths[1:]
-        return sum(steps) / len(steps) if steps else math.nan
 
 
 def decode_batch(
@@ -90,11 +83,12 @@ def decode_batch(
     sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
     capture: bool | None = None,
-) -> list[BatchRow]:
+) -> list[GenerationResult]:
     """Decode ``prompts`` (LongTensors ``[P_b]``) together, row ``b`` drafted by
     ``drafters[b]`` (None: no drafter), greedy or by ``sampling`` with ``generator``; see the
     module docstring. ``stop_check(generated)`` true ends a row after that token (stop
-    strings). ``capture``: CUDA graphs (default: on CUDA).
+    strings). ``capture``: CUDA graphs (default: on CUDA). Returns one
+    :class:`~headway.decode.generate.GenerationResult` per prompt, as a prompt decoded alone.
 
     Raises:
         HeadwayError: drafters reading the target's states at different layers, or prompts
@@ -117,10 +111,10 @@ def _decode(
     sampling: SamplingParams,
     generator: torch.Generator | None,
     capture: bool | None,
-) -> list[BatchRow]:
+) -> list[GenerationResult]:
     forward = StaticForward(model, capture=capture, batch=len(prompts))
     steps = BatchVerify(forward, _depth(drafters), _hidden_layers(drafters))
-    rows = [BatchRow() for _ in prompts]
+    rows = [_Row() for _ in prompts]
     ids = [prompt.tolist() for prompt in prompts]
     for drafter, prompt in zip(drafters, prompts, strict=True):
         if drafter is not None:
@@ -165,7 +159,12 @@ def _decode(
             kept = _commit(row, sequence, new, ending)
             if drafter is not None and row.stop_reason is None:
                 drafter.observe(torch.tensor(kept), _states(steps, index, len(kept)))
-    return rows
+    results = []
+    for row in rows:
+        assert row.stop_reason is not None  # the loop ends once every row has stopped
+        forwards = len(row.accept_lengths)
+        results.append(GenerationResult(row.tokens, row.accept_lengths, forwards, row.stop_reason))
+    return results
 
 
 class BatchSizer:
@@ -325,7 +324,7 @@ class _Ending:
 
 
 def _commit(
-    row: BatchRow,
+    row: _Row,
     sequence: list[int],
     new: list[int],
     ending: _Ending,
