@@ -244,6 +244,7 @@ def test_headway_generate_batch_with_heads_prints_what_one_at_a_time_does(
     )
     common = ["generate", "--target", str(tmp_path / "tiny"), "--dtype", "float32", "--json"]
     common += ["--max-new-tokens", "12", "--heads", str(tmp_path / "run"), "one two", "three"]
+    common += ["--draft-length", "3"]  # prompt lookup's option: ignored for heads, both ways
     capsys.readouterr()
     assert main([*common, "--batch"]) == 0
     batched = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]

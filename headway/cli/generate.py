@@ -24,6 +24,7 @@ from headway.cli.common import (
 from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, text
 
 if TYPE_CHECKING:
+    from headway.api import Generation
     from headway.target import Target
 
 
@@ -86,11 +87,7 @@ def run_generate(args: argparse.Namespace) -> int:
     check_tree_mask(target.model)  # as eval does: a target refused before a drafter is built
     if args.batch:
         return _run_batch(args, target)
-    lookup = args.drafter in (None, "prompt-lookup", "retrieval") and not args.heads
-    preset = {}
-    if lookup and args.draft_length is not None:
-        preset["num_draft_tokens"] = args.draft_length
-    drafter, choice = drafter_from_flags(args, target, preset=preset)
+    drafter, choice = drafter_from_flags(args, target, preset=_draft_length(args))
     # one decoder for every prompt: cost sizing times the target and calibrates only once
     options = decode_options(args, target.model, choice)
     decoder = Decoder(target.model, drafter, options)
@@ -110,17 +107,33 @@ def run_generate(args: argparse.Namespace) -> int:
             stop=args.stop,
             on_text=stream,
         )
-        if args.json:
-            print(json.dumps({"prompt": prompt, **result.to_dict()}), flush=True)
-        else:
-            print(flush=True)
-            lossy = ", typical acceptance: LOSSY" if args.acceptance == "typical" else ""
-            print(
-                f"[{len(result.token_ids)} tokens, tau {result.tau:.2f}, "
-                f"{result.tokens_per_s:.1f} tok/s{lossy}]",
-                file=sys.stderr,
-            )
+        if not args.json:
+            print(flush=True)  # after the streamed text
+        lossy = ", typical acceptance: LOSSY" if args.acceptance == "typical" else ""
+        _report(args, prompt, result, lossy)
     return 0
+
+
+def _draft_length(args: argparse.Namespace) -> dict[str, object]:
+    """``--draft-length`` as the prompt lookup and retrieval drafters' ``num_draft_tokens``
+    (``--draft-option`` overrides it); nothing for other drafters."""
+    lookup = args.drafter in (None, "prompt-lookup", "retrieval") and not args.heads
+    if lookup and args.draft_length is not None:
+        return {"num_draft_tokens": args.draft_length}
+    return {}
+
+
+def _report(args: argparse.Namespace, prompt: str, result: Generation, note: str) -> None:
+    """One prompt's result: its JSON object with ``--json``, else its figures on stderr
+    (``note`` ends them)."""
+    if args.json:
+        print(json.dumps({"prompt": prompt, **result.to_dict()}), flush=True)
+        return
+    print(
+        f"[{len(result.token_ids)} tokens, tau {result.tau:.2f}, "
+        f"{result.tokens_per_s:.1f} tok/s{note}]",
+        file=sys.stderr,
+    )
 
 
 def _run_batch(args: argparse.Namespace, target: Target) -> int:
@@ -129,9 +142,7 @@ def _run_batch(args: argparse.Namespace, target: Target) -> int:
 
     default = None if args.heads else "prompt-lookup"  # heads alone: their own drafter
     drafter = {None: default, "none": None}.get(args.drafter, args.drafter)
-    options = parse_draft_options(args.draft_option)
-    if args.draft_length is not None:
-        options.setdefault("num_draft_tokens", args.draft_length)
+    options = {**_draft_length(args), **parse_draft_options(args.draft_option)}
     results = generate_batch(
         target,
         args.prompts,
@@ -147,13 +158,7 @@ def _run_batch(args: argparse.Namespace, target: Target) -> int:
         stop=args.stop,
     )
     for prompt, result in zip(args.prompts, results, strict=True):
-        if args.json:
-            print(json.dumps({"prompt": prompt, **result.to_dict()}), flush=True)
-        else:
+        if not args.json:
             print(result.text, flush=True)
-            print(
-                f"[{len(result.token_ids)} tokens, tau {result.tau:.2f}, "
-                f"{result.tokens_per_s:.1f} tok/s of the batch's time]",
-                file=sys.stderr,
-            )
+        _report(args, prompt, result, " of the batch's time")
     return 0
