@@ -66,6 +66,20 @@ def _their_model(folder: Path, embedding: Tensor) -> Any:
     return model.float().eval()
 
 
+def _their_export(folder: Path, model: Any, draft: Any) -> Any:
+    """``draft`` saved as a tiny llama's run, exported as ``eagle3-hf`` under ``folder``, and
+    read by SpecForge (:func:`_their_model`)."""
+    run = save_heads(
+        folder / "run",
+        method="eagle3",
+        head_config=draft.config.to_dict(),
+        state_dict=draft.state_dict(),
+        target_fingerprint=fingerprint(model),
+        target_name="org/tiny-llama",
+    )
+    return _their_model(export_eagle3(run, folder / "export"), model.get_input_embeddings().weight)
+
+
 def _drafts_of(model: Any) -> Any:
     """SpecForge's training step (``project_hidden_states``, then per step ``backbone`` over
     its ``cache_hidden`` and ``compute_logits``) as the comparison's ``theirs``."""
@@ -98,16 +112,7 @@ def _drafts_of(model: Any) -> Any:
 def test_specforge_reads_the_eagle3_hf_export(tmp_path: Path) -> None:
     model, _ = target_and_truth("llama")
     draft = trained("llama")
-    run = save_heads(
-        tmp_path / "run",
-        method="eagle3",
-        head_config=draft.config.to_dict(),
-        state_dict=draft.state_dict(),
-        target_fingerprint=fingerprint(model),
-        target_name="org/tiny-llama",
-    )
-    export = export_eagle3(run, tmp_path / "export")
-    theirs = _their_model(export, model.get_input_embeddings().weight)
+    theirs = _their_export(tmp_path, model, draft)
     assert theirs.draft_vocab_size == draft.config.draft_vocab_size
     assert_same_tensors(theirs.state_dict(), draft, "midlayer.")
     assert_same_drafts(_drafts_of(theirs), draft, model, tiny_ids())
@@ -207,18 +212,7 @@ def test_specforge_computes_the_loss_headway_trains_with(
     assert min(out.metrics[f"depth{j + 1}/tokens"] for j in range(steps)) > 0
     assert out.metrics["in_vocab"] < 1.0  # some rows are left out for the vocabulary
 
-    run = save_heads(
-        tmp_path / "run",
-        method="eagle3",
-        head_config=draft.config.to_dict(),
-        state_dict=draft.state_dict(),
-        target_fingerprint=fingerprint(model),
-        target_name="org/tiny-llama",
-    )
-    theirs = _their_model(
-        export_eagle3(run, tmp_path / "export"), model.get_input_embeddings().weight
-    )
-    theirs.train()
+    theirs = _their_export(tmp_path, model, draft).train()
     wrapper = training.OnlineEagle3Model(theirs, length=steps, attention_backend="sdpa")
     final = states[method.final_layer]
     with torch.compiler.set_stance("force_eager"):
