@@ -96,24 +96,25 @@ def decode_batch(
     """
     if len(drafters) != len(prompts) or not prompts:
         raise ValueError(f"need one drafter (or None) per prompt; got {len(drafters)}")
-    _check(model, prompts, drafters, max_new_tokens)
+    depth, layers = _depth(drafters), _hidden_layers(drafters)  # one set of layers for all
+    _check(model, prompts, depth, max_new_tokens)
     gemm_route(model)  # the model's GEMM route on a CPU ("auto" where none was applied)
     with grouped_attention(model):  # each grouped key/value head read once a step
+        forward = StaticForward(model, capture=capture, batch=len(prompts))
+        steps = BatchVerify(forward, depth, layers)
         ending = _Ending(frozenset(eos_token_ids), max_new_tokens, stop_check)
-        return _decode(model, prompts, drafters, ending, sampling, generator, capture)
+        return _decode(steps, prompts, drafters, ending, sampling, generator)
 
 
 def _decode(
-    model: PreTrainedModel,
+    steps: BatchVerify,
     prompts: Sequence[Tensor],
     drafters: Sequence[Drafter | None],
     ending: _Ending,
     sampling: SamplingParams,
     generator: torch.Generator | None,
-    capture: bool | None,
 ) -> list[GenerationResult]:
-    forward = StaticForward(model, capture=capture, batch=len(prompts))
-    steps = BatchVerify(forward, _depth(drafters), _hidden_layers(drafters))
+    model = steps.target.model
     rows = [_Row() for _ in prompts]
     ids = [prompt.tolist() for prompt in prompts]
     for drafter, prompt in zip(drafters, prompts, strict=True):
@@ -128,7 +129,7 @@ def _decode(
         if drafter is not None:  # the prompt's pairs and the first token, as the loop's
             pairs = len(sequence) - 1  # each prompt entry's state predicted the next token
             drafter.observe(torch.tensor(sequence[1:]), _states(steps, index, pairs))
-    sizer = BatchSizer(steps, _depth(drafters) + 1) if any(drafters) else None
+    sizer = BatchSizer(steps, steps.max_depth + 1) if any(drafters) else None
     while any(row.stop_reason is None for row in rows):
         drafting = sizer is not None and sizer.drafts()
         start = time.perf_counter()
@@ -251,15 +252,12 @@ def _depth_of(parents: list[int]) -> int:
 
 
 def _check(
-    model: PreTrainedModel,
-    prompts: Sequence[Tensor],
-    drafters: Sequence[Drafter | None],
-    max_new_tokens: int,
+    model: PreTrainedModel, prompts: Sequence[Tensor], depth: int, max_new_tokens: int
 ) -> None:
+    """Refuse prompts and ``max_new_tokens`` that, with trees ``depth`` deep (padding
+    included), would pass the target's context."""
     if max_new_tokens < 1 or min(prompt.numel() for prompt in prompts) < 1:
         raise ValueError("need max_new_tokens >= 1 and prompts of at least one token")
-    _hidden_layers(drafters)  # one set of layers for every row
-    depth = _depth(drafters)  # padding included
     longest = max(prompt.numel() for prompt in prompts) + max_new_tokens + depth + 1
     if longest > context_limit(model):
         raise HeadwayError(
