@@ -26,6 +26,7 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -49,6 +50,7 @@ __all__ = [
     "kept_timings",
     "machine_key",
     "remembered",
+    "seconds_table",
     "shapes_digest",
     "timings_mode",
     "timings_path",
@@ -226,6 +228,20 @@ def kept_timings() -> list[dict[str, Any]]:
     ``key`` (kind, machine and caller key), ``value`` and ``measured`` date."""
     entries = [entry for entry in _read(timings_path()).values() if isinstance(entry, dict)]
     return sorted(entries, key=lambda entry: str(entry.get("measured", "")))
+
+
+def seconds_table(count: int) -> Callable[[Any], bool]:
+    """A ``valid`` for :func:`remembered`: a kept value that is a list of ``count`` positive,
+    finite float seconds (a cost table)."""
+
+    def valid(table: Any) -> bool:
+        return (
+            isinstance(table, list)
+            and len(table) == count
+            and all(isinstance(t, float) and 0 < t < math.inf for t in table)
+        )
+
+    return valid
 
 
 def forget_taken() -> None:

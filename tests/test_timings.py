@@ -264,3 +264,12 @@ def test_forgetting_timings_that_cannot_be_removed_is_a_one_line_error(
     assert main(["env", "--forget-timings"]) == 2
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and f"cannot remove {kept}" in error
+
+
+def test_a_kept_cost_table_is_valid_only_as_positive_finite_float_seconds() -> None:
+    from headway.timings import seconds_table
+
+    valid = seconds_table(2)
+    assert valid([0.1, 0.2])
+    for table in ([0.1], [0.1, 0.0], [0.1, float("inf")], [0.1, "x"], [1, 2], (0.1, 0.2), None):
+        assert not valid(table), table

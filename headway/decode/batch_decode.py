@@ -39,7 +39,6 @@ batch's default; drafting every row's tree in one step is what is left.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -57,7 +56,7 @@ from headway.decode.kv import context_limit
 from headway.decode.sampling import GREEDY, SamplingParams
 from headway.decode.session import Drafter, StopReason
 from headway.errors import HeadwayError
-from headway.timings import remembered, shapes_digest
+from headway.timings import remembered, seconds_table, shapes_digest
 
 __all__ = ["BatchSizer", "decode_batch"]
 
@@ -186,11 +185,7 @@ class BatchSizer:
             key,
             lambda: [self._time(1 << index) for index in range(count)],
             device=model.device,
-            valid=lambda table: (
-                isinstance(table, list)
-                and len(table) == count
-                and all(isinstance(t, float) and 0 < t < math.inf for t in table)
-            ),
+            valid=seconds_table(count),
         )
         self.accepted, self.drafted = 1.0, 2.0  # a prior: half of what is drafted
         self.pause = 0  # steps left without drafting (drafting did not pay when last weighed)

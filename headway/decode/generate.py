@@ -42,7 +42,7 @@ from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits, s
 from headway.decode.session import Drafter, Session, StopReason, commit
 from headway.decode.tree import DraftTree, empty_tree, limit_depth
 from headway.decode.verify import verify
-from headway.timings import remembered, shapes_digest
+from headway.timings import remembered, seconds_table, shapes_digest
 
 __all__ = ["Decoder", "Drafter", "GenerationResult", "StopReason", "generate"]
 
@@ -259,11 +259,7 @@ class Decoder:
                 self.model, sizes, seconds=verify_timer(self.model, 128, forward=self.target)
             ),
             device=weight.device,
-            valid=lambda table: (
-                isinstance(table, list)
-                and len(table) == sizes
-                and all(isinstance(t, float) and 0 < t < math.inf for t in table)
-            ),
+            valid=seconds_table(sizes),
         )
 
     def _tree_sizer(self) -> TreeSizer | None:
