@@ -33,11 +33,15 @@ from headway.decode.generate import Decoder, Drafter, GenerationResult
 from headway.decode.options import DecodeOptions, verify_path
 from headway.decode.probe import check_tree_mask
 from headway.decode.sampling import SamplingParams
+from headway.drafters.batch_eagle import BatchEagle
+from headway.drafters.batch_medusa import BatchMedusa
 from headway.drafters.build import build_drafter
+from headway.drafters.eagle_drafter import EagleDrafter
+from headway.drafters.medusa_drafter import MedusaDrafter
 from headway.drafters.resolve import resolve_drafter
 from headway.drafters.specs import SPEC_TYPES, DrafterSpec
 from headway.errors import HeadwayError
-from headway.named_drafters import DEFAULT_DRAFTER, borrow, choice_for
+from headway.named_drafters import DEFAULT_DRAFTER, borrow, borrow_drafter, choice_for
 from headway.target import Target, eos_token_ids
 
 
@@ -204,8 +208,12 @@ def generate_batch(
     name (``"prompt-lookup"``, the default here, ``"retrieval"``, ``"lookup-medusa"``),
     ``"default"`` (what :func:`generate` takes: the drafter shipped for the target, ...) or
     None; ``heads``: a trained drafter's folder; ``draft_options`` as ``--draft-option``'s.
-    One drafter per prompt (a trained one's weights loaded once a prompt), drafting eagerly
-    from that prompt's own tokens and the target's states. Each generation's ``tokens_per_s``
+    An EAGLE drafter drafts every prompt's tree at once, one draft forward per tree level for
+    all of them (:class:`~headway.drafters.batch_eagle.BatchEagle`), and Medusa heads run once
+    on every prompt's state (:class:`~headway.drafters.batch_medusa.BatchMedusa`); other
+    drafters one per prompt, from that prompt's own tokens. Without ``draft_options``
+    the drafter is kept for the next call with this ``target``, as :func:`generate` keeps
+    it (:mod:`headway.named_drafters`). Each generation's ``tokens_per_s``
     is its own tokens over the whole batch's time (the batch's throughput is their sum).
 
     Raises:
@@ -215,12 +223,7 @@ def generate_batch(
     model = target.model
     check_tree_mask(model)
     ids = [prompt_ids(target, prompt, chat=chat) for prompt in prompts]
-    spec = None
-    if drafter is not None or heads is not None:
-        name = None if drafter == DEFAULT_DRAFTER else drafter
-        heads_dir = None if heads is None else str(heads)
-        spec = resolve_drafter(model, drafter=name, heads=heads_dir, options=draft_options).spec
-    drafters = [None if spec is None else build_drafter(spec, target) for _ in prompts]
+    drafters, give_back = _batch_drafting(target, drafter, heads, draft_options, len(prompts))
     start = time.perf_counter()
     results = decode_batch(
         model,
@@ -233,7 +236,45 @@ def generate_batch(
         generator=torch.Generator(device=model.device).manual_seed(seed),
     )
     seconds = time.perf_counter() - start  # every row's tokens/s over the batch's time
+    give_back()
     return [_generation(target, result, seconds, "lossless") for result in results]
+
+
+def _batch_drafting(
+    target: Target,
+    drafter: str | None,
+    heads: str | Path | None,
+    options: Mapping[str, object] | None,
+    batch: int,
+) -> tuple[list[Drafter | None] | BatchEagle | BatchMedusa, Callable[[], None]]:
+    """The drafting of a batch of ``batch`` prompts: one EAGLE draft model or one set of
+    Medusa heads drafting every row's tree at once (:class:`~headway.drafters.batch_eagle.
+    BatchEagle`, :class:`~headway.drafters.batch_medusa.BatchMedusa`), or one drafter per row
+    (the others draft from a row's own tokens); and
+    the call that gives back what was borrowed. Without ``options`` the first drafter is the
+    one :func:`~headway.named_drafters.borrow_drafter` keeps between calls (a trained drafter's
+    weights are read once), with them it is built for this call."""
+    if drafter is None and heads is None:
+        return [None] * batch, lambda: None
+    name = str(heads) if heads is not None and drafter in (None, DEFAULT_DRAFTER) else drafter
+    if not options and name is not None and (heads is None or name == str(heads)):
+        first, give_back = borrow_drafter(name, target)
+        spec = lambda: choice_for(name, target).spec  # noqa: E731  (rows past the first)
+    else:
+        asked = None if drafter == DEFAULT_DRAFTER else drafter
+        folder = None if heads is None else str(heads)
+        made = resolve_drafter(target.model, drafter=asked, heads=folder, options=options).spec
+        first = None if made is None else build_drafter(made, target)
+        give_back, spec = (lambda: None), (lambda: made)
+    if first is None:
+        return [None] * batch, give_back
+    if isinstance(first, EagleDrafter):
+        return BatchEagle(first, batch), give_back
+    if isinstance(first, MedusaDrafter):
+        return BatchMedusa(first, batch), give_back
+    rows = spec()
+    assert rows is not None  # it gave the first drafter
+    return [first, *(build_drafter(rows, target) for _ in range(batch - 1))], give_back
 
 
 def _generation(

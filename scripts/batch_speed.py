@@ -6,9 +6,12 @@ the target's chat template, greedy,
 
 - HF greedy, one prompt at a time (``generate(do_sample=False)``), the reference outputs;
 - HF greedy, the prompts as one left-padded batch;
-- headway, one prompt at a time: prompt lookup, and no drafter (``headway.generate``: its
+- headway, one prompt at a time: prompt lookup, and no drafter by default (``headway.generate``: its
   verify path ``auto``, captured on CUDA);
-- headway, the prompts as one batch (``headway.generate_batch``): prompt lookup, no drafter.
+- headway, the prompts as one batch (``headway.generate_batch``): the same drafters.
+
+``--drafters`` names headway's (default: prompt lookup and none; ``default`` is the drafter
+shipped for the target, EAGLE-3 for SmolLM2).
 
 Each row prints total generated tokens over its wall time, its speed against HF greedy one at a
 time, pooled tau (tokens committed over verify steps, all prompts) where it drafts, and how many
@@ -48,6 +51,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts in the batch")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer")
     parser.add_argument("--rounds", type=int, default=1, help="times every row is measured")
+    parser.add_argument(
+        "--drafters",
+        nargs="+",
+        default=["prompt-lookup", "none"],
+        help="headway's drafters, each measured one prompt at a time and as one batch: "
+        "prompt-lookup, retrieval, default (the drafter shipped for the target: for SmolLM2 "
+        "the EAGLE-3 drafter, drafting every row's tree at once), none",
+    )
     parser.add_argument("--out", type=Path, help="folder for batch_speed.md")
     return parser.parse_args(argv)
 
@@ -111,14 +122,25 @@ def headway_batched(drafter: str | None) -> Callable[[Target, list[EvalPrompt], 
     return run
 
 
-WAYS: dict[str, Callable[[Target, list[EvalPrompt], int], Row]] = {
-    "HF greedy, one prompt at a time": hf_one_at_a_time,
-    "HF greedy, one left-padded batch": hf_batched,
-    "headway prompt lookup, one at a time": headway_one_at_a_time("prompt-lookup"),
-    "headway no drafter, one at a time": headway_one_at_a_time(None),
-    "headway prompt lookup, one batch": headway_batched("prompt-lookup"),
-    "headway no drafter, one batch": headway_batched(None),
-}
+Way = Callable[[Target, list[EvalPrompt], int], Row]
+
+
+def ways(drafters: list[str]) -> dict[str, Way]:
+    """HF's two ways, then each headway drafter (``none``: no drafter) one prompt at a time and
+    as one batch."""
+    table: dict[str, Way] = {
+        "HF greedy, one prompt at a time": hf_one_at_a_time,
+        "HF greedy, one left-padded batch": hf_batched,
+    }
+    for name in drafters:
+        drafter = None if name == "none" else name
+        label = "no drafter" if drafter is None else name
+        table[f"headway {label}, one at a time"] = headway_one_at_a_time(drafter)
+    for name in drafters:
+        drafter = None if name == "none" else name
+        label = "no drafter" if drafter is None else name
+        table[f"headway {label}, one batch"] = headway_batched(drafter)
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,13 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     target = headway.load_target(args.target, dtype=args.dtype, device=args.device)
     texts = load_prompts(args.prompts, limit=args.num_prompts)  # HumanEval's: raw code
     new = args.max_new_tokens
-    for way in WAYS.values():  # warm-up: timings (the batch's step costs), routes, the probe
+    table = ways(args.drafters)
+    for way in table.values():  # warm-up: timings (the batch's step costs), routes, the probe
         way(target, texts, 4)
-    seconds = dict.fromkeys(WAYS, 0.0)
+    seconds = dict.fromkeys(table, 0.0)
     results: dict[str, Row] = {}
     with torch.no_grad():
         for _ in range(args.rounds):
-            for name, way in WAYS.items():
+            for name, way in table.items():
                 start = time.perf_counter()
                 results[name] = way(target, texts, new)
                 seconds[name] += time.perf_counter() - start

@@ -70,9 +70,11 @@ def test_inference_and_corpora_import_nothing_from_training() -> None:
 
 def test_every_runtime_drafter_lives_in_drafters() -> None:
     """A class with a ``propose`` method (the Drafter protocol) is defined in ``drafters/`` only;
-    ``decode/`` keeps the protocol and the loop's "no drafter", ``heads/`` the trainable modules,
-    ``eval/`` wrappers that time or record another drafter."""
+    ``decode/`` keeps the protocols (one sequence's, a batch's), the loop's "no drafter" and
+    the batch loop's asking of one drafter per row, ``heads/`` the trainable modules, ``eval/``
+    wrappers that time or record another drafter."""
     allowed = {("decode", "Drafter"), ("decode", "_NoDrafter")}
+    allowed |= {("decode", "BatchDrafter"), ("decode", "RowDrafters")}
     allowed |= {("eval", "TimedDrafter"), ("eval", "RecordingDrafter")}
     outside = [
         f"{path.relative_to(PACKAGE)}:{node.name}"

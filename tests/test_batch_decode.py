@@ -220,14 +220,19 @@ def test_sampled_rows_follow_the_target_distribution(monkeypatch: pytest.MonkeyP
     assert accepted > 1500 / 3
 
 
+@pytest.mark.parametrize("method", ["medusa1", "eagle1"])
 def test_headway_generate_batch_with_heads_prints_what_one_at_a_time_does(
-    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+    method: str, tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``--batch --heads RUN`` (Medusa heads saved for the tiny target): one Medusa drafter
-    per prompt over the batch's states, the same token ids as without ``--batch``."""
+    """``--batch --heads RUN`` (Medusa heads or an EAGLE-1 draft model saved for the tiny
+    target): the heads, or the EAGLE draft model, drafting every prompt's tree at once; the
+    same token ids as without ``--batch``."""
     import json
 
     from headway.cli import main
+    from headway.drafters.batch_eagle import BatchEagle
+    from headway.drafters.batch_medusa import BatchMedusa
+    from headway.heads.eagle import EagleConfig, EagleModel
     from headway.heads.io import save_heads
     from headway.heads.medusa import MedusaConfig, MedusaHeads
     from headway.target import fingerprint
@@ -238,16 +243,28 @@ def test_headway_generate_batch_with_heads_prints_what_one_at_a_time_does(
     model.save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     torch.manual_seed(1)
-    config = MedusaConfig(2, 1, 32, len(tokenizer))
-    heads = MedusaHeads(config, model.lm_head.weight)
+    head: Any = (
+        MedusaHeads(MedusaConfig(2, 1, 32, len(tokenizer)), model.lm_head.weight)
+        if method == "medusa1"
+        else EagleModel(EagleConfig.from_target(model))
+    )
     save_heads(
         tmp_path / "run",
-        method="medusa1",
-        head_config=config.to_dict(),
-        state_dict=heads.state_dict(),
+        method=method,
+        head_config=head.config.to_dict(),
+        state_dict=head.state_dict(),
         target_fingerprint=fingerprint(model),
         target_name=str(tmp_path / "tiny"),
     )
+    together: list[str] = []  # the drafting that drafted every row at once, each step
+    for kind in (BatchEagle, BatchMedusa):
+        propose = kind.propose
+
+        def counted(self: Any, *args: Any, propose: Any = propose) -> Any:
+            together.append(type(self).__name__)
+            return propose(self, *args)
+
+        monkeypatch.setattr(kind, "propose", counted)
     common = ["generate", "--target", str(tmp_path / "tiny"), "--dtype", "float32", "--json"]
     common += ["--max-new-tokens", "12", "--heads", str(tmp_path / "run"), "one two", "three"]
     common += ["--draft-length", "3"]  # prompt lookup's option: ignored for heads, both ways
@@ -257,6 +274,7 @@ def test_headway_generate_batch_with_heads_prints_what_one_at_a_time_does(
     assert main(common) == 0
     alone = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
     assert batched == alone and len(batched) == 2
+    assert together and set(together) == {"BatchEagle" if method == "eagle1" else "BatchMedusa"}
 
 
 def test_the_sizer_weighs_drafting_time_and_pauses_drafting_that_does_not_pay() -> None:
@@ -280,3 +298,30 @@ def test_the_sizer_weighs_drafting_time_and_pauses_drafting_that_does_not_pay() 
         pauses.append(skipped)
     assert pauses == [1, 2, 4]
     assert sizer.nodes(chain, drafting=0.001) == 7 and sizer.skipped == 0
+
+
+def test_the_sizer_follows_the_steps_it_times() -> None:
+    """A table timed when big blocks were cheap: deep trees go; once steps of 4 and 8 entries
+    are seen taking three times a plain step, and the plain step less than timed, the sizer
+    sends smaller trees and then pauses drafting; a step over three times the table's figure
+    (a capture) is left out."""
+    from headway.decode.batch_decode import BatchSizer
+
+    sizer = object.__new__(BatchSizer)
+    sizer.seconds = [0.010, 0.011, 0.012, 0.014]  # blocks of 1, 2, 4, 8 entries a row
+    sizer.accepted, sizer.drafted, sizer.pause, sizer.skipped = 2.0, 4.0, 0, 0
+    chain = [[-1, 0, 1, 2, 3, 4]] * 4  # four rows, a six-deep chain each
+    assert sizer.nodes(chain) == 7
+    sizer.timed(8, 1.0)  # a capture: left out
+    assert sizer.seconds[3] == 0.014
+    for _ in range(30):
+        sizer.timed(1, 0.008)
+        sizer.timed(4, 0.030)
+        sizer.timed(8, 0.040)
+    assert sizer.seconds[0] == pytest.approx(0.008, rel=0.01)
+    assert sizer.seconds[2] < 3 * 0.012  # each sample at most three times the figure
+    assert sizer.nodes(chain) == 1 and sizer.drafts()  # one node a row still pays
+    sizer.timed(2, 0.0175)
+    for _ in range(30):
+        sizer.timed(2, 0.020)
+    assert sizer.nodes(chain, drafting=0.001) == 0 and not sizer.drafts()  # paused

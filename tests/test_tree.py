@@ -121,6 +121,17 @@ def test_subtree_keeps_the_chosen_nodes_in_tree_order() -> None:
         subtree(tokens, PARENTS, torch.tensor([0, 4]))
 
 
+def test_a_ranked_subtree_keeps_the_given_order() -> None:
+    """``ranked=True``: the nodes in ``keep``'s order (best first), parents re-indexed; a node
+    listed before its parent is refused."""
+    tokens = torch.arange(10, 16)
+    kept = subtree(tokens, PARENTS, torch.tensor([1, 0, 5, 3]), ranked=True)
+    assert kept.tokens.tolist() == [11, 10, 15, 13]
+    assert kept.parents.tolist() == [-1, -1, 0, 1]
+    with pytest.raises(ValueError, match="node 3 is kept but its parent 0 is not"):
+        subtree(tokens, PARENTS, torch.tensor([1, 3, 0]), ranked=True)
+
+
 def test_instantiate_checks_candidate_shape() -> None:
     shape = static_tree([[0], [1], [0, 0]])
     with pytest.raises(ValueError, match="top-2"):

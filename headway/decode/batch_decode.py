@@ -1,10 +1,12 @@
 """Greedy speculative decoding of several prompts at once (``headway.generate_batch``,
 ``headway generate --batch``).
 
-Every row has its own drafter (one per prompt, of the :class:`~headway.decode.session.Drafter`
-protocol: prompt lookup and retrieval from the row's own tokens, Medusa and EAGLE drafters also
-from the target's states the batched steps leave for that row, :attr:`BatchVerify.hidden`) or
-none, and
+The rows' drafting is one :class:`~headway.decode.batch_drafting.BatchDrafter`: one drafter per
+row (:class:`~headway.decode.batch_drafting.RowDrafters`, of the
+:class:`~headway.decode.session.Drafter` protocol: prompt lookup and retrieval from the row's own
+tokens, Medusa drafters also from the target's states the batched steps leave for that row,
+:attr:`BatchVerify.hidden`), or an EAGLE draft model drafting every row's tree at once
+(:class:`~headway.drafters.batch_eagle.BatchEagle`), and
 each step verifies every row's tree in one forward over one static cache
 (:class:`~headway.decode.batch_step.BatchVerify`: one host read a step for all rows). Trees
 differ in size between rows; a step pads each row's tree to the step's size with a chain of
@@ -29,12 +31,10 @@ on a GPU, where a small model's step costs about the same at any size, the whole
 
 Greedy, each row's tokens are the target's greedy output for that prompt alone (fp32);
 sampled, each row's tokens follow the target's distribution for its prompt
-(``tests/test_batch_decode.py``; with Medusa and EAGLE-3 drafters every row accepts what it
-accepts decoded alone). Those drafters draft one row at a time (eagerly, on the host's
-schedule): on a 2-core CPU the shipped EAGLE-3 drafter made a batch of 8 MT-bench prompts
-slower than no drafter (78-80 against 110-115 tokens/s, tau 1.06-1.08, drafting paused where
-it did not pay; 71-73 at tau 1.50 before the pauses), so prompt lookup is the
-batch's default; drafting every row's tree in one step is what is left.
+(``tests/test_batch_decode.py``; with Medusa and EAGLE drafters every row accepts what it
+accepts decoded alone, ``tests/test_batch_eagle.py``). On a CPU a batch's step is bound by
+arithmetic, not by reading the weights, so drafting seldom pays there (docs/usage.md, "Several
+prompts at once"): prompt lookup, whose drafting costs nothing, is the batch's default.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from headway.decode.batch_drafting import BatchDrafter, RowDrafters
 from headway.decode.batch_step import BatchVerify
 from headway.decode.captured import StaticForward, block_bucket
 from headway.decode.gemm import gemm_route
@@ -74,7 +75,7 @@ class _Row:
 def decode_batch(
     model: PreTrainedModel,
     prompts: Sequence[Tensor],
-    drafters: Sequence[Drafter | None],
+    drafters: Sequence[Drafter | None] | BatchDrafter,
     *,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
@@ -83,32 +84,34 @@ def decode_batch(
     generator: torch.Generator | None = None,
     capture: bool | None = None,
 ) -> list[GenerationResult]:
-    """Decode ``prompts`` (LongTensors ``[P_b]``) together, row ``b`` drafted by
-    ``drafters[b]`` (None: no drafter), greedy or by ``sampling`` with ``generator``; see the
-    module docstring. ``stop_check(generated)`` true ends a row after that token (stop
-    strings). ``capture``: CUDA graphs (default: on CUDA). Returns one
+    """Decode ``prompts`` (LongTensors ``[P_b]``) together, drafted by ``drafters``: one per
+    row (``drafters[b]``, None: no drafter) or a :class:`~headway.decode.batch_drafting.
+    BatchDrafter` drafting every row's tree at once; greedy or by ``sampling`` with
+    ``generator``; see the module docstring. ``stop_check(generated)`` true ends a row after
+    that token (stop strings). ``capture``: CUDA graphs (default: on CUDA). Returns one
     :class:`~headway.decode.generate.GenerationResult` per prompt, as a prompt decoded alone.
 
     Raises:
         HeadwayError: drafters reading the target's states at different layers, or prompts
             and ``max_new_tokens`` past the target's context.
     """
-    if len(drafters) != len(prompts) or not prompts:
-        raise ValueError(f"need one drafter (or None) per prompt; got {len(drafters)}")
-    depth, layers = _depth(drafters), _hidden_layers(drafters)  # one set of layers for all
+    if not prompts:
+        raise ValueError("need at least one prompt")
+    drafting = RowDrafters(drafters) if isinstance(drafters, Sequence) else drafters
+    depth = block_bucket(drafting.max_nodes + 1) - 1  # the deepest node, padding included
     _check(model, prompts, depth, max_new_tokens)
     gemm_route(model)  # the model's GEMM route on a CPU ("auto" where none was applied)
     with grouped_attention(model):  # each grouped key/value head read once a step
         forward = StaticForward(model, capture=capture, batch=len(prompts))
-        steps = BatchVerify(forward, depth, layers)
+        steps = BatchVerify(forward, depth, drafting.hidden_layers)
         ending = _Ending(frozenset(eos_token_ids), max_new_tokens, stop_check)
-        return _decode(steps, prompts, drafters, ending, sampling, generator)
+        return _decode(steps, prompts, drafting, ending, sampling, generator)
 
 
 def _decode(
     steps: BatchVerify,
     prompts: Sequence[Tensor],
-    drafters: Sequence[Drafter | None],
+    drafting: BatchDrafter,
     ending: _Ending,
     sampling: SamplingParams,
     generator: torch.Generator | None,
@@ -116,49 +119,52 @@ def _decode(
     model = steps.target.model
     rows = [_Row() for _ in prompts]
     ids = [prompt.tolist() for prompt in prompts]
-    for drafter, prompt in zip(drafters, prompts, strict=True):
-        if drafter is not None:
-            drafter.begin(prompt)
+    drafting.begin(prompts)
     on_device = [prompt.to(model.device) for prompt in prompts]
     firsts = steps.prefill(on_device, sampling, generator).tolist()
-    for index, (row, sequence, first, drafter) in enumerate(
-        zip(rows, ids, firsts, drafters, strict=True)
-    ):
+    for row, sequence, first in zip(rows, ids, firsts, strict=True):
         _commit(row, sequence, [int(first)], ending)
-        if drafter is not None:  # the prompt's pairs and the first token, as the loop's
-            pairs = len(sequence) - 1  # each prompt entry's state predicted the next token
-            drafter.observe(torch.tensor(sequence[1:]), _states(steps, index, pairs))
-    sizer = BatchSizer(steps, steps.max_depth + 1) if any(drafters) else None
+    # the prompt's pairs and the first token, as the loop's: each prompt entry's state
+    # predicted the token after it
+    drafting.observe(
+        [
+            sequence[1:] if row.stop_reason is None else []
+            for row, sequence in zip(rows, ids, strict=True)
+        ],
+        steps.hidden,
+    )
+    sizer = BatchSizer(steps, steps.max_depth + 1) if drafting.drafts else None
     while any(row.stop_reason is None for row in rows):
-        drafting = sizer is not None and sizer.drafts()
+        live = [row.stop_reason is None for row in rows]
+        drafts = sizer is not None and sizer.drafts()
         start = time.perf_counter()
-        trees = [
-            _tree(drafter, sequence) if row.stop_reason is None and drafting else ([], [])
-            for drafter, sequence, row in zip(drafters, ids, rows, strict=True)
-        ]
-        live = [
-            parents for (_, parents), row in zip(trees, rows, strict=True) if not row.stop_reason
-        ]
+        trees = drafting.propose(ids, live) if drafts else [([], [])] * len(rows)
         nodes = 0
-        if sizer is not None and drafting:
-            nodes = sizer.nodes(live, time.perf_counter() - start)
+        if sizer is not None and drafts:
+            sent = [parents for (_, parents), on in zip(trees, live, strict=True) if on]
+            nodes = sizer.nodes(sent, time.perf_counter() - start)
         trees = [(tokens[:nodes], parents[:nodes]) for tokens, parents in trees]
         padded = [_padded(tokens, parents, nodes) for tokens, parents in trees]
         tokens = torch.tensor([t for t, _ in padded], dtype=torch.long)
         parents = torch.tensor([p for _, p in padded], dtype=torch.long)
         roots = torch.tensor([sequence[-1] for sequence in ids])
-        active = torch.tensor([row.stop_reason is None for row in rows])
-        committed = steps.step(roots, tokens, parents, active, sampling, generator)
-        for index, (row, sequence, drafter, new, (_, sent)) in enumerate(
-            zip(rows, ids, drafters, committed, trees, strict=True)
+        begun = time.perf_counter()
+        committed = steps.step(roots, tokens, parents, torch.tensor(live), sampling, generator)
+        if sizer is not None:
+            sizer.timed(block_bucket(nodes + 1), time.perf_counter() - begun)
+        kept: list[list[int]] = []
+        for row, sequence, new, (_, tree), on in zip(
+            rows, ids, committed, trees, live, strict=True
         ):
-            if row.stop_reason is not None:
+            if not on:
+                kept.append([])
                 continue
-            if sizer is not None and sent:
-                sizer.learn(_depth_of(sent), len(new) - 1)
-            kept = _commit(row, sequence, new, ending)
-            if drafter is not None and row.stop_reason is None:
-                drafter.observe(torch.tensor(kept), _states(steps, index, len(kept)))
+            if sizer is not None and tree:
+                sizer.learn(_depth_of(tree), len(new) - 1)
+            tokens_kept = _commit(row, sequence, new, ending)
+            kept.append(tokens_kept if row.stop_reason is None else [])
+        if drafting.drafts:
+            drafting.observe(kept, steps.hidden)
     results = []
     for row in rows:
         assert row.stop_reason is not None  # the loop ends once every row has stopped
@@ -180,13 +186,14 @@ class BatchSizer:
         count = largest.bit_length()  # sizes 1, 2, 4, ..., largest
         key = {"model": shapes_digest(model), "route": gemm_route(model), "sizes": count}
         key |= {"batch": steps.batch, "capacity": steps.target.cache.capacity, "step": "routed"}
-        self.seconds: list[float] = remembered(
+        kept = remembered(
             "the batched step cost table",
             key,
             lambda: [self._time(1 << index) for index in range(count)],
             device=model.device,
             valid=seconds_table(count),
         )
+        self.seconds: list[float] = list(kept)  # follows the steps taken (timed)
         self.accepted, self.drafted = 1.0, 2.0  # a prior: half of what is drafted
         self.pause = 0  # steps left without drafting (drafting did not pay when last weighed)
         self.skipped = 0  # the pause drafting takes next time it does not pay (doubles)
@@ -232,6 +239,17 @@ class BatchSizer:
             self.skipped = 0
         return best
 
+    def timed(self, size: int, seconds: float) -> None:
+        """A step of ``size`` entries a row took ``seconds`` (its host read included): the
+        table follows what steps take now, a running mean with a fifth of its weight on the
+        newest step (a table timed once, or when the machine was busier, misjudges every
+        step after: on a 2-core EPYC a 4-row step was timed at 28.8 ms and then took 24.4).
+        A step over three times the table's figure is left out (a CUDA graph's capture)."""
+        index = size.bit_length() - 1
+        current = self.seconds[index]
+        if seconds <= 3 * current:
+            self.seconds[index] = 0.8 * current + 0.2 * seconds
+
     def learn(self, depth: int, accepted: int) -> None:
         """A row's tree of ``depth`` had ``accepted`` of its nodes accepted."""
         self.drafted += depth
@@ -259,38 +277,6 @@ def _check(
             f"the longest prompt and max_new_tokens={max_new_tokens} need {longest} positions; "
             f"the target holds {context_limit(model)}: shorten them"
         )
-
-
-def _hidden_layers(drafters: Sequence[Drafter | None]) -> tuple[int, ...]:
-    """The target states the drafters read (one set for all; () for prompt lookup)."""
-    layers = {drafter.hidden_layers for drafter in drafters if drafter is not None}
-    if len(layers) > 1:
-        raise HeadwayError(
-            f"a batch's drafters read the target's states at one set of layers, not {layers}"
-        )
-    return layers.pop() if layers else ()
-
-
-def _states(steps: BatchVerify, row: int, count: int) -> tuple[Tensor, ...]:
-    """Row ``row``'s first ``count`` states of what the last prefill or step left, per hidden
-    layer ``[count, H]``: each predicted the token committed after it."""
-    return tuple(states[row, :count] for states in steps.hidden)
-
-
-def _depth(drafters: Sequence[Drafter | None]) -> int:
-    """The deepest node a step's tree can hold, padding included: the most nodes a step sends
-    (the largest ``max_nodes``, rounded so the block is a power of two)."""
-    most = max((drafter.max_nodes for drafter in drafters if drafter is not None), default=0)
-    return block_bucket(most + 1) - 1
-
-
-def _tree(drafter: Drafter | None, sequence: list[int]) -> tuple[list[int], list[int]]:
-    """The row's tree (tokens, parents) from its drafter; empty without one."""
-    if drafter is None:
-        return [], []
-    tree = drafter.propose(torch.tensor(sequence))
-    keep = min(tree.size, drafter.max_nodes)  # a proposal past its own bound is cut
-    return tree.tokens[:keep].tolist(), tree.parents[:keep].tolist()
 
 
 def _padded(tokens: list[int], parents: list[int], size: int) -> tuple[list[int], list[int]]:

@@ -21,9 +21,7 @@ refills or drops the batch. Rows' outputs are each row's own greedy output, as t
 decodes that prompt alone (``tests/test_batch_step.py``, fp32); sampled, each row's tokens
 follow the target's distribution (``tests/test_batch_decode.py``).
 
-Not yet: drafters proposing ``B`` trees at once (:mod:`headway.decode.batch_decode` asks each
-row's own drafter), targets with sliding or chunked layers (their masks need a host check a
-step).
+Not yet: targets with sliding or chunked layers (their masks need a host check a step).
 """
 
 from __future__ import annotations

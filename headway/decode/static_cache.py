@@ -6,7 +6,7 @@ writes its block at the columns ``columns [B, capacity]`` names (each row its ow
 over all ``capacity`` columns through a mask ``[B, 1, S, capacity]``, so no shape follows the
 sequence and a CUDA graph can replay the forward (:mod:`headway.decode.captured`).
 
-The decoders run batch 1 today (``columns[0]`` the one row's). The buffers are batched already
+The one-sequence decoders run batch 1 (``columns[0]`` the one row's). The buffers are batched
 because batched speculative decoding needs more than a larger leading dimension, and the cache
 is where it is settled: each row commits its own number of tokens a step, so a block's columns
 differ per row (:meth:`StaticCache.update` scatters with per-row indices), compaction is a
@@ -15,11 +15,11 @@ committed length is its caller's device vector ``[B]`` (``length`` is the longes
 transformers reads). ``tests/test_static_batch.py`` decodes ragged rows with per-row trees and
 acceptances through one batched cache and matches each row decoded alone, and the device
 step's tree layout and acceptance (:mod:`headway.decode.device_tree`) take trees ``[B, n]``,
-each row what it gives alone; :class:`~headway.decode.batch_step.BatchVerify` takes greedy
-steps for ``B`` rows with them (one host read a step for all rows). What remains for batched
-speculative decoding is drafters drafting ``B`` trees at once, sampling, and a finished row
-stepping on padding until the batch refills it (as :mod:`headway.generation.batched_generation`
-does with its ragged cache).
+each row what it gives alone; :class:`~headway.decode.batch_step.BatchVerify` takes
+steps for ``B`` rows with them (one host read a step for all rows), greedy or sampled, and
+:class:`~headway.drafters.batch_eagle.BatchEagle` keeps an EAGLE draft layer's keys/values for
+``B`` rows in one. What remains is a finished row stepping on padding until the batch refills
+it (as :mod:`headway.generation.batched_generation` does with its ragged cache).
 """
 
 from __future__ import annotations

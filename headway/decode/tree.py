@@ -220,7 +220,7 @@ def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     return DraftTree(tree.tokens[keep], parents, probs)
 
 
-def subtree(tokens: Tensor, parents: Tensor, keep: Tensor) -> DraftTree:
+def subtree(tokens: Tensor, parents: Tensor, keep: Tensor, *, ranked: bool = False) -> DraftTree:
     """The tree of the nodes ``keep`` of a larger one, in their original (topological) order,
     parents re-indexed. E.g. ``parents=[-1, -1, 0, 1]``, ``keep=[3, 1]``: nodes 1 and 3,
     ``parents=[-1, 0]``.
@@ -230,18 +230,24 @@ def subtree(tokens: Tensor, parents: Tensor, keep: Tensor) -> DraftTree:
         parents: LongTensor ``[n]``, its parent array (topologically ordered).
         keep: LongTensor ``[k]``, distinct node indices in any order (e.g. best first); must be
             ancestor-closed: every kept node's parent is kept too.
+        ranked: keep the nodes in ``keep``'s order instead (e.g. best first, so that every
+            prefix of the tree is the best tree of its size), which must list every parent
+            before its children.
     """
-    keep = keep.sort().values
+    if not ranked:
+        keep = keep.sort().values
     new_index = torch.full_like(parents, -1)
     new_index[keep] = torch.arange(keep.numel(), device=keep.device)
     kept_parents = parents[keep]
     remapped = torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], -1)
-    orphans = (kept_parents >= 0) & (remapped < 0)
+    order = torch.arange(keep.numel(), device=keep.device)
+    orphans = (kept_parents >= 0) & ((remapped < 0) | (remapped >= order))
     if bool(orphans.any()):
         node = int(keep[orphans.nonzero()[0, 0]])
         raise ValueError(
-            f"node {node} is kept but its parent {int(parents[node])} is not; the kept nodes "
-            "must include every ancestor of every kept node"
+            f"node {node} is kept but its parent {int(parents[node])} is not (or, ranked, only "
+            "after it); the kept nodes must include every ancestor of every kept node, "
+            "listed before it"
         )
     return DraftTree(tokens[keep], remapped)
 

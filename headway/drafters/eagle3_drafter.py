@@ -71,12 +71,12 @@ class Eagle3Drafter(EagleDrafter):
     def _vocabulary_size(self) -> int:
         return int(self.draft3.config.draft_vocab_size)
 
-    def _pair_features(self, hidden: tuple[Tensor, ...]) -> Tensor:
+    def pair_features(self, hidden: tuple[Tensor, ...]) -> Tensor:
         """``fc`` over the concatenated low / mid / high target states (each ``[k, H]``)."""
         joined = torch.cat([layer.to(self._device, self._dtype) for layer in hidden], dim=-1)
         return self.draft3.fuse(joined)
 
-    def _top_children(self, states: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def top_children(self, states: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Top-k of the draft head over the draft vocabulary, mapped to target ids."""
         log_probs = torch.log_softmax(self.draft3.logits(states).float(), dim=-1)
         best = log_probs.topk(k, dim=-1)

@@ -148,8 +148,8 @@ class EagleDrafter:
     """An EAGLE draft model as a :class:`~headway.decode.generate.Drafter` with EAGLE-2 trees.
 
     EAGLE-1 as it stands; EAGLE-3 (:class:`~headway.drafters.eagle3_drafter.Eagle3Drafter`) reuses
-    all of it and overrides three small hooks: :meth:`_pair_features` (what the committed pairs
-    read from the target's hidden states), :meth:`_top_children` (the draft head) and
+    all of it and overrides three small hooks: :meth:`pair_features` (what the committed pairs
+    read from the target's hidden states), :meth:`top_children` (the draft head) and
     :meth:`_vocabulary_size`.
 
     Args:
@@ -213,12 +213,12 @@ class EagleDrafter:
         narrowed one)."""
         return int(self.model.config.vocab_size if self._vocab is None else self._vocab.numel())
 
-    def _pair_features(self, hidden: tuple[Tensor, ...]) -> Tensor:
+    def pair_features(self, hidden: tuple[Tensor, ...]) -> Tensor:
         """Features ``[k, H]`` of newly committed pairs from the target states ``hidden``
         (one ``[k, H_t]`` per layer of :attr:`hidden_layers`): EAGLE-1 reads the last one as is."""
         return hidden[0].to(self._device, self._dtype)
 
-    def _top_children(self, states: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def top_children(self, states: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The ``k`` best next tokens after each of ``states`` ``[n, H]``: (fp32 draft
         log-probabilities, target token ids), each ``[n, k]``, best first."""
         best = self._log_probs(states).topk(k, dim=-1)
@@ -230,7 +230,7 @@ class EagleDrafter:
         self._committed = 0  # pairs (f_t, x_{t+1}) in the cache
         self._root_feature: Tensor | None = None  # [H], f̂ at the root's position
 
-    def _routed(self) -> ExitStack:
+    def routed(self) -> ExitStack:
         """The draft model's and the LM head's linear layers on small-block products
         (:func:`~headway.decode.gemm.routed_linears`; draft forwards have a few rows)."""
         stack = ExitStack()
@@ -243,13 +243,13 @@ class EagleDrafter:
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         """Roll the draft cache back to the committed pairs, then feed the new pairs
         (``hidden[0][i]`` ``[H]``, ``new_tokens[i]``) with their true target features."""
-        with self._routed():
+        with self.routed():
             self._observe(new_tokens, hidden)
 
     def _observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         crop_cache(self._cache, self._committed)
         count = new_tokens.numel()
-        features = self._pair_features(hidden)[None]  # [1, k, H]
+        features = self.pair_features(hidden)[None]  # [1, k, H]
         embeddings = self.head.embed_tokens(new_tokens.to(self._device), self._dtype)[None]
         # plain causal attention over the committed pairs, positions committed .. committed + k - 1
         predicted = self.model(features, embeddings, cache=self._cache)
@@ -305,7 +305,7 @@ class EagleDrafter:
         times each level and stops early once no frontier node's score reaches the floor."""
         self._drop_tree()
         k = self.top_k
-        root_scores, root_tokens = self._top_children(root_feature[None], k)
+        root_scores, root_tokens = self.top_children(root_feature[None], k)
         tokens, scores = [root_tokens[0]], [root_scores[0]]
         parents = [torch.full((k,), -1, dtype=torch.long, device=self._device)]
         expanded = k  # nodes so far; the next level's first node index
@@ -325,7 +325,7 @@ class EagleDrafter:
                 break  # no descendant can pay
             started = time.perf_counter() if timed else 0.0  # no clock read to trace when compiled
             predicted = self._forward_frontier(features, frontier_tokens, ancestors, level - 1)
-            child_logp, child_tokens = self._top_children(predicted, k)  # [F, k] each
+            child_logp, child_tokens = self.top_children(predicted, k)  # [F, k] each
             if timed:  # on a CPU the work is done when the call returns
                 self._time_level(time.perf_counter() - started)
             child_scores = (frontier_scores[:, None] + child_logp).flatten()
@@ -359,7 +359,7 @@ class EagleDrafter:
         probability."""
         if self._root_feature is None:
             return empty_tree()
-        with self._routed():
+        with self.routed():
             tokens, parents, scores = self._expand(self._root_feature, floor)
         best = select_nodes(scores, self.total_tokens - 1)
         tree = subtree(tokens.cpu(), parents.cpu(), best.cpu())

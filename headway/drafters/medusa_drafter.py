@@ -158,8 +158,9 @@ class MedusaDrafter:
         i.e. depth k of the next tree."""
         self._last_hidden = hidden[0][-1]
 
-    def _head_logits(self, hidden: Tensor) -> Tensor:
-        """Logits ``[depth, V]`` of the heads the tree uses, on the state ``hidden`` ``[H]``."""
+    def head_logits(self, hidden: Tensor) -> Tensor:
+        """Logits ``[depth, V]`` of the heads the tree uses, on the state ``hidden`` ``[H]``
+        (``[depth, B, V]`` on the states ``[B, H]`` of a batch)."""
         weight = next(self.heads.parameters())
         hidden = hidden.to(device=weight.device, dtype=weight.dtype)
         with routed_linears(self.heads, pad_single=True):  # one row per head: pad it (gemm.py)
@@ -171,9 +172,9 @@ class MedusaDrafter:
         head d + 1, best first)."""
         if self._last_hidden is None:
             raise RuntimeError("MedusaDrafter.candidates() called before observe()")
-        return self._to_target(self._head_logits(self._last_hidden).topk(self.tree.width).indices)
+        return self.to_target(self.head_logits(self._last_hidden).topk(self.tree.width).indices)
 
-    def _to_target(self, indices: Tensor) -> Tensor:
+    def to_target(self, indices: Tensor) -> Tensor:
         """The heads' output indices as target token ids (the same unless narrowed)."""
         return indices if self._vocab is None else self._vocab[indices]
 
@@ -265,9 +266,9 @@ class MedusaDrafter:
             return empty_tree()
         if floor is None:
             return self.tree.instantiate(self.candidates())
-        logits = self._head_logits(self._last_hidden)
+        logits = self.head_logits(self._last_hidden)
         candidates = logits.topk(self.tree.width, dim=-1).indices  # as candidates(), unmapped
         probabilities = torch.softmax(logits.float(), dim=-1).gather(-1, candidates)
-        full = self.tree.instantiate(self._to_target(candidates))
+        full = self.tree.instantiate(self.to_target(candidates))
         scores = self.tree.path_products(probabilities)  # [n], never above the parent's
         return DraftTree(full.tokens, full.parents, scores=scores)

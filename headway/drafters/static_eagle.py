@@ -61,7 +61,7 @@ from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.eagle_drafter import EagleDrafter, select_nodes
 from headway.heads.eagle import additive_mask
 
-__all__ = ["StaticDrafting", "StaticEagle3Drafter", "StaticEagleDrafter"]
+__all__ = ["StaticDrafting", "StaticEagle3Drafter", "StaticEagleDrafter", "draft_forward"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +95,10 @@ class StaticDrafting(EagleDrafter):
         self.compiled = True
         self._setup()
 
-    def _routed(self) -> ExitStack:
-        """:meth:`EagleDrafter._routed`; compiled, none: torch.compile makes its own products
+    def routed(self) -> ExitStack:
+        """:meth:`EagleDrafter.routed`; compiled, none: torch.compile makes its own products
         of the draft layers and the LM head (and cannot lower a packed CPU route's)."""
-        return ExitStack() if self.compiled else super()._routed()
+        return ExitStack() if self.compiled else super().routed()
 
     def _setup(self) -> None:
         on_cuda = self._device.type == "cuda"
@@ -146,9 +146,9 @@ class StaticDrafting(EagleDrafter):
         head = max(count - self._rows, 0)
         self._reserve(self._committed + head + self._rows + self._tree_columns)
         if head:
-            with self._routed():
+            with self.routed():
                 self._observe_eagerly(
-                    new_tokens[:head], self._pair_features(tuple(h[:head] for h in hidden))
+                    new_tokens[:head], self.pair_features(tuple(h[:head] for h in hidden))
                 )
         self._buffer(new_tokens[head:], tuple(layer[head:] for layer in hidden), count - head)
 
@@ -223,7 +223,7 @@ class StaticDrafting(EagleDrafter):
         if not self._on_device:  # the chained steps make device proposals: a host-proposal
             self._on_device = True  # graph of our own would replay the wrong one
             self._drop_graph()
-        return self._routed()
+        return self.routed()
 
     def chain_propose(self) -> tuple[Tensor, Tensor]:
         """:meth:`propose_on_device` inside a chained run (:meth:`chain_context`): the step
@@ -277,22 +277,15 @@ class StaticDrafting(EagleDrafter):
         """One draft forward over the static cache: pairs (``features [m, H]``, ``tokens [m]``)
         at ``positions [m]``, their keys written at ``columns [m]``, row i attending to the
         columns ``visible [m, capacity]`` marks; returns the states ``[m, H]``."""
-        self._cache.columns[:, : columns.numel()].copy_(columns)
-        predicted = self.model(
-            features[None],
-            self.head.embed_tokens(tokens, self._dtype)[None],
-            position_ids=positions[None],
-            attention_mask=additive_mask(visible, self._dtype)[None, None],
-            cache=self._cache,
-        )
-        return predicted[0]
+        rows = (features, tokens, positions, columns, visible)
+        return draft_forward(self, self._cache, *(row[None] for row in rows))[0]
 
     def _step(self) -> None:
         """The step the graph holds: the buffered pairs, then the tree from the last one's
         state; leaves the kept subtree in :attr:`_kept` (device step) or the tree and the kept
         nodes in :attr:`_out` (host step)."""
         positions = self._before + torch.arange(self._rows, device=self._device)
-        features = self._pair_features(self._in_hidden)
+        features = self.pair_features(self._in_hidden)
         visible = self._causal(positions)  # padding rows: garbage, never read
         predicted = self._feed(features, self._in_tokens, positions, positions, visible)
         self._base.copy_(self._before + self._n)
@@ -348,7 +341,7 @@ class StaticDrafting(EagleDrafter):
         if on_device != self._on_device or self._rebind:
             self._on_device, self._rebind = on_device, False
             self._drop_graph()  # it makes the other proposal, or a run's step rebound its outputs
-        with self._routed():
+        with self.routed():
             if not self.capture:
                 self._run_step()
             elif self._graph is None:
@@ -369,6 +362,30 @@ class StaticDrafting(EagleDrafter):
             self._pool = torch.cuda.graph_pool_handle()
         self._graph = record_graph(self._run_step, self._device, self._pool)
         logger.info("captured EAGLE drafting: top_k %d, depth %d", self.top_k, self.depth)
+
+
+def draft_forward(
+    drafter: EagleDrafter,
+    cache: StaticCache,
+    features: Tensor,
+    tokens: Tensor,
+    positions: Tensor,
+    columns: Tensor,
+    visible: Tensor,
+) -> Tensor:
+    """One forward of ``drafter``'s draft model over a static ``cache`` of ``B`` rows: pairs
+    (``features [B, m, H]``, ``tokens [B, m]``) at ``positions [B, m]``, their keys written at
+    ``columns [B, m]``, row ``b``'s entry ``i`` attending to the columns ``visible[b, i]``
+    marks (``[B, m, capacity]``); returns the predicted states ``[B, m, H]``."""
+    cache.columns[:, : columns.shape[-1]].copy_(columns)
+    dtype = drafter.model.fc.weight.dtype
+    return drafter.model(
+        features,
+        drafter.head.embed_tokens(tokens, dtype),
+        position_ids=positions,
+        attention_mask=additive_mask(visible, dtype)[:, None],
+        cache=cache,
+    )
 
 
 class StaticEagleDrafter(StaticDrafting):

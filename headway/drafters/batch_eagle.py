@@ -1,0 +1,192 @@
+"""EAGLE drafting of a batch's rows at once (a :class:`~headway.decode.batch_drafting.
+BatchDrafter` for :mod:`headway.decode.batch_decode`).
+
+:class:`~headway.drafters.eagle_drafter.EagleDrafter` drafts one sequence: with one per row, a
+batch of ``B`` rows runs ``B`` observe forwards and ``B x (depth - 1)`` level forwards a step,
+each of a few rows, and reads the device ``B`` times (on a 2-core CPU the shipped EAGLE-3
+drafter made a batch of 8 prompts slower than no drafter). Here one draft model drafts every
+row's tree together, the draft layer's keys/values in a
+:class:`~headway.decode.static_cache.StaticCache` with a row per sequence (column ``c`` of row
+``b`` holds that row's ``c``-th entry: its committed pairs, then its tree's levels of ``top_k``
+entries), as :class:`~headway.drafters.static_eagle.StaticDrafting` lays out one row:
+
+- :meth:`BatchEagle.observe` feeds every row's new pairs in one forward ``[B, M]`` (``M`` the
+  most any row committed), each row at its own positions and columns; a row's padding entries
+  write columns past its committed ones, which no later query sees until a tree level
+  overwrites them;
+- :meth:`BatchEagle.propose` grows every row's EAGLE-2 tree with one draft forward per level
+  ``[B, top_k]`` (each row's frontier seeing its committed columns, its ancestors and itself),
+  scores, picks each row's frontier and its best ``total_tokens - 1`` nodes on the device, and
+  reads all trees back in one transfer.
+
+Each row's tree holds the nodes its own :class:`EagleDrafter` proposes (the same functions: the
+drafter's hooks for the pair features and the head's top-k, the same stable selections), up to
+the summation order of a batched product (``tests/test_batch_eagle.py``), listed best first
+instead of in creation order, so that the batch's sizer, which cuts every row's tree to one
+size, keeps each row's best nodes (in creation order a cut to 7 nodes of a ``top_k=8`` tree
+keeps 7 siblings); the output is the target's either way.
+
+Not yet: the eager drafter's early stop of cost-sized trees on a CPU (the batch's sizer cuts
+every row's tree to the size that pays instead), and capturing the step as a CUDA graph (its
+observe has a width that follows the rows' counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from headway.decode.batch_drafting import Tree, check_rows, last_of_rows
+from headway.decode.captured import MIN_CAPACITY, block_bucket
+from headway.decode.static_cache import StaticCache
+from headway.decode.tree import subtree
+from headway.drafters.eagle_drafter import EagleDrafter
+from headway.drafters.static_eagle import draft_forward
+
+__all__ = ["BatchEagle"]
+
+
+class BatchEagle:
+    """``drafter``'s draft model and tree setting drafting ``batch`` rows at once (module
+    docstring); ``drafter`` itself is left as it is (its weights are shared)."""
+
+    def __init__(self, drafter: EagleDrafter, batch: int) -> None:
+        if batch < 1:
+            raise ValueError(f"a batch holds at least one row, not {batch}")
+        self.drafter, self.batch = drafter, batch
+        self.hidden_layers = drafter.hidden_layers
+        self.max_nodes = drafter.max_nodes
+        self.top_k, self.depth = drafter.top_k, drafter.depth
+        self._device, self._dtype = drafter._device, drafter._dtype
+        self._tree_columns = self.top_k * (self.depth - 1)
+        self._cache = StaticCache(1, MIN_CAPACITY, self._device, batch)
+        self._columns = torch.arange(MIN_CAPACITY, device=self._device)
+        self._known = [0] * batch  # pairs each row has in the cache, on the host
+        self._committed = torch.zeros(batch, dtype=torch.long, device=self._device)
+        self._roots: Tensor | None = None  # [B, H]: each row's predicted state at its root
+
+    @property
+    def drafts(self) -> bool:
+        return True
+
+    def begin(self, prompts: Sequence[Tensor]) -> None:
+        """Forget every row's pairs (the buffers are kept)."""
+        check_rows(prompts, self.batch)
+        self._known = [0] * self.batch
+        self._committed.zero_()
+        self._roots = None
+
+    @torch.inference_mode()
+    def observe(self, kept: Sequence[list[int]], states: tuple[Tensor, ...]) -> None:
+        """Feed each row's new pairs (``kept[b]`` with its states; ``states`` ``[B, L, H]``
+        per hidden layer) in one causal forward ``[B, M]`` after each row's committed pairs."""
+        counts = [len(tokens) for tokens in kept]
+        width = max(counts)
+        if width == 0:
+            return
+        self._reserve(max(self._known) + width + self._tree_columns)
+        tokens = torch.zeros(self.batch, width, dtype=torch.long)
+        for row, ids in enumerate(kept):
+            tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        count = torch.tensor(counts, device=self._device)
+        positions = self._committed[:, None] + torch.arange(width, device=self._device)
+        visible = positions[:, :, None] >= self._columns  # [B, M, capacity]; padding: unread
+        with self.drafter.routed():
+            features = self.drafter.pair_features(tuple(s[:, :width] for s in states))
+            predicted = draft_forward(
+                self.drafter,
+                self._cache,
+                features,
+                tokens.to(self._device),
+                positions,
+                positions,
+                visible,
+            )
+        self._roots = last_of_rows(predicted, count, self._roots)  # [B, H]
+        self._committed += count
+        self._known = [known + added for known, added in zip(self._known, counts, strict=True)]
+
+    def _reserve(self, columns: int) -> None:
+        """Hold at least ``columns`` columns a row (grown to the next power of two)."""
+        if columns <= self._cache.capacity:
+            return
+        capacity = block_bucket(columns)
+        self._cache = self._cache.grown(capacity, max(self._known))
+        self._columns = torch.arange(capacity, device=self._device)
+
+    @torch.inference_mode()
+    def propose(self, sequences: Sequence[list[int]], live: Sequence[bool]) -> list[Tree]:
+        """Every live row's best ``total_tokens - 1`` nodes of its EAGLE-2 tree (below its
+        root, whose pair the last :meth:`observe` fed), from one read of the device; best first
+        (by cumulative draft log-probability, ties to the earlier node): every prefix of a
+        row's tree is its best tree of that size, which is what the batch's sizer cuts."""
+        if self._roots is None or not any(live):
+            return [([], []) for _ in live]
+        with self.drafter.routed():
+            tokens, parents, scores = self._expand(self._roots)
+        keep = min(self.drafter.total_tokens - 1, tokens.shape[1])
+        best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :keep]
+        host = torch.cat([tokens, parents, best], dim=1).cpu()  # the step's one read
+        nodes = tokens.shape[1]
+        trees: list[Tree] = []
+        for row, alive in enumerate(live):
+            if not alive:
+                trees.append(([], []))
+                continue
+            ids = host[row]
+            tree = subtree(ids[:nodes], ids[nodes : 2 * nodes], ids[2 * nodes :], ranked=True)
+            trees.append((tree.tokens.tolist(), tree.parents.tolist()))
+        return trees
+
+    def _expand(self, roots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Every row's EAGLE-2 candidate tree below ``roots [B, H]`` (as
+        :meth:`EagleDrafter._expand`, rows side by side): tokens, parents and cumulative scores
+        ``[B, n]`` of every expanded node, parents listed before their children."""
+        k, batch, device = self.top_k, self.batch, self._device
+        scores, tokens = self.drafter.top_children(roots, k)  # [B, k] each
+        all_tokens, all_scores = [tokens], [scores]
+        all_parents = [torch.full((batch, k), -1, dtype=torch.long, device=device)]
+        frontier = torch.arange(k, device=device).expand(batch, k)  # node index per row
+        features = roots[:, None].expand(batch, k, roots.shape[-1])
+        ancestors = torch.zeros(batch, k, 0, dtype=torch.bool, device=device)
+        eye = torch.eye(k, dtype=torch.bool, device=device)
+        expanded = k
+        for level in range(1, self.depth):
+            predicted = self._frontier(features, tokens, ancestors, level - 1)  # [B, k, H]
+            flat = predicted.reshape(batch * k, -1)
+            child_logp, child_tokens = self.drafter.top_children(flat, k)  # [B k, k]
+            child_scores = (scores[:, :, None] + child_logp.view(batch, k, k)).flatten(1)
+            all_tokens.append(child_tokens.view(batch, k * k))
+            all_scores.append(child_scores)
+            all_parents.append(frontier[:, :, None].expand(batch, k, k).reshape(batch, k * k))
+            pick = torch.sort(child_scores, dim=-1, descending=True, stable=True).indices[:, :k]
+            parent_row = pick // k  # [B, k]: which frontier node each new one hangs under
+            frontier = expanded + pick
+            expanded += k * k
+            tokens = all_tokens[-1].gather(1, pick)
+            scores = child_scores.gather(1, pick)
+            features = predicted.gather(1, parent_row[..., None].expand(-1, -1, flat.shape[-1]))
+            inherited = ancestors.gather(
+                1, parent_row[..., None].expand(-1, -1, ancestors.shape[2])
+            )
+            ancestors = torch.cat([inherited, eye[parent_row]], dim=2)
+        return torch.cat(all_tokens, 1), torch.cat(all_parents, 1), torch.cat(all_scores, 1)
+
+    def _frontier(self, features: Tensor, tokens: Tensor, ancestors: Tensor, level: int) -> Tensor:
+        """One draft forward of every row's frontier (``features [B, F, H]``, ``tokens [B, F]``,
+        ``ancestors`` bool ``[B, F, S]`` over the ``S`` tree entries already written): row
+        ``b``'s nodes at position ``committed[b] + level``, written after its tree's entries,
+        each seeing its row's committed columns, its ancestors and itself."""
+        batch, count, tree = tokens.shape[0], tokens.shape[1], ancestors.shape[2]
+        placed = self._committed[:, None] + torch.arange(tree + count, device=self._device)
+        visible = (self._columns < self._committed[:, None])[:, None].expand(-1, count, -1)
+        visible = visible.clone()
+        eye = torch.eye(count, dtype=torch.bool, device=self._device).expand(batch, -1, -1)
+        block = torch.cat([ancestors, eye], dim=2)  # [B, F, S + F]
+        visible.scatter_(2, placed[:, None].expand(-1, count, -1), block)
+        positions = (self._committed + level)[:, None].expand(-1, count)
+        return draft_forward(
+            self.drafter, self._cache, features, tokens, positions, placed[:, tree:], visible
+        )

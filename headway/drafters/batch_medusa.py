@@ -1,0 +1,70 @@
+"""Medusa drafting of a batch's rows at once (a :class:`~headway.decode.batch_drafting.
+BatchDrafter` for :mod:`headway.decode.batch_decode`).
+
+:class:`~headway.drafters.medusa_drafter.MedusaDrafter` runs its heads on one state a step: with
+one per row, a batch of ``B`` rows reads every head's ``[V, H]`` output layer ``B`` times a step
+(SmolLM2: 113 MB a head in fp32) and the device ``B`` times. Here the heads run once on every
+row's state (``[B, H]``), each row's top-k candidates fill the drafter's static tree, and one
+transfer brings every row's tree to the host. Each row's tree is the one its own
+:class:`MedusaDrafter` proposes (the same heads, top-k and tree; ``tests/test_batch_medusa.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from headway.decode.batch_drafting import Tree, check_rows, last_of_rows
+from headway.drafters.medusa_drafter import MedusaDrafter
+
+__all__ = ["BatchMedusa"]
+
+
+class BatchMedusa:
+    """``drafter``'s heads and tree drafting ``batch`` rows at once (module docstring);
+    ``drafter`` itself is left as it is (its heads are shared)."""
+
+    def __init__(self, drafter: MedusaDrafter, batch: int) -> None:
+        if batch < 1:
+            raise ValueError(f"a batch holds at least one row, not {batch}")
+        self.drafter, self.batch = drafter, batch
+        self.hidden_layers = drafter.hidden_layers
+        self.max_nodes = drafter.max_nodes
+        self._states: Tensor | None = None  # [B, H]: the state that predicted each row's root
+
+    @property
+    def drafts(self) -> bool:
+        return True
+
+    def begin(self, prompts: Sequence[Tensor]) -> None:
+        """Forget every row's state."""
+        check_rows(prompts, self.batch)
+        self._states = None
+
+    @torch.inference_mode()
+    def observe(self, kept: Sequence[list[int]], states: tuple[Tensor, ...]) -> None:
+        """Keep, for each row that committed tokens, the state that predicted its last one
+        (``states[0]`` ``[B, L, H]``, row ``b``'s ``len(kept[b])``-th entry)."""
+        counts = torch.tensor([len(tokens) for tokens in kept], device=states[0].device)
+        self._states = last_of_rows(states[0], counts, self._states)  # [B, H]
+
+    @torch.inference_mode()
+    def propose(self, sequences: Sequence[list[int]], live: Sequence[bool]) -> list[Tree]:
+        """Every live row's static tree filled with its heads' top-k tokens, from one read of
+        the device; empty trees for the others."""
+        if self._states is None or not any(live):
+            return [([], []) for _ in live]
+        drafter, tree = self.drafter, self.drafter.tree
+        logits = drafter.head_logits(self._states)  # [depth, B, V]
+        top = logits.topk(tree.width, dim=-1).indices.transpose(0, 1)  # [B, depth, width]
+        candidates = drafter.to_target(top).cpu()  # the step's one read
+        trees: list[Tree] = []
+        for row, on in enumerate(live):
+            if not on:
+                trees.append(([], []))
+                continue
+            filled = tree.instantiate(candidates[row])
+            trees.append((filled.tokens.tolist(), filled.parents.tolist()))
+        return trees

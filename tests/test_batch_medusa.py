@@ -1,0 +1,70 @@
+"""Medusa drafting of a batch's rows at once (:mod:`headway.drafters.batch_medusa`): every row's
+tree is the one its own Medusa drafter proposes, step for step, so every row is its prompt's
+greedy output and accepts what it accepts decoded alone; drafting a step reads the device once
+for all rows (fp32, CPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from headway.decode.batch_decode import decode_batch
+from headway.drafters.batch_medusa import BatchMedusa
+from headway.drafters.medusa_drafter import MedusaDrafter
+from headway.eval.dispatch import DispatchCounter
+from headway.eval.dispatch_decoding import seeds_of
+from headway.heads.hidden_states import final_hidden_layer
+from headway.heads.medusa import MedusaConfig, MedusaHeads
+from tests.test_batch_eagle import NEW_TOKENS, _whole_trees, three_rows
+from tests.test_eagle3 import PROMPT, target_and_truth
+from tests.tiny import TINY_VOCAB
+
+CHOICES: dict[str, Any] = {"default": "default", "deep": [[0], [1], [0, 0], [0, 0, 0], [1, 0]]}
+
+
+def _drafters(model: Any, choices: Any, count: int) -> list[MedusaDrafter]:
+    """``count`` drafters over one set of random heads (sharpened, so some drafts land)."""
+    torch.manual_seed(1)
+    heads = MedusaHeads(MedusaConfig(3, 1, 32, TINY_VOCAB), model.lm_head.weight).eval()
+    layer = final_hidden_layer(model)
+    return [MedusaDrafter(heads, hidden_layer=layer, choices=choices) for _ in range(count)]
+
+
+@pytest.mark.parametrize("choices", sorted(CHOICES))
+def test_batch_medusa_proposes_each_rows_own_trees(
+    choices: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three rows of different lengths, one stopping early: the batch's trees are each row's
+    own drafter's, every step; every row is HF greedy's and accepts what it accepts alone."""
+    _whole_trees(monkeypatch)
+    model, _ = target_and_truth("llama")
+    rows = _drafters(model, CHOICES[choices], 4)
+    alone, together, _ = three_rows(model, rows[:3], BatchMedusa(rows[3], 3))
+    assert together.trees == alone.trees
+
+
+def test_medusa_drafting_a_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dispatch counter: each step's drafting of every row reads the device once."""
+    _whole_trees(monkeypatch)
+    model, _ = target_and_truth("llama")
+    prompts = [PROMPT, PROMPT[:4], PROMPT[2:]]
+    drafter = _drafters(model, "default", 1)[0]
+    batch = BatchMedusa(drafter, len(prompts))
+    reads: list[int] = []
+    propose = BatchMedusa.propose
+
+    def counted(self: BatchMedusa, sequences: Sequence[list[int]], live: Sequence[bool]) -> Any:
+        _, devices = seeds_of(self, 4, every_tensor=True)
+        assert self._states is not None  # the device's: the rows' states and the heads
+        counter = DispatchCounter([self._states, *drafter.heads.parameters()], devices)
+        with counter:
+            trees = propose(self, sequences, live)
+        reads.append(counter.counts.syncs)
+        return trees
+
+    monkeypatch.setattr(BatchMedusa, "propose", counted)
+    decode_batch(model, prompts, batch, max_new_tokens=NEW_TOKENS)
+    assert len(reads) > 3 and set(reads) == {1}, reads
