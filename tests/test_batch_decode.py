@@ -43,6 +43,7 @@ def test_every_row_is_its_prompts_own_greedy_output(
     from headway.decode import batch_decode
 
     monkeypatch.setattr(batch_decode.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 7)
+    monkeypatch.setattr(batch_decode, "PLAIN_EVERY", 10**9)  # every step drafts
     model = tiny_model(family)
     prompts = _prompts()
     drafters = [PromptLookupDrafter(), None, PromptLookupDrafter(), PromptLookupDrafter()]
@@ -121,6 +122,7 @@ def test_drafters_reading_the_target_states_draft_each_row(
         else:
             drafters.append(Eagle3Drafter(trained("llama"), TargetHead.of(model), **TREE))
     monkeypatch.setattr(batch_decode.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 15)
+    monkeypatch.setattr(batch_decode, "PLAIN_EVERY", 10**9)  # every step drafts
     rows = decode_batch(model, prompts, drafters, max_new_tokens=NEW_TOKENS)
     for index, (row, prompt, drafter) in enumerate(zip(rows, prompts, drafters, strict=True)):
         assert row.tokens == hf_greedy(model, prompt, NEW_TOKENS, eos=None), index
@@ -193,6 +195,7 @@ def test_sampled_rows_follow_the_target_distribution(monkeypatch: pytest.MonkeyP
     params = SamplingParams(temperature=1.0)
     first, second = exact_two_token_probs(model, params)
     monkeypatch.setattr(batch_decode.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 7)
+    monkeypatch.setattr(batch_decode, "PLAIN_EVERY", 10**9)  # every step drafts
     generator = torch.Generator().manual_seed(5)
     counts = torch.zeros(TINY_VOCAB * TINY_VOCAB)
     accepted = 0
@@ -287,6 +290,7 @@ def test_the_sizer_weighs_drafting_time_and_pauses_drafting_that_does_not_pay() 
     sizer = object.__new__(BatchSizer)
     sizer.seconds = [0.010, 0.011, 0.012, 0.014]  # blocks of 1, 2, 4, 8 entries a row
     sizer.accepted, sizer.drafted, sizer.pause, sizer.skipped = 3.0, 4.0, 0, 0
+    sizer.drafted_steps = 0
     chain = [[-1, 0, 1, 2, 3, 4]] * 4  # four rows, a six-deep chain each
     assert sizer.nodes(chain, drafting=0.001) == 7 and sizer.drafts()
     pauses = []
@@ -304,12 +308,15 @@ def test_the_sizer_follows_the_steps_it_times() -> None:
     """A table timed when big blocks were cheap: deep trees go; once steps of 4 and 8 entries
     are seen taking three times a plain step, and the plain step less than timed, the sizer
     sends smaller trees and then pauses drafting; a step over three times the table's figure
-    (a capture) is left out."""
+    (a capture) is left out; drafting steps in a row are broken by one plain step every
+    ``PLAIN_EVERY``, which keeps the plain step's figure timed."""
+    from headway.decode import batch_decode
     from headway.decode.batch_decode import BatchSizer
 
     sizer = object.__new__(BatchSizer)
     sizer.seconds = [0.010, 0.011, 0.012, 0.014]  # blocks of 1, 2, 4, 8 entries a row
     sizer.accepted, sizer.drafted, sizer.pause, sizer.skipped = 2.0, 4.0, 0, 0
+    sizer.drafted_steps = 0
     chain = [[-1, 0, 1, 2, 3, 4]] * 4  # four rows, a six-deep chain each
     assert sizer.nodes(chain) == 7
     sizer.timed(8, 1.0)  # a capture: left out
@@ -325,3 +332,11 @@ def test_the_sizer_follows_the_steps_it_times() -> None:
     for _ in range(30):
         sizer.timed(2, 0.020)
     assert sizer.nodes(chain, drafting=0.001) == 0 and not sizer.drafts()  # paused
+    sizer.pause = 0
+    plain = [not sizer.drafts() for _ in range(3 * (batch_decode.PLAIN_EVERY + 1))]
+    every = batch_decode.PLAIN_EVERY  # one step in PLAIN_EVERY + 1 times a plain step
+    assert [i for i, skipped in enumerate(plain) if skipped] == [
+        every,
+        2 * every + 1,
+        3 * every + 2,
+    ]

@@ -86,10 +86,12 @@ class RankedRows(RowDrafters):
 
 
 def _whole_trees(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every step sends every row's whole tree (no sizing by this machine's timings)."""
+    """Every step sends every row's whole tree (no sizing by this machine's timings, no plain
+    step to time)."""
     monkeypatch.setattr(
         batch_decode.BatchSizer, "nodes", lambda self, parents, drafting=0.0: self.steps.max_depth
     )
+    monkeypatch.setattr(batch_decode, "PLAIN_EVERY", 10**9)
 
 
 def _drafters(kind: str, model: Any, shape: str, count: int) -> tuple[list[Any], EagleDrafter]:

@@ -173,6 +173,13 @@ def _decode(
     return results
 
 
+PLAIN_EVERY = 32
+"""Drafted steps in a row after which :class:`BatchSizer` times one step without drafts."""
+
+WEIGHT = 0.3
+"""The weight of a step just timed in :class:`BatchSizer`'s running mean of its size."""
+
+
 class BatchSizer:
     """The block size of a batch's steps (module docstring): ``seconds[i]``, what a step of
     ``2^i`` entries a row takes on ``steps``' rows, timed once per machine, model shapes, GEMM
@@ -197,14 +204,22 @@ class BatchSizer:
         self.accepted, self.drafted = 1.0, 2.0  # a prior: half of what is drafted
         self.pause = 0  # steps left without drafting (drafting did not pay when last weighed)
         self.skipped = 0  # the pause drafting takes next time it does not pay (doubles)
+        self.drafted_steps = 0  # steps drafted since the last plain one
 
     def drafts(self) -> bool:
         """Whether this step's rows draft: not while a pause runs (drafting was weighed and
         did not pay), so the drafters' cost is not paid either; afterwards they draft again
-        and the step is weighed anew."""
+        and the step is weighed anew. After :data:`PLAIN_EVERY` drafted steps in a row, one
+        step goes without drafts, so that the plain step's figure, which every decision is
+        weighed against, follows the machine too (:meth:`timed`)."""
         if self.pause > 0:
             self.pause -= 1
+            self.drafted_steps = 0
             return False
+        if self.drafted_steps >= PLAIN_EVERY:
+            self.drafted_steps = 0
+            return False
+        self.drafted_steps += 1
         return True
 
     def _time(self, size: int) -> float:
@@ -241,14 +256,14 @@ class BatchSizer:
 
     def timed(self, size: int, seconds: float) -> None:
         """A step of ``size`` entries a row took ``seconds`` (its host read included): the
-        table follows what steps take now, a running mean with a fifth of its weight on the
-        newest step (a table timed once, or when the machine was busier, misjudges every
+        table follows what steps take now, a running mean with :data:`WEIGHT` on the newest
+        step (a table timed once, or when the machine was busier, misjudges every
         step after: on a 2-core EPYC a 4-row step was timed at 28.8 ms and then took 24.4).
         A step over three times the table's figure is left out (a CUDA graph's capture)."""
         index = size.bit_length() - 1
         current = self.seconds[index]
         if seconds <= 3 * current:
-            self.seconds[index] = 0.8 * current + 0.2 * seconds
+            self.seconds[index] = (1 - WEIGHT) * current + WEIGHT * seconds
 
     def learn(self, depth: int, accepted: int) -> None:
         """A row's tree of ``depth`` had ``accepted`` of its nodes accepted."""
