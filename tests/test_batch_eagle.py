@@ -41,6 +41,7 @@ class Recording:
         self.inner = inner
         self.hidden_layers, self.max_nodes = inner.hidden_layers, inner.max_nodes
         self.trees: list[list[Tree]] = []
+        self.kept: list[list[int]] = []  # the rows kept each time rows left the batch
 
     @property
     def drafts(self) -> bool:
@@ -56,6 +57,10 @@ class Recording:
         trees = self.inner.propose(sequences, live)
         self.trees.append(trees)
         return trees
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        self.inner.keep_rows(rows)
+        self.kept.append(list(rows))
 
 
 def _paths(tree: Tree) -> list[tuple[int, ...]]:
@@ -158,6 +163,7 @@ def three_rows(
         )
         assert row.accept_lengths == single.accept_lengths, index
     assert runs[1][1].stop_reason == "stop_sequence"
+    assert together.kept == alone.kept != []  # rows that finished left the batch
     assert [len(row.tokens) for row in runs[1]] == [NEW_TOKENS, 10, NEW_TOKENS]
     return alone, together, runs[1]
 

@@ -136,6 +136,35 @@ def test_a_step_reads_the_device_once_and_its_body_is_device_work_only(
     assert counter.counts.graph_faults == {}
 
 
+def test_rows_leaving_the_batch_leave_the_others_as_they_were() -> None:
+    """Three rows step together; then the batch keeps rows 2 and 0 (in that order) and they go
+    on to their own greedy outputs over a cache of two rows."""
+    model = tiny_model("llama")
+    prompts = _prompts((7, 3, 12))
+    truths = [hf_greedy(model, p, 24 + DEPTH + 1, eos=None) for p in prompts]
+    forward = StaticForward(model, batch=3)
+    step = BatchVerify(forward, max_depth=DEPTH)
+    rng = random.Random(1)
+    with torch.no_grad():
+        generated = [[int(root)] for root in step.prefill(prompts).tolist()]
+        turn = 0
+        while turn < 4 or min(len(row) for row in generated) < 24:
+            turn += 1
+            if turn == 5:
+                step.keep_rows([2, 0])
+                generated, truths = [generated[2], generated[0]], [truths[2], truths[0]]
+            trees = [_tree(t, len(row), rng) for t, row in zip(truths, generated, strict=True)]
+            committed = step.step(
+                torch.tensor([row[-1] for row in generated]),
+                torch.tensor([tokens for tokens, _ in trees]),
+                torch.tensor([parents for _, parents in trees]),
+            )
+            for row, tokens in zip(generated, committed, strict=True):
+                row += tokens
+    assert forward.cache.batch == step.batch == 2 and step.lengths.shape == (2,)
+    assert [row[:24] for row in generated] == [truth[:24] for truth in truths]
+
+
 def test_a_row_left_inactive_commits_nothing() -> None:
     """A finished row steps on beside the others without advancing: its length stays."""
     model = tiny_model("llama")

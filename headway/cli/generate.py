@@ -68,7 +68,7 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         "tree (on a GPU several prompts cost about what one does; on a CPU the forward's work "
         "grows with the batch). Drafters: prompt-lookup (the default here: it costs nothing "
         "to draft, and on a 2-core CPU the shipped EAGLE-3 drafter made a batch of 8 slower "
-        "than no drafter, 101 against 106-119 tokens/s), retrieval, none, or --heads DIR (a "
+        "than no drafter, 108 against 119 tokens/s), retrieval, none, or --heads DIR (a "
         "trained drafter, e.g. the shipped drafters/smollm2-135m-eagle3: an EAGLE drafter "
         "drafts every prompt's tree at once, the others draft one prompt at a time); each "
         "output is the target's greedy output for that prompt alone (or, sampling, follows "

@@ -117,7 +117,7 @@ def _decode(
     generator: torch.Generator | None,
 ) -> list[GenerationResult]:
     model = steps.target.model
-    rows = [_Row() for _ in prompts]
+    rows = everyone = [_Row() for _ in prompts]
     ids = [prompt.tolist() for prompt in prompts]
     drafting.begin(prompts)
     on_device = [prompt.to(model.device) for prompt in prompts]
@@ -165,8 +165,15 @@ def _decode(
             kept.append(tokens_kept if row.stop_reason is None else [])
         if drafting.drafts:
             drafting.observe(kept, steps.hidden)
+        going = [index for index, row in enumerate(rows) if row.stop_reason is None]
+        if going and len(rows) - len(going) >= -(-len(rows) // 4):  # a quarter has finished
+            steps.keep_rows(going)  # finished rows leave: a step's work is the live rows'
+            drafting.keep_rows(going)
+            if sizer is not None:
+                sizer.resize(len(rows), len(going))
+            rows, ids = [rows[index] for index in going], [ids[index] for index in going]
     results = []
-    for row in rows:
+    for row in everyone:
         assert row.stop_reason is not None  # the loop ends once every row has stopped
         forwards = len(row.accept_lengths)
         results.append(GenerationResult(row.tokens, row.accept_lengths, forwards, row.stop_reason))
@@ -264,6 +271,12 @@ class BatchSizer:
         current = self.seconds[index]
         if seconds <= 3 * current:
             self.seconds[index] = (1 - WEIGHT) * current + WEIGHT * seconds
+
+    def resize(self, old: int, new: int) -> None:
+        """The batch went from ``old`` rows to ``new``: every size's figure scaled by
+        ``new / old`` (a CPU's steps cost about what their rows do; the ratios between sizes,
+        which the choices weigh, are kept), then followed as the new steps are timed."""
+        self.seconds = [seconds * new / old for seconds in self.seconds]
 
     def learn(self, depth: int, accepted: int) -> None:
         """A row's tree of ``depth`` had ``accepted`` of its nodes accepted."""

@@ -59,6 +59,9 @@ class BatchDrafter(Protocol):
         empty for rows not ``live``."""
         ...
 
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Go on with the rows ``rows`` (indices into the batch, in their order) alone."""
+
 
 class RowDrafters:
     """One drafter per row (None: that row does not draft) as a :class:`BatchDrafter`.
@@ -95,6 +98,9 @@ class RowDrafters:
             if drafter is not None and tokens:
                 row = tuple(layer[index, : len(tokens)] for layer in states)  # [k, H] each
                 drafter.observe(torch.tensor(tokens), row)
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        self.rows = [self.rows[row] for row in rows]
 
     def propose(self, sequences: Sequence[list[int]], live: Sequence[bool]) -> list[Tree]:
         trees: list[Tree] = []

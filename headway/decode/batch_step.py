@@ -17,9 +17,9 @@ the same functions over a leading batch dimension (:mod:`headway.decode.device_t
 then one host read for all rows (the committed tokens). Shapes depend only on ``B`` and ``n``,
 so on CUDA the step is captured as one graph per tree size and replayed; off CUDA it runs
 uncaptured. A row that has finished keeps stepping (its tokens are ignored) until its caller
-refills or drops the batch. Rows' outputs are each row's own greedy output, as transformers
-decodes that prompt alone (``tests/test_batch_step.py``, fp32); sampled, each row's tokens
-follow the target's distribution (``tests/test_batch_decode.py``).
+drops it (:meth:`BatchVerify.keep_rows`). Rows' outputs are each row's own greedy output, as
+transformers decodes that prompt alone (``tests/test_batch_step.py``, fp32); sampled, each
+row's tokens follow the target's distribution (``tests/test_batch_decode.py``).
 
 Not yet: targets with sliding or chunked layers (their masks need a host check a step).
 """
@@ -167,6 +167,20 @@ class BatchVerify:
         self._known = [length + count for length, count in zip(self._known, moved, strict=True)]
         target.cache.length = max(self._known)  # what transformers reads; masks say the rest
         return [host[row, 1 : 1 + count].tolist() for row, count in enumerate(counts)]
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Go on with the rows ``rows`` (indices into the batch, in their order) alone: their
+        keys/values, lengths and states kept, the others' dropped, so that a step's work is
+        theirs only (on a CPU a step's time grows with its rows); every step's buffers and
+        graph are made again for the smaller batch."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.lengths.device)
+        target = self.target
+        target.cache = target.cache.kept_rows(index)
+        self.batch = len(rows)
+        self.lengths = self.lengths.index_select(0, index)
+        self._known = [self._known[row] for row in rows]
+        self.hidden = tuple(states.index_select(0, index) for states in self.hidden)
+        self._plans.clear()
 
     def _plan(self, nodes: int, sampling: SamplingParams) -> _Plan:
         if any(plan.cache is not self.target.cache for plan in self._plans.values()):

@@ -18,8 +18,9 @@ step's tree layout and acceptance (:mod:`headway.decode.device_tree`) take trees
 each row what it gives alone; :class:`~headway.decode.batch_step.BatchVerify` takes
 steps for ``B`` rows with them (one host read a step for all rows), greedy or sampled, and
 :class:`~headway.drafters.batch_eagle.BatchEagle` keeps an EAGLE draft layer's keys/values for
-``B`` rows in one. What remains is a finished row stepping on padding until the batch refills
-it (as :mod:`headway.generation.batched_generation` does with its ragged cache).
+``B`` rows in one; finished rows leave a batch (:meth:`StaticCache.kept_rows`). What remains is
+refilling a batch with new prompts as rows finish (as
+:mod:`headway.generation.batched_generation` does with its ragged cache).
 """
 
 from __future__ import annotations
@@ -133,6 +134,11 @@ class StaticCache(DynamicCache):
                 assert buffer is not None
                 _move(buffer, 2, source, target)
 
+    def kept_rows(self, index: Tensor) -> StaticCache:
+        """A cache of the rows ``index`` (device indices, in their order) of this one, every
+        column of theirs copied; this one's buffers are left as they are."""
+        return _rows_of(self, index)
+
     def grown(self, capacity: int, keep: int) -> StaticCache:
         """A cache of ``capacity`` columns holding this one's first ``keep`` columns (and its
         ``length``); this one's buffers are left as they are."""
@@ -145,6 +151,19 @@ class StaticCache(DynamicCache):
                 target.keys[:, :, :keep] = source.keys[:, :, :keep]
                 target.values[:, :, :keep] = source.values[:, :, :keep]
         return new
+
+
+def _rows_of(cache: StaticCache, index: Tensor) -> StaticCache:
+    """:meth:`StaticCache.kept_rows`."""
+    new = StaticCache(len(cache.layers), cache.capacity, cache.columns.device, index.numel())
+    new.length = cache.length
+    for source, target in zip(cache.layers, new.layers, strict=True):
+        if source.is_initialized:
+            keys, values = source.keys.index_select(0, index), source.values.index_select(0, index)
+            target.lazy_initialization(keys, values)
+            target.keys.copy_(keys)
+            target.values.copy_(values)
+    return new
 
 
 def _per_row(index: Tensor, buffer: Tensor, dim: int) -> Tensor:

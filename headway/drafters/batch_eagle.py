@@ -108,6 +108,16 @@ class BatchEagle:
         self._committed += count
         self._known = [known + added for known, added in zip(self._known, counts, strict=True)]
 
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Go on with the rows ``rows`` (indices, in their order) alone."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self._device)
+        self._cache = self._cache.kept_rows(index)
+        self.batch = len(rows)
+        self._known = [self._known[row] for row in rows]
+        self._committed = self._committed.index_select(0, index)
+        if self._roots is not None:
+            self._roots = self._roots.index_select(0, index)
+
     def _reserve(self, columns: int) -> None:
         """Hold at least ``columns`` columns a row (grown to the next power of two)."""
         if columns <= self._cache.capacity:

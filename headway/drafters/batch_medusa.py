@@ -50,6 +50,13 @@ class BatchMedusa:
         counts = torch.tensor([len(tokens) for tokens in kept], device=states[0].device)
         self._states = last_of_rows(states[0], counts, self._states)  # [B, H]
 
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Go on with the rows ``rows`` (indices, in their order) alone."""
+        self.batch = len(rows)
+        if self._states is not None:
+            index = torch.tensor(list(rows), dtype=torch.long, device=self._states.device)
+            self._states = self._states.index_select(0, index)
+
     @torch.inference_mode()
     def propose(self, sequences: Sequence[list[int]], live: Sequence[bool]) -> list[Tree]:
         """Every live row's static tree filled with its heads' top-k tokens, from one read of
