@@ -197,9 +197,11 @@ def generate_batch(
     seed: int = 0,
     chat: bool = True,
     stop: Sequence[str] = (),
+    batch_size: int | None = None,
 ) -> list[Generation]:
-    """Decode ``prompts`` together: every step verifies one draft tree per prompt in one forward
-    over one static cache and reads the device once for all of them
+    """Decode ``prompts`` together, at most ``batch_size`` at once (default: all; the
+    others take finished prompts' places as they finish): every step verifies one draft tree
+    per prompt in one forward over one static cache and reads the device once for all of them
     (:mod:`headway.decode.batch_decode`); at temperature 0 each output is the target's greedy
     output for its prompt alone (exactly, in fp32), sampled each follows the target's
     distribution (one generator seeded with ``seed`` draws for every row); a row stops right
@@ -223,7 +225,8 @@ def generate_batch(
     model = target.model
     check_tree_mask(model)
     ids = [prompt_ids(target, prompt, chat=chat) for prompt in prompts]
-    drafters, give_back = _batch_drafting(target, drafter, heads, draft_options, len(prompts))
+    rows = min(len(prompts), batch_size or len(prompts))
+    drafters, give_back = _batch_drafting(target, drafter, heads, draft_options, rows)
     start = time.perf_counter()
     results = decode_batch(
         model,
@@ -234,6 +237,7 @@ def generate_batch(
         stop_check=_stop_strings(target, stop) if stop else None,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         generator=torch.Generator(device=model.device).manual_seed(seed),
+        max_batch=batch_size,
     )
     seconds = time.perf_counter() - start  # every row's tokens/s over the batch's time
     give_back()

@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "prompt-lookup, retrieval, default (the drafter shipped for the target: for SmolLM2 "
         "the EAGLE-3 drafter, drafting every row's tree at once), none",
     )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="also measure each drafter at most N prompts at once, the others joining as "
+        "rows finish (headway.generate_batch's batch_size)",
+    )
     parser.add_argument("--out", type=Path, help="folder for batch_speed.md")
     return parser.parse_args(argv)
 
@@ -111,11 +117,13 @@ def headway_one_at_a_time(drafter: str | None) -> Callable[[Target, list[EvalPro
     return run
 
 
-def headway_batched(drafter: str | None) -> Callable[[Target, list[EvalPrompt], int], Row]:
+def headway_batched(
+    drafter: str | None, batch_size: int | None = None
+) -> Callable[[Target, list[EvalPrompt], int], Row]:
     def run(target: Target, texts: list[EvalPrompt], new: int) -> Row:
         results = headway.generate_batch(
             target, [t.text for t in texts], drafter=drafter, max_new_tokens=new,
-            chat=texts[0].chat,
+            chat=texts[0].chat, batch_size=batch_size,
         )  # fmt: skip
         return [r.token_ids for r in results], [n for r in results for n in r.accept_lengths[1:]]
 
@@ -125,7 +133,7 @@ def headway_batched(drafter: str | None) -> Callable[[Target, list[EvalPrompt], 
 Way = Callable[[Target, list[EvalPrompt], int], Row]
 
 
-def ways(drafters: list[str]) -> dict[str, Way]:
+def ways(drafters: list[str], batch_size: int | None = None) -> dict[str, Way]:
     """HF's two ways, then each headway drafter (``none``: no drafter) one prompt at a time and
     as one batch."""
     table: dict[str, Way] = {
@@ -140,6 +148,9 @@ def ways(drafters: list[str]) -> dict[str, Way]:
         drafter = None if name == "none" else name
         label = "no drafter" if drafter is None else name
         table[f"headway {label}, one batch"] = headway_batched(drafter)
+        if batch_size is not None:
+            rows = f"batches of {batch_size}, refilled"
+            table[f"headway {label}, {rows}"] = headway_batched(drafter, batch_size)
     return table
 
 
@@ -148,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     target = headway.load_target(args.target, dtype=args.dtype, device=args.device)
     texts = load_prompts(args.prompts, limit=args.num_prompts)  # HumanEval's: raw code
     new = args.max_new_tokens
-    table = ways(args.drafters)
+    table = ways(args.drafters, args.batch_size)
     for way in table.values():  # warm-up: timings (the batch's step costs), routes, the probe
         way(target, texts, 4)
     seconds = dict.fromkeys(table, 0.0)

@@ -40,10 +40,10 @@ def test_every_row_is_its_prompts_own_greedy_output(
     """Prompt lookup for two rows, none for the others: every row equals transformers' greedy
     decoding of its prompt alone, and lookup's accepted drafts commit several tokens a step
     (every step sends the trees whole: what the sizer sends follows the machine's timings)."""
-    from headway.decode import batch_decode
+    from headway.decode import batch_sizer
 
-    monkeypatch.setattr(batch_decode.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 7)
-    monkeypatch.setattr(batch_decode, "PLAIN_EVERY", 10**9)  # every step drafts
+    monkeypatch.setattr(batch_sizer.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 7)
+    monkeypatch.setattr(batch_sizer, "PLAIN_EVERY", 10**9)  # every step drafts
     model = tiny_model(family)
     prompts = _prompts()
     drafters = [PromptLookupDrafter(), None, PromptLookupDrafter(), PromptLookupDrafter()]
@@ -53,6 +53,27 @@ def test_every_row_is_its_prompts_own_greedy_output(
         assert row.stop_reason == "max_new_tokens" and sum(row.accept_lengths) == NEW_TOKENS
     assert rows[1].accept_lengths == [1] * NEW_TOKENS  # no drafter: one token a forward
     assert max(max(row.accept_lengths) for row in rows) > 1
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 3])
+def test_prompts_past_max_batch_take_finished_rows_places(max_batch: int) -> None:
+    """Eight prompts through a batch of at most ``max_batch`` rows (prompt lookup in each,
+    rows stopping at EOS or ``max_new_tokens`` at different steps): the waiting prompts join
+    as rows finish, each output transformers' greedy output for its prompt alone; with one
+    row, every prompt joins a batch whose rows have all finished."""
+    model = tiny_model("llama")
+    prompts = [*_prompts(), *(prompt[:2] for prompt in _prompts())]
+    truths = [hf_greedy(model, prompt, NEW_TOKENS, eos=None) for prompt in prompts]
+    eos = truths[0][5]
+    drafters = [PromptLookupDrafter() for _ in range(max_batch)]
+    rows = decode_batch(
+        model, prompts, drafters, max_new_tokens=NEW_TOKENS, eos_token_ids=[eos],
+        max_batch=max_batch,
+    )  # fmt: skip
+    for index, (row, truth) in enumerate(zip(rows, truths, strict=True)):
+        cut = truth.index(eos) + 1 if eos in truth else NEW_TOKENS
+        assert row.tokens == truth[:cut], index
+    assert {row.stop_reason for row in rows} == {"eos", "max_new_tokens"}
 
 
 def test_a_row_stopping_at_eos_leaves_the_others_going() -> None:
@@ -102,7 +123,7 @@ def test_drafters_reading_the_target_states_draft_each_row(
     """Medusa heads (random) and a fitted EAGLE-3 draft model, one drafter per row over the
     states the batched steps leave for that row: every row is its prompt's own greedy output,
     and EAGLE-3's drafts are accepted (every step sends the whole tree)."""
-    from headway.decode import batch_decode
+    from headway.decode import batch_sizer
     from headway.decode.generate import generate
     from headway.drafters.eagle3_drafter import Eagle3Drafter
     from headway.drafters.medusa_drafter import MedusaDrafter
@@ -121,8 +142,8 @@ def test_drafters_reading_the_target_states_draft_each_row(
             drafters.append(MedusaDrafter(heads.eval(), hidden_layer=final_hidden_layer(model)))
         else:
             drafters.append(Eagle3Drafter(trained("llama"), TargetHead.of(model), **TREE))
-    monkeypatch.setattr(batch_decode.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 15)
-    monkeypatch.setattr(batch_decode, "PLAIN_EVERY", 10**9)  # every step drafts
+    monkeypatch.setattr(batch_sizer.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 15)
+    monkeypatch.setattr(batch_sizer, "PLAIN_EVERY", 10**9)  # every step drafts
     rows = decode_batch(model, prompts, drafters, max_new_tokens=NEW_TOKENS)
     for index, (row, prompt, drafter) in enumerate(zip(rows, prompts, drafters, strict=True)):
         assert row.tokens == hf_greedy(model, prompt, NEW_TOKENS, eos=None), index
@@ -161,6 +182,11 @@ def test_headway_generate_batch_prints_what_one_prompt_at_a_time_does(
     alone = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["token_ids"] for r in batched] == [r["token_ids"] for r in alone]
     assert [r["prompt"] for r in batched] == prompts
+    assert main([*common, "--batch", "--batch-size", "2"]) == 0  # the third joins later
+    two = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["token_ids"] for r in two] == [r["token_ids"] for r in alone]
+    assert main([*common, "--batch-size", "2"]) == 2  # without --batch: refused
+    assert "add --batch" in capsys.readouterr().err
     texts = [r["text"] for r in alone]  # stop strings from inside two rows' own answers
     stop = ["--stop", texts[1][5:7], "--stop", texts[2][6:8]]
     assert main([*common, "--batch", *stop]) == 0
@@ -185,7 +211,7 @@ def test_sampled_rows_follow_the_target_distribution(monkeypatch: pytest.MonkeyP
     the target's own second-token table drafted below the first token (every step sends the
     whole tree, padding included): each row's first two tokens follow the target's exact
     two-token distribution, and drafts are accepted."""
-    from headway.decode import batch_decode
+    from headway.decode import batch_sizer
     from headway.decode.sampling import SamplingParams
     from tests.test_eagle3 import tiny4
     from tests.test_generate import PROMPT, TableDrafter, chi_square, exact_two_token_probs
@@ -194,8 +220,8 @@ def test_sampled_rows_follow_the_target_distribution(monkeypatch: pytest.MonkeyP
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 5.0)
     params = SamplingParams(temperature=1.0)
     first, second = exact_two_token_probs(model, params)
-    monkeypatch.setattr(batch_decode.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 7)
-    monkeypatch.setattr(batch_decode, "PLAIN_EVERY", 10**9)  # every step drafts
+    monkeypatch.setattr(batch_sizer.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 7)
+    monkeypatch.setattr(batch_sizer, "PLAIN_EVERY", 10**9)  # every step drafts
     generator = torch.Generator().manual_seed(5)
     counts = torch.zeros(TINY_VOCAB * TINY_VOCAB)
     accepted = 0
@@ -285,7 +311,7 @@ def test_the_sizer_weighs_drafting_time_and_pauses_drafting_that_does_not_pay() 
     drafting that costs more than it brings (the trees drafted are still sent: their cost is
     paid) is skipped for 1, then 2, 4 ... steps, and a step where it wins again ends the
     pauses."""
-    from headway.decode.batch_decode import BatchSizer
+    from headway.decode.batch_sizer import BatchSizer
 
     sizer = object.__new__(BatchSizer)
     sizer.seconds = [0.010, 0.011, 0.012, 0.014]  # blocks of 1, 2, 4, 8 entries a row
@@ -310,8 +336,8 @@ def test_the_sizer_follows_the_steps_it_times() -> None:
     sends smaller trees and then pauses drafting; a step over three times the table's figure
     (a capture) is left out; drafting steps in a row are broken by one plain step every
     ``PLAIN_EVERY``, which keeps the plain step's figure timed."""
-    from headway.decode import batch_decode
-    from headway.decode.batch_decode import BatchSizer
+    from headway.decode import batch_sizer
+    from headway.decode.batch_sizer import BatchSizer
 
     sizer = object.__new__(BatchSizer)
     sizer.seconds = [0.010, 0.011, 0.012, 0.014]  # blocks of 1, 2, 4, 8 entries a row
@@ -333,8 +359,8 @@ def test_the_sizer_follows_the_steps_it_times() -> None:
         sizer.timed(2, 0.020)
     assert sizer.nodes(chain, drafting=0.001) == 0 and not sizer.drafts()  # paused
     sizer.pause = 0
-    plain = [not sizer.drafts() for _ in range(3 * (batch_decode.PLAIN_EVERY + 1))]
-    every = batch_decode.PLAIN_EVERY  # one step in PLAIN_EVERY + 1 times a plain step
+    plain = [not sizer.drafts() for _ in range(3 * (batch_sizer.PLAIN_EVERY + 1))]
+    every = batch_sizer.PLAIN_EVERY  # one step in PLAIN_EVERY + 1 times a plain step
     assert [i for i, skipped in enumerate(plain) if skipped] == [
         every,
         2 * every + 1,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from headway.decode import batch_decode
+from headway.decode import batch_sizer
 from headway.decode.batch_decode import decode_batch
 from headway.decode.batch_drafting import BatchDrafter, RowDrafters, Tree
 from headway.decode.captured import MIN_CAPACITY
@@ -42,6 +42,7 @@ class Recording:
         self.hidden_layers, self.max_nodes = inner.hidden_layers, inner.max_nodes
         self.trees: list[list[Tree]] = []
         self.kept: list[list[int]] = []  # the rows kept each time rows left the batch
+        self.added: list[int] = []  # how many rows each time rows joined it
 
     @property
     def drafts(self) -> bool:
@@ -61,6 +62,10 @@ class Recording:
     def keep_rows(self, rows: Sequence[int]) -> None:
         self.inner.keep_rows(rows)
         self.kept.append(list(rows))
+
+    def add_rows(self, prompts: Sequence[Tensor]) -> None:
+        self.inner.add_rows(prompts)
+        self.added.append(len(prompts))
 
 
 def _paths(tree: Tree) -> list[tuple[int, ...]]:
@@ -94,9 +99,9 @@ def _whole_trees(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every step sends every row's whole tree (no sizing by this machine's timings, no plain
     step to time)."""
     monkeypatch.setattr(
-        batch_decode.BatchSizer, "nodes", lambda self, parents, drafting=0.0: self.steps.max_depth
+        batch_sizer.BatchSizer, "nodes", lambda self, parents, drafting=0.0: self.steps.max_depth
     )
-    monkeypatch.setattr(batch_decode, "PLAIN_EVERY", 10**9)
+    monkeypatch.setattr(batch_sizer, "PLAIN_EVERY", 10**9)
 
 
 def _drafters(kind: str, model: Any, shape: str, count: int) -> tuple[list[Any], EagleDrafter]:

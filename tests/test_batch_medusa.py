@@ -12,14 +12,27 @@ import pytest
 import torch
 
 from headway.decode.batch_decode import decode_batch
+from headway.decode.batch_drafting import RowDrafters
+from headway.decode.generate import generate
+from headway.drafters.batch_eagle import BatchEagle
 from headway.drafters.batch_medusa import BatchMedusa
 from headway.drafters.medusa_drafter import MedusaDrafter
 from headway.eval.dispatch import DispatchCounter
 from headway.eval.dispatch_decoding import seeds_of
 from headway.heads.hidden_states import final_hidden_layer
 from headway.heads.medusa import MedusaConfig, MedusaHeads
-from tests.test_batch_eagle import NEW_TOKENS, _whole_trees, three_rows
+from tests.test_batch_eagle import (
+    NEW_TOKENS,
+    PROMPTS,
+    Recording,
+    _paths,
+    _stop,
+    _whole_trees,
+    three_rows,
+)
+from tests.test_batch_eagle import _drafters as eagle_drafters
 from tests.test_eagle3 import PROMPT, target_and_truth
+from tests.test_generate import hf_greedy
 from tests.tiny import TINY_VOCAB
 
 CHOICES: dict[str, Any] = {"default": "default", "deep": [[0], [1], [0, 0], [0, 0, 0], [1, 0]]}
@@ -68,3 +81,42 @@ def test_medusa_drafting_a_step_reads_the_device_once(monkeypatch: pytest.Monkey
     monkeypatch.setattr(BatchMedusa, "propose", counted)
     decode_batch(model, prompts, batch, max_new_tokens=NEW_TOKENS)
     assert len(reads) > 3 and set(reads) == {1}, reads
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_rows_joining_a_batch_draft_as_they_would_alone(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five prompts through a batch of two rows (one stopping at its 10th token): the drafting
+    of all rows at once (EAGLE-3, Medusa) takes the waiting prompts in as rows finish and
+    proposes what one drafter per row proposes; every output is HF greedy's and accepts what
+    it accepts decoded alone."""
+    _whole_trees(monkeypatch)
+    model, _ = target_and_truth("llama")
+    prompts = [*PROMPTS, PROMPT[2:], PROMPT[:6]]
+    if kind == "medusa":
+        drafters: list[Any] = list(_drafters(model, "default", 3))
+        batch: Any = BatchMedusa(drafters[2], 2)
+    else:
+        drafters, one = eagle_drafters("trained", model, "tree", 2)
+        batch = BatchEagle(one, 2)
+    alone, together = Recording(RowDrafters(drafters[:2])), Recording(batch)
+    stop = _stop(model)
+    runs = [
+        decode_batch(
+            model, prompts, drafting, max_new_tokens=NEW_TOKENS, stop_check=stop, max_batch=2
+        )
+        for drafting in (alone, together)
+    ]
+    assert sum(together.added) == 3 and together.added == alone.added
+    assert [[_paths(t) for t in step] for step in together.trees] == [
+        [_paths(t) for t in step] for step in alone.trees
+    ]
+    for index, (row, prompt) in enumerate(zip(runs[1], prompts, strict=True)):
+        assert row.tokens == hf_greedy(model, prompt, len(row.tokens), eos=None), index
+        assert row.accept_lengths == runs[0][index].accept_lengths, index
+        single = generate(
+            model, prompt, drafter=drafters[0], max_new_tokens=NEW_TOKENS, eos_token_ids=(),
+            stop_check=stop,
+        )  # fmt: skip
+        assert row.accept_lengths == single.accept_lengths, index

@@ -165,6 +165,38 @@ def test_rows_leaving_the_batch_leave_the_others_as_they_were() -> None:
     assert [row[:24] for row in generated] == [truth[:24] for truth in truths]
 
 
+def test_a_long_prompt_joining_the_batch_grows_its_cache() -> None:
+    """Two short rows step; a 240-token prompt joins as a third row (its prefill past the
+    smallest cache's capacity): the cache grows with every row's columns kept, and all three
+    go on to their own greedy outputs."""
+    config = tiny_config("llama")
+    config.max_position_embeddings = 600
+    torch.manual_seed(0)
+    model = type(tiny_model("llama"))(config).eval()
+    prompts = _prompts((5, 9, 240))
+    truths = [hf_greedy(model, p, 24 + DEPTH + 1, eos=None) for p in prompts]
+    forward = StaticForward(model, batch=2)
+    step = BatchVerify(forward, max_depth=DEPTH)
+    rng = random.Random(2)
+    with torch.no_grad():
+        generated = [[int(root)] for root in step.prefill(prompts[:2]).tolist()]
+        turn = 0
+        while turn < 3 or min(len(row) for row in generated) < 24:
+            turn += 1
+            if turn == 3:
+                generated.append([int(step.add_rows(prompts[2:])[0])])
+            trees = [_tree(t, len(row), rng) for t, row in zip(truths, generated, strict=False)]
+            committed = step.step(
+                torch.tensor([row[-1] for row in generated]),
+                torch.tensor([tokens for tokens, _ in trees]),
+                torch.tensor([parents for _, parents in trees]),
+            )
+            for row, tokens in zip(generated, committed, strict=True):
+                row += tokens
+    assert forward.cache.capacity > MIN_CAPACITY and forward.cache.batch == step.batch == 3
+    assert [row[:24] for row in generated] == [truth[:24] for truth in truths]
+
+
 def test_a_row_left_inactive_commits_nothing() -> None:
     """A finished row steps on beside the others without advancing: its length stays."""
     model = tiny_model("llama")

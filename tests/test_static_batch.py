@@ -186,8 +186,8 @@ def test_a_forward_of_another_batch_is_refused() -> None:
     cache = StaticCache(1, 8, torch.device("cpu"), batch=2)
     with pytest.raises(ValueError, match="batch 1 over a static cache of 2 rows"):
         cache.layers[0].update(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
-    with pytest.raises(ValueError, match="at least one row"):
-        StaticCache(1, 8, torch.device("cpu"), batch=0)
+    with pytest.raises(ValueError, match="no negative number of rows"):
+        StaticCache(1, 8, torch.device("cpu"), batch=-1)
 
 
 @pytest.mark.parametrize("nodes", [0, 1, 6, 11])

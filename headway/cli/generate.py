@@ -22,6 +22,7 @@ from headway.cli.common import (
     target_from_flags,
 )
 from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, text
+from headway.errors import ConfigError
 
 if TYPE_CHECKING:
     from headway.api import Generation
@@ -76,6 +77,13 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         "--sizing, --verify, --chain and --acceptance do not apply (the batch sizes its own "
         "trees over a static cache, lossless)",
     )
+    parser.add_argument(
+        "--batch-size",
+        type=POSITIVE,
+        metavar="N",
+        help="with --batch: decode at most N prompts at once, the others taking finished "
+        "prompts' places as they finish (default: all at once; the static cache holds N rows)",
+    )
     add_drafter_flags(parser, allow_none=True)
     add_decode_flags(parser)
 
@@ -85,6 +93,8 @@ def run_generate(args: argparse.Namespace) -> int:
     from headway.decode.generate import Decoder
     from headway.decode.probe import check_tree_mask
 
+    if args.batch_size is not None and not args.batch:
+        raise ConfigError("--batch-size N decodes prompts together: add --batch")
     target = target_from_flags(args)
     check_tree_mask(target.model)  # as eval does: a target refused before a drafter is built
     if args.batch:
@@ -158,6 +168,7 @@ def _run_batch(args: argparse.Namespace, target: Target) -> int:
         seed=args.seed,
         chat=args.chat,
         stop=args.stop,
+        batch_size=args.batch_size,
     )
     for prompt, result in zip(args.prompts, results, strict=True):
         if not args.json:

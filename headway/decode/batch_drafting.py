@@ -62,6 +62,9 @@ class BatchDrafter(Protocol):
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Go on with the rows ``rows`` (indices into the batch, in their order) alone."""
 
+    def add_rows(self, prompts: Sequence[Tensor]) -> None:
+        """Put rows for ``prompts`` after the batch's (their tokens come by :meth:`observe`)."""
+
 
 class RowDrafters:
     """One drafter per row (None: that row does not draft) as a :class:`BatchDrafter`.
@@ -73,6 +76,7 @@ class RowDrafters:
 
     def __init__(self, drafters: Sequence[Drafter | None]) -> None:
         self.rows = list(drafters)
+        self.free: list[Drafter | None] = []  # the drafters of rows that left the batch
         layers = {drafter.hidden_layers for drafter in drafters if drafter is not None}
         if len(layers) > 1:
             raise HeadwayError(
@@ -100,7 +104,18 @@ class RowDrafters:
                 drafter.observe(torch.tensor(tokens), row)
 
     def keep_rows(self, rows: Sequence[int]) -> None:
+        left = set(range(len(self.rows))) - set(rows)
+        self.free += [self.rows[row] for row in sorted(left)]  # for rows added later
         self.rows = [self.rows[row] for row in rows]
+
+    def add_rows(self, prompts: Sequence[Tensor]) -> None:
+        if len(prompts) > len(self.free):
+            raise ValueError(f"{len(prompts)} rows to add, {len(self.free)} drafters free")
+        for prompt in prompts:
+            drafter = self.free.pop(0)
+            if drafter is not None:
+                drafter.begin(prompt)
+            self.rows.append(drafter)
 
     def propose(self, sequences: Sequence[list[int]], live: Sequence[bool]) -> list[Tree]:
         trees: list[Tree] = []

@@ -38,6 +38,7 @@ from headway.decode.device_step import draw_uniforms
 from headway.decode.device_tree import accept_greedy, accept_sampled, open_columns, tree_layout
 from headway.decode.gemm import routed_linears
 from headway.decode.sampling import GREEDY, SamplingParams, pick_tokens, probs_from_logits
+from headway.decode.static_cache import StaticCache
 from headway.errors import TargetError
 
 __all__ = ["BatchVerify"]
@@ -181,6 +182,38 @@ class BatchVerify:
         self._known = [self._known[row] for row in rows]
         self.hidden = tuple(states.index_select(0, index) for states in self.hidden)
         self._plans.clear()
+
+    @torch.no_grad()
+    def add_rows(
+        self,
+        prompts: Sequence[Tensor],
+        sampling: SamplingParams = GREEDY,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Put ``prompts`` (``n`` LongTensors ``[L_i]``) in the batch after its rows, each
+        run from column 0 of a row of its own (:meth:`prefill` over them alone, then the
+        caches joined); returns their first tokens ``[n]``. :attr:`hidden` holds the batch's
+        states ``[B + n, L, H]``: the old rows' zeros, the new rows' at every prompt entry."""
+        target, old = self.target, self.target.cache
+        lengths, known, batch = self.lengths, self._known, self.batch
+        device = lengths.device
+        target.cache = StaticCache(len(old.layers), old.capacity, device, len(prompts))
+        self.batch, self._plans = len(prompts), {}
+        self.lengths = torch.zeros(len(prompts), dtype=torch.long, device=device)
+        firsts = self.prefill(prompts, sampling, generator)  # may grow the new rows' cache
+        new = target.cache
+        capacity = max(old.capacity, new.capacity)
+        if old.capacity < capacity:
+            old = old.grown(capacity, old.length)
+        target.cache = old.joined(new)
+        self.batch = batch + len(prompts)
+        self.lengths = torch.cat([lengths, self.lengths])
+        self._known = known + self._known
+        self.hidden = tuple(
+            torch.cat([states.new_zeros(batch, *states.shape[1:]), states])
+            for states in self.hidden
+        )
+        return firsts
 
     def _plan(self, nodes: int, sampling: SamplingParams) -> _Plan:
         if any(plan.cache is not self.target.cache for plan in self._plans.values()):

@@ -83,8 +83,8 @@ class StaticCache(DynamicCache):
         self, num_layers: int, capacity: int, device: torch.device, batch: int = 1
     ) -> None:
         super().__init__()
-        if batch < 1:
-            raise ValueError(f"a static cache holds at least one row, not batch={batch}")
+        if batch < 0:  # no row: a batch whose rows all finished, before new ones join
+            raise ValueError(f"a static cache holds no negative number of rows: batch={batch}")
         self.layers: list[Any] = [StaticLayer(self, index) for index in range(num_layers)]
         self.layer_class_to_replicate = None
         self.capacity, self.batch = capacity, batch
@@ -139,6 +139,27 @@ class StaticCache(DynamicCache):
         column of theirs copied; this one's buffers are left as they are."""
         return _rows_of(self, index)
 
+    def joined(self, other: StaticCache) -> StaticCache:
+        """A cache of this one's rows, then ``other``'s (both of one capacity and one model's
+        layers), every column copied; ``length`` the longer one's."""
+        if other.capacity != self.capacity or len(other.layers) != len(self.layers):
+            raise ValueError("joined caches need one capacity and one number of layers")
+        batch = self.batch + other.batch
+        new = StaticCache(len(self.layers), self.capacity, self.columns.device, batch)
+        new.length = max(self.length, other.length)
+        for first, second, target in zip(self.layers, other.layers, new.layers, strict=True):
+            if not (first.is_initialized or second.is_initialized):
+                continue
+            shaped = first if first.is_initialized else second  # a layer not yet written: zeros
+            keys = torch.cat([_buffer(first, shaped, "keys"), _buffer(second, shaped, "keys")])
+            values = torch.cat(
+                [_buffer(first, shaped, "values"), _buffer(second, shaped, "values")]
+            )
+            target.lazy_initialization(keys, values)
+            target.keys.copy_(keys)
+            target.values.copy_(values)
+        return new
+
     def grown(self, capacity: int, keep: int) -> StaticCache:
         """A cache of ``capacity`` columns holding this one's first ``keep`` columns (and its
         ``length``); this one's buffers are left as they are."""
@@ -151,6 +172,15 @@ class StaticCache(DynamicCache):
                 target.keys[:, :, :keep] = source.keys[:, :, :keep]
                 target.values[:, :, :keep] = source.values[:, :, :keep]
         return new
+
+
+def _buffer(layer: StaticLayer, shaped: StaticLayer, name: str) -> Tensor:
+    """``layer``'s keys or values (``name``), or zeros for its rows in ``shaped``'s shape where
+    ``layer`` holds none yet."""
+    if layer.is_initialized:
+        return getattr(layer, name)
+    like: Tensor = getattr(shaped, name)
+    return like.new_zeros((layer.owner.batch, *like.shape[1:]))
 
 
 def _rows_of(cache: StaticCache, index: Tensor) -> StaticCache:

@@ -118,6 +118,18 @@ class BatchEagle:
         if self._roots is not None:
             self._roots = self._roots.index_select(0, index)
 
+    def add_rows(self, prompts: Sequence[Tensor]) -> None:
+        """Rows for ``prompts`` after the batch's, with no pairs yet."""
+        count = len(prompts)
+        self._cache = self._cache.joined(StaticCache(1, self._cache.capacity, self._device, count))
+        self.batch += count
+        self._known += [0] * count
+        self._committed = torch.cat([self._committed, self._committed.new_zeros(count)])
+        if self._roots is not None:
+            self._roots = torch.cat(
+                [self._roots, self._roots.new_zeros(count, *self._roots.shape[1:])]
+            )
+
     def _reserve(self, columns: int) -> None:
         """Hold at least ``columns`` columns a row (grown to the next power of two)."""
         if columns <= self._cache.capacity:

@@ -57,6 +57,13 @@ class BatchMedusa:
             index = torch.tensor(list(rows), dtype=torch.long, device=self._states.device)
             self._states = self._states.index_select(0, index)
 
+    def add_rows(self, prompts: Sequence[Tensor]) -> None:
+        """Rows for ``prompts`` after the batch's, with no state yet."""
+        self.batch += len(prompts)
+        if self._states is not None:
+            zeros = self._states.new_zeros(len(prompts), *self._states.shape[1:])
+            self._states = torch.cat([self._states, zeros])
+
     @torch.inference_mode()
     def propose(self, sequences: Sequence[list[int]], live: Sequence[bool]) -> list[Tree]:
         """Every live row's static tree filled with its heads' top-k tokens, from one read of
