@@ -49,15 +49,22 @@ def _decode(
     rng = random.Random(0)
     generated = [[int(root)] for root in step.prefill(prompts).tolist()]
     while min(len(row) for row in generated) < new_tokens:
-        trees = [_tree(truth, len(row), rng) for truth, row in zip(truths, generated, strict=True)]
-        committed = step.step(
-            torch.tensor([row[-1] for row in generated]),
-            torch.tensor([tokens for tokens, _ in trees]),
-            torch.tensor([parents for _, parents in trees]),
-        )
-        for row, tokens in zip(generated, committed, strict=True):
-            row += tokens
+        _step(step, generated, truths, rng)
     return generated
+
+
+def _step(
+    step: BatchVerify, generated: list[list[int]], truths: list[list[int]], rng: random.Random
+) -> None:
+    """One batched step of every row (trees of :func:`_tree`), its tokens appended."""
+    trees = [_tree(truth, len(row), rng) for truth, row in zip(truths, generated, strict=True)]
+    committed = step.step(
+        torch.tensor([row[-1] for row in generated]),
+        torch.tensor([tokens for tokens, _ in trees]),
+        torch.tensor([parents for _, parents in trees]),
+    )
+    for row, tokens in zip(generated, committed, strict=True):
+        row += tokens
 
 
 def _prompts(sizes: Sequence[int], seed: int = 3) -> list[Tensor]:
@@ -153,14 +160,7 @@ def test_rows_leaving_the_batch_leave_the_others_as_they_were() -> None:
             if turn == 5:
                 step.keep_rows([2, 0])
                 generated, truths = [generated[2], generated[0]], [truths[2], truths[0]]
-            trees = [_tree(t, len(row), rng) for t, row in zip(truths, generated, strict=True)]
-            committed = step.step(
-                torch.tensor([row[-1] for row in generated]),
-                torch.tensor([tokens for tokens, _ in trees]),
-                torch.tensor([parents for _, parents in trees]),
-            )
-            for row, tokens in zip(generated, committed, strict=True):
-                row += tokens
+            _step(step, generated, truths, rng)
     assert forward.cache.batch == step.batch == 2 and step.lengths.shape == (2,)
     assert [row[:24] for row in generated] == [truth[:24] for truth in truths]
 
@@ -185,14 +185,7 @@ def test_a_long_prompt_joining_the_batch_grows_its_cache() -> None:
             turn += 1
             if turn == 3:
                 generated.append([int(step.add_rows(prompts[2:])[0])])
-            trees = [_tree(t, len(row), rng) for t, row in zip(truths, generated, strict=False)]
-            committed = step.step(
-                torch.tensor([row[-1] for row in generated]),
-                torch.tensor([tokens for tokens, _ in trees]),
-                torch.tensor([parents for _, parents in trees]),
-            )
-            for row, tokens in zip(generated, committed, strict=True):
-                row += tokens
+            _step(step, generated, truths[: len(generated)], rng)
     assert forward.cache.capacity > MIN_CAPACITY and forward.cache.batch == step.batch == 3
     assert [row[:24] for row in generated] == [truth[:24] for truth in truths]
 
