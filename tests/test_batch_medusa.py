@@ -120,3 +120,30 @@ def test_rows_joining_a_batch_draft_as_they_would_alone(
             stop_check=stop,
         )  # fmt: skip
         assert row.accept_lengths == single.accept_lengths, index
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["eagle1", "medusa"])
+def test_batch_drafting_with_rows_joining_on_cuda(kind: str) -> None:
+    """Five prompts through two captured rows on CUDA, drafted at once (an EAGLE-1 draft
+    model, Medusa heads; random, so most drafts are rejected): rows leave and join, each
+    step's graph is captured again for the changed batch, and every output is HF greedy's."""
+    from headway.drafters.eagle_drafter import EagleDrafter
+    from headway.heads.eagle import EagleConfig, EagleModel, TargetHead
+    from tests.tiny import tiny_model
+
+    model = tiny_model("llama").to("cuda")
+    prompts = [p.to("cuda") for p in [*PROMPTS, PROMPT[2:], PROMPT[:6]]]
+    truths = [hf_greedy(model, prompt, NEW_TOKENS, eos=None) for prompt in prompts]
+    torch.manual_seed(1)
+    if kind == "medusa":
+        drafter = _drafters(model, "default", 1)[0]
+        drafter.heads.to("cuda")
+        batch: Any = BatchMedusa(drafter, 2)
+    else:
+        draft = EagleModel(EagleConfig.from_target(model)).to("cuda").eval()
+        layer = int(model.config.num_hidden_layers)
+        batch = BatchEagle(EagleDrafter(draft, TargetHead.of(model), hidden_layer=layer), 2)
+    rows = decode_batch(model, prompts, batch, max_new_tokens=NEW_TOKENS, max_batch=2)
+    assert [row.tokens for row in rows] == truths
