@@ -206,11 +206,15 @@ def test_headway_generate_batch_prints_what_one_prompt_at_a_time_does(
     assert runs[0] == runs[1] and runs[0] != [r["token_ids"] for r in alone]
 
 
-def test_sampled_rows_follow_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
-    """1,500 rows of one prompt, in batches of 300, sampled at temperature 1 with the top-3 of
-    the target's own second-token table drafted below the first token (every step sends the
-    whole tree, padding included): each row's first two tokens follow the target's exact
-    two-token distribution, and drafts are accepted."""
+@pytest.mark.parametrize("max_batch", [None, 70])
+def test_sampled_rows_follow_the_target_distribution(
+    max_batch: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1,500 rows of one prompt, in batches of 300 (or 300 prompts at a time through 70 rows,
+    the others joining as rows finish), sampled at temperature 1 with the top-3 of the
+    target's own second-token table drafted below the first token (every step sends the whole
+    tree, padding included): each row's first two tokens follow the target's exact two-token
+    distribution, and drafts are accepted."""
     from headway.decode import batch_sizer
     from headway.decode.sampling import SamplingParams
     from tests.test_eagle3 import tiny4
@@ -227,7 +231,7 @@ def test_sampled_rows_follow_the_target_distribution(monkeypatch: pytest.MonkeyP
     accepted = 0
     for seed in range(5):
         drafters: list[Any] = []
-        for index in range(300):
+        for index in range(max_batch or 300):
             drafter = TableDrafter(second, width=3, depth=2, random=False, seed=seed * 300 + index)
             drafter.max_nodes = 6
             drafters.append(drafter)
@@ -238,6 +242,7 @@ def test_sampled_rows_follow_the_target_distribution(monkeypatch: pytest.MonkeyP
             max_new_tokens=3,  # room for a step to commit a drafted token and its bonus
             sampling=params,
             generator=generator,
+            max_batch=max_batch,
         )
         for row in rows:
             counts[row.tokens[0] * TINY_VOCAB + row.tokens[1]] += 1
