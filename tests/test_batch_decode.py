@@ -74,6 +74,14 @@ def test_prompts_past_max_batch_take_finished_rows_places(max_batch: int) -> Non
         cut = truth.index(eos) + 1 if eos in truth else NEW_TOKENS
         assert row.tokens == truth[:cut], index
     assert {row.stop_reason for row in rows} == {"eos", "max_new_tokens"}
+    per_prompt = [PromptLookupDrafter() for _ in prompts]  # or one drafter per prompt
+    again = decode_batch(
+        model, prompts, per_prompt, max_new_tokens=NEW_TOKENS, eos_token_ids=[eos],
+        max_batch=max_batch,
+    )  # fmt: skip
+    assert [row.tokens for row in again] == [row.tokens for row in rows]
+    with pytest.raises(ValueError, match=r"per row \(\d\) or per prompt \(8\); got 9"):
+        decode_batch(model, prompts, [*per_prompt, None], max_new_tokens=2, max_batch=max_batch)
 
 
 def test_a_row_stopping_at_eos_leaves_the_others_going() -> None:

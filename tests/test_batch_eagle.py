@@ -196,27 +196,38 @@ def test_a_long_row_grows_the_draft_cache(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_drafting_a_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The dispatch counter of ``headway.eval.dispatch``: each step's drafting of every row
-    (the tree levels of all rows, the selections) reads the device once, for all rows."""
+    (the tree levels of all rows, the selections) reads the device once, for all rows, and
+    its device work (:meth:`BatchEagle.trees_on_device`) is what a CUDA graph can hold: no
+    host read, no host tensor baked in, no random op."""
     _whole_trees(monkeypatch)
     model, _ = target_and_truth("llama")
     prompts = [PROMPT, PROMPT[:4], PROMPT[2:]]
     _, one = _drafters("trained", model, "tree", 0)
     batch = BatchEagle(one, len(prompts))
     reads: list[int] = []
-    propose = BatchEagle.propose
+    faults: list[dict[str, int]] = []
+    propose, on_device = BatchEagle.propose, BatchEagle.trees_on_device
 
     def counted(self: BatchEagle, sequences: Sequence[list[int]], live: Sequence[bool]) -> Any:
         tensors, devices = seeds_of(self, 4, every_tensor=True)
         weights = [*one.model.parameters(), *one.head.embed.parameters()]
         counter = DispatchCounter([*tensors, *weights, *model.parameters()], devices)
-        with counter:
+
+        def captured(self: BatchEagle, roots: Tensor) -> Tensor:
+            with counter.region("captured"):
+                return on_device(self, roots)
+
+        with counter, pytest.MonkeyPatch.context() as patch:
+            patch.setattr(BatchEagle, "trees_on_device", captured)
             trees = propose(self, sequences, live)
         reads.append(counter.counts.syncs)
+        faults.append(dict(counter.counts.graph_faults))
         return trees
 
     monkeypatch.setattr(BatchEagle, "propose", counted)
     decode_batch(model, prompts, batch, max_new_tokens=NEW_TOKENS)
     assert len(reads) > 3 and set(reads) == {1}, reads
+    assert faults == [{}] * len(faults), faults
 
 
 def test_generate_batch_keeps_one_eagle_model_between_calls(

@@ -97,7 +97,7 @@ def decode_batch(
     ``generator``; see the module docstring. ``stop_check(generated)`` true ends a row after
     that token (stop strings). ``capture``: CUDA graphs (default: on CUDA). ``max_batch``:
     the most prompts decoded at once (default: all), the rest taking finished rows' places;
-    then ``drafters`` holds one per row of the first batch, not one per prompt. Returns one
+    a list of ``drafters`` may then hold one per row of the first batch. Returns one
     :class:`~headway.decode.generate.GenerationResult` per prompt, as a prompt decoded alone.
 
     Raises:
@@ -106,11 +106,11 @@ def decode_batch(
     """
     if not prompts or (max_batch is not None and max_batch < 1):
         raise ValueError(f"need at least one prompt and max_batch >= 1, not {max_batch}")
-    drafting = RowDrafters(drafters) if isinstance(drafters, Sequence) else drafters
+    batch = min(len(prompts), max_batch or len(prompts))
+    drafting = _row_drafters(drafters, batch, len(prompts))
     depth = block_bucket(drafting.max_nodes + 1) - 1  # the deepest node, padding included
     _check(model, prompts, depth, max_new_tokens)
     gemm_route(model)  # the model's GEMM route on a CPU ("auto" where none was applied)
-    batch = min(len(prompts), max_batch or len(prompts))
     with grouped_attention(model):  # each grouped key/value head read once a step
         forward = StaticForward(model, capture=capture, batch=batch)
         steps = BatchVerify(forward, depth, drafting.hidden_layers)
@@ -233,6 +233,23 @@ def _decode(batch: _Rows) -> list[GenerationResult]:
         forwards = len(row.accept_lengths)
         results.append(GenerationResult(row.tokens, row.accept_lengths, forwards, row.stop_reason))
     return results
+
+
+def _row_drafters(
+    drafters: Sequence[Drafter | None] | BatchDrafter, batch: int, prompts: int
+) -> BatchDrafter:
+    """``drafters`` as a batch's drafting: a list holds one drafter per row of the first
+    batch, or one per prompt (the others kept for rows that join)."""
+    if not isinstance(drafters, Sequence):
+        return drafters
+    if len(drafters) not in (batch, prompts):
+        raise ValueError(
+            f"need one drafter (or None) per row ({batch}) or per prompt ({prompts}); "
+            f"got {len(drafters)}"
+        )
+    rows = RowDrafters(drafters[:batch])
+    rows.free = list(drafters[batch:])
+    return rows
 
 
 def _check(

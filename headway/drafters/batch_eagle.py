@@ -147,11 +147,8 @@ class BatchEagle:
         if self._roots is None or not any(live):
             return [([], []) for _ in live]
         with self.drafter.routed():
-            tokens, parents, scores = self._expand(self._roots)
-        keep = min(self.drafter.total_tokens - 1, tokens.shape[1])
-        best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :keep]
-        host = torch.cat([tokens, parents, best], dim=1).cpu()  # the step's one read
-        nodes = tokens.shape[1]
+            host = self.trees_on_device(self._roots).cpu()  # the step's one read
+        nodes = self.top_k + (self.depth - 1) * self.top_k**2  # every level expanded
         trees: list[Tree] = []
         for row, alive in enumerate(live):
             if not alive:
@@ -161,6 +158,15 @@ class BatchEagle:
             tree = subtree(ids[:nodes], ids[nodes : 2 * nodes], ids[2 * nodes :], ranked=True)
             trees.append((tree.tokens.tolist(), tree.parents.tolist()))
         return trees
+
+    def trees_on_device(self, roots: Tensor) -> Tensor:
+        """Every row's tree below ``roots [B, H]``, device work only (what a CUDA graph could
+        hold; ``tests/test_batch_eagle.py`` checks so): ``[B, 2n + m]``, the ``n`` expanded
+        nodes' tokens and parents, then the indices of the best ``m`` of them, best first."""
+        tokens, parents, scores = self._expand(roots)
+        keep = min(self.drafter.total_tokens - 1, tokens.shape[1])
+        best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :keep]
+        return torch.cat([tokens, parents, best], dim=1)
 
     def _expand(self, roots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Every row's EAGLE-2 candidate tree below ``roots [B, H]`` (as
