@@ -230,6 +230,15 @@ def test_drafting_a_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) 
     assert faults == [{}] * len(faults), faults
 
 
+def test_capturing_batch_drafting_needs_cuda() -> None:
+    """Off CUDA the drafting runs uncaptured; asking for CUDA graphs there is refused."""
+    model, _ = target_and_truth("llama")
+    _, one = _drafters("trained", model, "tree", 0)
+    assert not BatchEagle(one, 2).capture
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        BatchEagle(one, 2, capture=True)
+
+
 def test_generate_batch_keeps_one_eagle_model_between_calls(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -125,14 +125,18 @@ def test_rows_joining_a_batch_draft_as_they_would_alone(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["eagle1", "medusa"])
-def test_batch_drafting_with_rows_joining_on_cuda(kind: str) -> None:
+def test_batch_drafting_with_rows_joining_on_cuda(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Five prompts through two captured rows on CUDA, drafted at once (an EAGLE-1 draft
-    model, Medusa heads; random, so most drafts are rejected): rows leave and join, each
-    step's graph is captured again for the changed batch, and every output is HF greedy's."""
+    model, its drafting captured too, or Medusa heads; random, so most drafts are rejected):
+    rows leave and join, each step's graph is captured again for the changed batch, every
+    output is HF greedy's, and EAGLE's captured trees are its uncaptured ones."""
     from headway.drafters.eagle_drafter import EagleDrafter
     from headway.heads.eagle import EagleConfig, EagleModel, TargetHead
     from tests.tiny import tiny_model
 
+    _whole_trees(monkeypatch)  # the same proposals in both runs, whatever the timings
     model = tiny_model("llama").to("cuda")
     prompts = [p.to("cuda") for p in [*PROMPTS, PROMPT[2:], PROMPT[:6]]]
     truths = [hf_greedy(model, prompt, NEW_TOKENS, eos=None) for prompt in prompts]
@@ -144,6 +148,12 @@ def test_batch_drafting_with_rows_joining_on_cuda(kind: str) -> None:
     else:
         draft = EagleModel(EagleConfig.from_target(model)).to("cuda").eval()
         layer = int(model.config.num_hidden_layers)
-        batch = BatchEagle(EagleDrafter(draft, TargetHead.of(model), hidden_layer=layer), 2)
-    rows = decode_batch(model, prompts, batch, max_new_tokens=NEW_TOKENS, max_batch=2)
+        eagle = EagleDrafter(draft, TargetHead.of(model), hidden_layer=layer)
+        batch = BatchEagle(eagle, 2)
+        eager = Recording(BatchEagle(eagle, 2, capture=False))
+        decode_batch(model, prompts, eager, max_new_tokens=NEW_TOKENS, max_batch=2)
+    recorded = Recording(batch)
+    rows = decode_batch(model, prompts, recorded, max_new_tokens=NEW_TOKENS, max_batch=2)
     assert [row.tokens for row in rows] == truths
+    if kind == "eagle1":
+        assert batch._graph is not None and recorded.trees == eager.trees

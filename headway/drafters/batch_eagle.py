@@ -26,20 +26,24 @@ instead of in creation order, so that the batch's sizer, which cuts every row's 
 size, keeps each row's best nodes (in creation order a cut to 7 nodes of a ``top_k=8`` tree
 keeps 7 siblings); the output is the target's either way.
 
-Not yet: the eager drafter's early stop of cost-sized trees on a CPU (the batch's sizer cuts
-every row's tree to the size that pays instead), and capturing the step as a CUDA graph (its
-observe has a width that follows the rows' counts).
+On CUDA a step's drafting of every row (the tree levels, the selections: device work only,
+``tests/test_batch_eagle.py`` checks it with the dispatch counter) is captured as one CUDA graph
+and replayed, captured again when rows leave or join or the cache grows; the CUDA test
+(``tests/test_batch_medusa.py``) waits for a GPU. Not yet: the eager drafter's early stop of
+cost-sized trees on a CPU (the batch's sizer cuts every row's tree to the size that pays
+instead), and the observe forward captured (its width follows the rows' counts).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from headway.decode.batch_drafting import Tree, check_rows, last_of_rows
-from headway.decode.captured import MIN_CAPACITY, block_bucket
+from headway.decode.captured import MIN_CAPACITY, block_bucket, record_graph
 from headway.decode.static_cache import StaticCache
 from headway.decode.tree import subtree
 from headway.drafters.eagle_drafter import EagleDrafter
@@ -52,9 +56,16 @@ class BatchEagle:
     """``drafter``'s draft model and tree setting drafting ``batch`` rows at once (module
     docstring); ``drafter`` itself is left as it is (its weights are shared)."""
 
-    def __init__(self, drafter: EagleDrafter, batch: int) -> None:
+    def __init__(self, drafter: EagleDrafter, batch: int, *, capture: bool | None = None) -> None:
         if batch < 1:
             raise ValueError(f"a batch holds at least one row, not {batch}")
+        on_cuda = drafter._device.type == "cuda"
+        if capture and not on_cuda:
+            raise ValueError(f"CUDA graphs need a CUDA device; the drafter is on {drafter._device}")
+        self.capture = on_cuda if capture is None else capture
+        self._graph: Any = None  # the captured drafting step, and the tensors it was bound to
+        self._bound: tuple[object, ...] = ()
+        self._out: Tensor | None = None
         self.drafter, self.batch = drafter, batch
         self.hidden_layers = drafter.hidden_layers
         self.max_nodes = drafter.max_nodes
@@ -104,7 +115,11 @@ class BatchEagle:
                 positions,
                 visible,
             )
-        self._roots = last_of_rows(predicted, count, self._roots)  # [B, H]
+        roots = last_of_rows(predicted, count, self._roots)  # [B, H]
+        if self._roots is not None and self._roots.shape == roots.shape:
+            self._roots.copy_(roots)  # in place: a captured drafting step reads this buffer
+        else:
+            self._roots = roots
         self._committed += count
         self._known = [known + added for known, added in zip(self._known, counts, strict=True)]
 
@@ -147,7 +162,7 @@ class BatchEagle:
         if self._roots is None or not any(live):
             return [([], []) for _ in live]
         with self.drafter.routed():
-            host = self.trees_on_device(self._roots).cpu()  # the step's one read
+            host = self._drafted(self._roots).cpu()  # the step's one read
         nodes = self.top_k + (self.depth - 1) * self.top_k**2  # every level expanded
         trees: list[Tree] = []
         for row, alive in enumerate(live):
@@ -158,6 +173,25 @@ class BatchEagle:
             tree = subtree(ids[:nodes], ids[nodes : 2 * nodes], ids[2 * nodes :], ranked=True)
             trees.append((tree.tokens.tolist(), tree.parents.tolist()))
         return trees
+
+    def _drafted(self, roots: Tensor) -> Tensor:
+        """:meth:`trees_on_device`, replayed from a CUDA graph where drafting is captured (on
+        CUDA by default): captured on first use, and again once the cache, the rows' roots or
+        counts are other tensors than the graph's (rows left or joined, the cache grew)."""
+        if not self.capture:
+            return self.trees_on_device(roots)
+        bound = (self._cache, roots, self._committed, self._columns)
+        if self._graph is None or any(a is not b for a, b in zip(bound, self._bound, strict=True)):
+            self._graph, self._bound = None, bound
+
+            def body() -> None:
+                self._out = self.trees_on_device(roots)
+
+            self._graph = record_graph(body, self._device, torch.cuda.graph_pool_handle())
+        else:
+            self._graph.replay()
+        assert self._out is not None
+        return self._out
 
     def trees_on_device(self, roots: Tensor) -> Tensor:
         """Every row's tree below ``roots [B, H]``, device work only (what a CUDA graph could
