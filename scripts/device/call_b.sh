@@ -22,8 +22,10 @@ timeout "${LIMIT_S:-540}" python3 scripts/device/decode_figures.py --prompts /ro
 [ "${API_S:-60}" -gt 0 ] && timeout "${API_S:-60}" python3 scripts/api_calls.py --questions 3 --out "$OUT" 2>&1 \
     | grep -v -i "warn\|loading"
 # BATCH_S > 0: several prompts at once (scripts/batch_speed.py, bf16, 8 MT-bench prompts; the
-# shipped EAGLE-3 drafter drafting every row's tree at once, prompt lookup, none), last
+# shipped EAGLE-3 drafter drafting every row's tree at once, prompt lookup, none; one batch of
+# 8 and batches of 4 refilled), last
 [ "${BATCH_S:-0}" -gt 0 ] && timeout "${BATCH_S}" python3 scripts/batch_speed.py --dtype bfloat16 \
-    --num-prompts 8 --max-new-tokens 64 --drafters default prompt-lookup none --out "$OUT" \
+    --num-prompts 8 --max-new-tokens 64 --drafters default prompt-lookup none --batch-size 4 \
+    --out "$OUT" \
     2>&1 | grep -v -i "warn\|loading"
 true
