@@ -169,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             for name, way in table.items():
                 start = time.perf_counter()
                 results[name] = way(target, texts, new)
-                seconds[name] += time.perf_counter() - start
+                took = time.perf_counter() - start
+                seconds[name] += took
+                made = sum(map(len, results[name][0]))  # as measured: a cut-off run says this
+                print(f"{name}: {made / took:.1f} tok/s this round", flush=True)
     reference = results["HF greedy, one prompt at a time"][0]
     base = sum(map(len, reference)) * args.rounds / seconds["HF greedy, one prompt at a time"]
     device = next(target.model.parameters()).device
