@@ -142,8 +142,8 @@ def _batched(model: PreTrainedModel, tree: Support) -> Support:
     return Support(
         BATCHED,
         True,
-        "generate --batch: several prompts verified in one forward a step (any drafter, one "
-        "per prompt; greedy or sampled)",
+        "generate --batch: several prompts verified in one forward a step (any drafter; "
+        "EAGLE and Medusa draft every prompt at once; greedy or sampled; --batch-size)",
     )
 
 
