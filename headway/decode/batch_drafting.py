@@ -4,11 +4,15 @@ A :class:`BatchDrafter` learns every row's committed tokens with the target's st
 steps left for them, and proposes every live row's tree for the next step. Two kinds:
 
 - :class:`RowDrafters`: one :class:`~headway.decode.session.Drafter` per row (or none), each
-  asked in turn, from its own row's tokens and states (prompt lookup, retrieval, Medusa, or any
+  asked in turn, from its own row's tokens and states (prompt lookup, retrieval, or any
   drafter of the one-sequence loop);
 - drafters that draft every row's tree in one set of forwards
   (:class:`~headway.drafters.batch_eagle.BatchEagle`: EAGLE-1/2/3, one draft forward per tree
-  level for all rows and one host read a step).
+  level for all rows and one host read a step, captured on CUDA;
+  :class:`~headway.drafters.batch_medusa.BatchMedusa`: the heads once on every row's state).
+
+Rows leave (:meth:`BatchDrafter.keep_rows`) and join (:meth:`BatchDrafter.add_rows`) as the
+batch does (``max_batch``).
 """
 
 from __future__ import annotations
