@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from headway.decode.batch_decode import decode_batch
+from headway.decode.batch_rows import rows_that_fit
 from headway.decode.generate import Decoder, Drafter, GenerationResult
 from headway.decode.options import DecodeOptions, verify_path
 from headway.decode.probe import check_tree_mask
@@ -199,9 +200,11 @@ def generate_batch(
     stop: Sequence[str] = (),
     batch_size: int | None = None,
 ) -> list[Generation]:
-    """Decode ``prompts`` together, at most ``batch_size`` at once (default: all; the
-    others take finished prompts' places as they finish): every step verifies one draft tree
-    per prompt in one forward over one static cache and reads the device once for all of them
+    """Decode ``prompts`` together, at most ``batch_size`` at once (default: as many as a
+    quarter of the memory free now holds for their keys and values, at most all of them,
+    :func:`~headway.decode.batch_rows.rows_that_fit`; the others take finished prompts' places
+    as they finish): every step verifies one draft tree per prompt in one forward over one
+    static cache and reads the device once for all of them
     (:mod:`headway.decode.batch_decode`); at temperature 0 each output is the target's greedy
     output for its prompt alone (exactly, in fp32), sampled each follows the target's
     distribution (one generator seeded with ``seed`` draws for every row); a row stops right
@@ -225,7 +228,7 @@ def generate_batch(
     model = target.model
     check_tree_mask(model)
     ids = [prompt_ids(target, prompt, chat=chat) for prompt in prompts]
-    rows = min(len(prompts), batch_size or len(prompts))
+    rows = min(len(prompts), batch_size or rows_that_fit(model, ids, max_new_tokens))
     drafters, give_back = _batch_drafting(target, drafter, heads, draft_options, rows)
     start = time.perf_counter()
     results = decode_batch(
@@ -237,7 +240,7 @@ def generate_batch(
         stop_check=_stop_strings(target, stop) if stop else None,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         generator=torch.Generator(device=model.device).manual_seed(seed),
-        max_batch=batch_size,
+        max_batch=rows,
     )
     seconds = time.perf_counter() - start  # every row's tokens/s over the batch's time
     give_back()

@@ -82,7 +82,8 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         type=POSITIVE,
         metavar="N",
         help="with --batch: decode at most N prompts at once, the others taking finished "
-        "prompts' places as they finish (default: all at once; the static cache holds N rows)",
+        "prompts' places as they finish (the static cache holds N rows; default: as many as "
+        "a quarter of the memory free now, on the GPU or the host, holds, at most all)",
     )
     add_drafter_flags(parser, allow_none=True)
     add_decode_flags(parser)
