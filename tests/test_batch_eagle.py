@@ -230,6 +230,39 @@ def test_drafting_a_step_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) 
     assert faults == [{}] * len(faults), faults
 
 
+def test_a_steps_pairs_learned_in_one_shape_are_device_work_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``fixed`` (CUDA's default): each step's pairs are padded to one shape and learned from
+    staged buffers, what a CUDA graph replays: the dispatch counter finds no graph fault and no
+    host read in it, and the trees are those learned without padding."""
+    _whole_trees(monkeypatch)
+    model, _ = target_and_truth("llama")
+    faults: list[dict[str, int]] = []
+    learn = BatchEagle.learn
+
+    def counted(self: BatchEagle, tokens: Tensor, states: Any, count: Tensor) -> None:
+        if tokens is not self._in_tokens:  # the prompts' pairs, of their own width
+            learn(self, tokens, states, count)
+            return
+        seeds, devices = seeds_of(self, 4, every_tensor=True)
+        counter = DispatchCounter([*seeds, *model.parameters()], devices)
+        with counter, counter.region("captured"):
+            learn(self, tokens, states, count)
+        faults.append({**counter.counts.graph_faults, "syncs": counter.counts.syncs})
+
+    monkeypatch.setattr(BatchEagle, "learn", counted)
+    recordings = []
+    for fixed in (False, True):
+        _, one = _drafters("trained", model, "tree", 0)
+        batch = BatchEagle(one, 2)  # the three prompts two at a time: rows leave and join
+        batch.fixed = fixed
+        recordings.append(Recording(batch))
+        decode_batch(model, PROMPTS, recordings[-1], max_new_tokens=NEW_TOKENS, max_batch=2)
+    assert recordings[0].trees == recordings[1].trees
+    assert len(faults) > 3 and faults == [{"syncs": 0}] * len(faults), faults
+
+
 def test_capturing_batch_drafting_needs_cuda() -> None:
     """Off CUDA the drafting runs uncaptured; asking for CUDA graphs there is refused."""
     model, _ = target_and_truth("llama")

@@ -26,12 +26,14 @@ instead of in creation order, so that the batch's sizer, which cuts every row's 
 size, keeps each row's best nodes (in creation order a cut to 7 nodes of a ``top_k=8`` tree
 keeps 7 siblings); the output is the target's either way.
 
-On CUDA a step's drafting of every row (the tree levels, the selections: device work only,
-``tests/test_batch_eagle.py`` checks it with the dispatch counter) is captured as one CUDA graph
-and replayed, captured again when rows leave or join or the cache grows; the CUDA test
+On CUDA a step's drafting of every row (the tree levels, the selections) is captured as one
+CUDA graph and replayed, and so is its learning of the step's pairs, padded to ``depth + 1`` a
+row (``fixed``: one shape; the prompts' pairs, of their own width, are fed eagerly); both are
+captured again when rows leave or join or the cache grows. Both are device work only, which
+``tests/test_batch_eagle.py`` checks with the dispatch counter on a CPU; the CUDA test
 (``tests/test_batch_medusa.py``) waits for a GPU. Not yet: the eager drafter's early stop of
 cost-sized trees on a CPU (the batch's sizer cuts every row's tree to the size that pays
-instead), and the observe forward captured (its width follows the rows' counts).
+instead).
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ class BatchEagle:
         self._graph: Any = None  # the captured drafting step, and the tensors it was bound to
         self._bound: tuple[object, ...] = ()
         self._out: Tensor | None = None
+        self.fixed = self.capture  # a step's pairs learned in one shape (what a graph holds)
+        self._learn_graph: Any = None
+        self._learn_bound: tuple[object, ...] = ()
+        self._in_states: tuple[Tensor, ...] = ()
+        self._in_tokens = torch.zeros(0, dtype=torch.long)
+        self._in_count = torch.zeros(0, dtype=torch.long)
         self.drafter, self.batch = drafter, batch
         self.hidden_layers = drafter.hidden_layers
         self.max_nodes = drafter.max_nodes
@@ -97,31 +105,80 @@ class BatchEagle:
         width = max(counts)
         if width == 0:
             return
+        fixed = self.fixed and self._roots is not None and width <= self.depth + 1
+        width = self.depth + 1 if fixed else width  # a step's pairs: one shape, one graph
         self._reserve(max(self._known) + width + self._tree_columns)
         tokens = torch.zeros(self.batch, width, dtype=torch.long)
         for row, ids in enumerate(kept):
             tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        count = torch.tensor(counts, device=self._device)
+        count = torch.tensor(counts)
+        self._known = [known + added for known, added in zip(self._known, counts, strict=True)]
+        if not fixed:
+            tokens_on, count_on = tokens.to(self._device), count.to(self._device)
+            with self.drafter.routed():
+                self.learn(tokens_on, tuple(s[:, :width] for s in states), count_on)
+            return
+        self._stage(tokens, tuple(s[:, : min(width, s.shape[1])] for s in states), count)
+        with self.drafter.routed():
+            if not self.capture:
+                self.learn(*self._staged())
+            else:
+                self._replay_learning()
+
+    def _stage(self, tokens: Tensor, states: tuple[Tensor, ...], count: Tensor) -> None:
+        """Copy a step's pairs into the buffers the fixed-shape learning reads (``tokens``
+        ``[B, R]``, ``states`` ``[B, <= R, H_t]`` per layer, ``count [B]``)."""
+        rows = tokens.shape[1]
+        if not self._in_states or any(
+            b.shape[2:] != s.shape[2:] or b.dtype != s.dtype or b.shape[:2] != (self.batch, rows)
+            for b, s in zip(self._in_states, states, strict=True)
+        ):
+            shapes = [(self.batch, rows, *s.shape[2:]) for s in states]
+            self._in_states = tuple(
+                s.new_zeros(shape) for s, shape in zip(states, shapes, strict=True)
+            )
+            self._in_tokens = torch.zeros(self.batch, rows, dtype=torch.long, device=self._device)
+            self._in_count = torch.zeros(self.batch, dtype=torch.long, device=self._device)
+        for buffer, layer in zip(self._in_states, states, strict=True):
+            buffer[:, : layer.shape[1]].copy_(layer)
+        self._in_tokens.copy_(tokens)
+        self._in_count.copy_(count)
+
+    def _staged(self) -> tuple[Tensor, tuple[Tensor, ...], Tensor]:
+        return self._in_tokens, self._in_states, self._in_count
+
+    def _replay_learning(self) -> None:
+        """:meth:`learn` over the staged buffers, replayed from a CUDA graph (captured on first
+        use, and again once the buffers it reads or writes are other tensors)."""
+        bound = (self._cache, self._roots, self._committed, self._columns, *self._in_states)
+        same = len(bound) == len(self._learn_bound) and all(
+            a is b for a, b in zip(bound, self._learn_bound, strict=True)
+        )
+        if self._learn_graph is not None and same:
+            self._learn_graph.replay()
+            return
+        self._learn_graph, self._learn_bound = None, bound
+        body = lambda: self.learn(*self._staged())  # noqa: E731
+        self._learn_graph = record_graph(body, self._device, torch.cuda.graph_pool_handle())
+
+    def learn(self, tokens: Tensor, states: tuple[Tensor, ...], count: Tensor) -> None:
+        """Feed each row's pairs (``tokens [B, M]`` on the device, ``states`` ``[B, M, H_t]``
+        per hidden layer, the first ``count[b]`` of row ``b`` real) in one causal forward after
+        its committed pairs; device work only (a CUDA graph holds it where the shape is a
+        step's: ``tests/test_batch_eagle.py``)."""
+        width = tokens.shape[1]
         positions = self._committed[:, None] + torch.arange(width, device=self._device)
         visible = positions[:, :, None] >= self._columns  # [B, M, capacity]; padding: unread
-        with self.drafter.routed():
-            features = self.drafter.pair_features(tuple(s[:, :width] for s in states))
-            predicted = draft_forward(
-                self.drafter,
-                self._cache,
-                features,
-                tokens.to(self._device),
-                positions,
-                positions,
-                visible,
-            )
+        features = self.drafter.pair_features(states)
+        predicted = draft_forward(
+            self.drafter, self._cache, features, tokens, positions, positions, visible
+        )
         roots = last_of_rows(predicted, count, self._roots)  # [B, H]
         if self._roots is not None and self._roots.shape == roots.shape:
             self._roots.copy_(roots)  # in place: a captured drafting step reads this buffer
         else:
             self._roots = roots
         self._committed += count
-        self._known = [known + added for known, added in zip(self._known, counts, strict=True)]
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Go on with the rows ``rows`` (indices, in their order) alone."""
