@@ -199,6 +199,7 @@ def generate_batch(
     chat: bool = True,
     stop: Sequence[str] = (),
     batch_size: int | None = None,
+    on_done: Callable[[int], None] | None = None,
 ) -> list[Generation]:
     """Decode ``prompts`` together, at most ``batch_size`` at once (default: as many as a
     quarter of the memory free now holds for their keys and values, at most all of them,
@@ -218,7 +219,8 @@ def generate_batch(
     on every prompt's state (:class:`~headway.drafters.batch_medusa.BatchMedusa`); other
     drafters one per prompt, from that prompt's own tokens. Without ``draft_options``
     the drafter is kept for the next call with this ``target``, as :func:`generate` keeps
-    it (:mod:`headway.named_drafters`). Each generation's ``tokens_per_s``
+    it (:mod:`headway.named_drafters`). ``on_done(n)`` hears how many prompts have finished
+    as they finish. Each generation's ``tokens_per_s``
     is its own tokens over the whole batch's time (the batch's throughput is their sum).
 
     Raises:
@@ -241,6 +243,7 @@ def generate_batch(
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
         generator=torch.Generator(device=model.device).manual_seed(seed),
         max_batch=rows,
+        on_done=on_done,
     )
     seconds = time.perf_counter() - start  # every row's tokens/s over the batch's time
     give_back()

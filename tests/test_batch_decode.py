@@ -75,11 +75,13 @@ def test_prompts_past_max_batch_take_finished_rows_places(max_batch: int) -> Non
         assert row.tokens == truth[:cut], index
     assert {row.stop_reason for row in rows} == {"eos", "max_new_tokens"}
     per_prompt = [PromptLookupDrafter() for _ in prompts]  # or one drafter per prompt
+    finished: list[int] = []  # and how many have finished, as they finish
     again = decode_batch(
         model, prompts, per_prompt, max_new_tokens=NEW_TOKENS, eos_token_ids=[eos],
-        max_batch=max_batch,
+        max_batch=max_batch, on_done=finished.append,
     )  # fmt: skip
     assert [row.tokens for row in again] == [row.tokens for row in rows]
+    assert finished == sorted(set(finished)) and finished[-1] == len(prompts) and len(finished) > 1
     with pytest.raises(ValueError, match=r"per row \(\d\) or per prompt \(8\); got 9"):
         decode_batch(model, prompts, [*per_prompt, None], max_new_tokens=2, max_batch=max_batch)
 

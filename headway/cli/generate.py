@@ -150,12 +150,17 @@ def _report(args: argparse.Namespace, prompt: str, result: Generation, note: str
 
 
 def _run_batch(args: argparse.Namespace, target: Target) -> int:
-    """``--batch``: every prompt decoded together (:func:`headway.api.generate_batch`)."""
+    """``--batch``: every prompt decoded together (:func:`headway.api.generate_batch`), a
+    progress bar of the prompts finished on a terminal."""
+    from tqdm.auto import tqdm
+
     from headway.api import generate_batch
 
     default = None if args.heads else "prompt-lookup"  # heads alone: their own drafter
     drafter = {None: default, "none": None}.get(args.drafter, args.drafter)
     options = {**_draft_length(args), **parse_draft_options(args.draft_option)}
+    shown = len(args.prompts) > 1 and sys.stderr.isatty()  # a bar where a person watches
+    bar = tqdm(total=len(args.prompts), desc="prompts", unit="prompt", disable=not shown)
     results = generate_batch(
         target,
         args.prompts,
@@ -170,7 +175,9 @@ def _run_batch(args: argparse.Namespace, target: Target) -> int:
         chat=args.chat,
         stop=args.stop,
         batch_size=args.batch_size,
+        on_done=lambda done: bar.update(done - bar.n),
     )
+    bar.close()
     for prompt, result in zip(args.prompts, results, strict=True):
         if not args.json:
             print(result.text, flush=True)

@@ -90,6 +90,7 @@ def decode_batch(
     generator: torch.Generator | None = None,
     capture: bool | None = None,
     max_batch: int | None = None,
+    on_done: Callable[[int], None] | None = None,
 ) -> list[GenerationResult]:
     """Decode ``prompts`` (LongTensors ``[P_b]``) together, drafted by ``drafters``: one per
     row (``drafters[b]``, None: no drafter) or a :class:`~headway.decode.batch_drafting.
@@ -97,7 +98,8 @@ def decode_batch(
     ``generator``; see the module docstring. ``stop_check(generated)`` true ends a row after
     that token (stop strings). ``capture``: CUDA graphs (default: on CUDA). ``max_batch``:
     the most prompts decoded at once (default: all), the rest taking finished rows' places;
-    a list of ``drafters`` may then hold one per row of the first batch. Returns one
+    a list of ``drafters`` may then hold one per row of the first batch. ``on_done(n)`` is
+    called as prompts finish, ``n`` the number finished so far (a progress bar). Returns one
     :class:`~headway.decode.generate.GenerationResult` per prompt, as a prompt decoded alone.
 
     Raises:
@@ -115,7 +117,7 @@ def decode_batch(
         forward = StaticForward(model, capture=capture, batch=batch)
         steps = BatchVerify(forward, depth, drafting.hidden_layers)
         ending = _Ending(frozenset(eos_token_ids), max_new_tokens, stop_check)
-        rows = _Rows(steps, drafting, prompts, ending, sampling, generator)
+        rows = _Rows(steps, drafting, prompts, ending, sampling, generator, on_done)
         return _decode(rows)
 
 
@@ -130,11 +132,13 @@ class _Rows:
     ending: _Ending
     sampling: SamplingParams
     generator: torch.Generator | None
+    on_done: Callable[[int], None] | None = None
     order: list[int] = field(default_factory=list)
     queue: list[int] = field(default_factory=list)
     everyone: list[_Row] = field(default_factory=list)
     ids: list[list[int]] = field(default_factory=list)
     started: bool = False  # whether the first rows were prefilled
+    reported: int = 0  # prompts finished, as last told to on_done
 
     def __post_init__(self) -> None:
         self.everyone = [_Row() for _ in self.prompts]
@@ -169,6 +173,11 @@ class _Rows:
         rows = [self.everyone[index] for index in self.order]
         going = [place for place, row in enumerate(rows) if row.stop_reason is None]
         done = len(rows) - len(going)
+        if self.on_done is not None:
+            finished = len(self.prompts) - len(self.queue) - len(going)
+            if finished != self.reported:
+                self.reported = finished
+                self.on_done(finished)
         if not going and not self.queue:
             return False
         if done == 0 or (done < -(-len(rows) // 4) and not self.queue):
