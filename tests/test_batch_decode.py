@@ -381,3 +381,30 @@ def test_the_sizer_follows_the_steps_it_times() -> None:
         2 * every + 1,
         3 * every + 2,
     ]
+
+
+@pytest.mark.parametrize(("captured", "leave_after"), [(False, 1), (True, 2)])
+def test_finished_rows_leave_after_a_quarter_or_half_where_captured(
+    captured: bool, leave_after: int
+) -> None:
+    """Four rows and no prompt waiting: finished rows leave once a quarter has finished, or
+    half where the batch's steps are captured (each new batch size is captured again)."""
+    from types import SimpleNamespace
+
+    from headway.decode import batch_decode
+    from headway.decode.sampling import GREEDY
+
+    kept: list[list[int]] = []
+    steps = SimpleNamespace(
+        target=SimpleNamespace(capture=captured), keep_rows=kept.append, batch=4
+    )
+    drafting = SimpleNamespace(keep_rows=lambda rows: None)
+    prompts = [torch.tensor([1])] * 4
+    rows = batch_decode._Rows(steps, drafting, prompts, None, GREEDY, None)  # type: ignore[arg-type]
+    rows.order, rows.queue = [0, 1, 2, 3], []
+    for finished in range(1, 4):
+        rows.everyone[finished].stop_reason = "eos"
+        assert rows.reshaped()
+        if kept:
+            break
+    assert kept and len(kept[0]) == 4 - leave_after

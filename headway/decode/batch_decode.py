@@ -16,7 +16,8 @@ padding node is a candidate like any other: accepted only where it is what greed
 speculative sampling would commit, so the output is unchanged), the size rounded so the block
 is a power of two: a handful of shapes (and, on CUDA, of captured graphs) covers every step. A
 row that has finished (EOS, a stop string or ``max_new_tokens``) steps on with an empty tree,
-committing nothing, until a quarter of the batch has finished; then the finished rows leave it
+committing nothing, until a quarter of the batch has finished (half where steps are captured as
+CUDA graphs, which a new batch size captures again); then the finished rows leave it
 (:meth:`BatchVerify.keep_rows`: on a CPU a step's time grows with its rows). With
 ``max_batch`` below the number of prompts, the waiting prompts take finished rows' places as
 soon as rows finish (:meth:`BatchVerify.add_rows` prefills them as rows of their own; their
@@ -167,9 +168,9 @@ class _Rows:
         self.drafting.observe(kept, steps.hidden)
 
     def reshaped(self) -> bool:
-        """Drop finished rows (once a quarter of the batch has finished, or at once where
-        prompts wait) and put waiting prompts in their places; False once every prompt is
-        done."""
+        """Drop finished rows (once a quarter of the batch has finished, half where its steps
+        are captured, or at once where prompts wait) and put waiting prompts in their places;
+        False once every prompt is done."""
         rows = [self.everyone[index] for index in self.order]
         going = [place for place, row in enumerate(rows) if row.stop_reason is None]
         done = len(rows) - len(going)
@@ -180,7 +181,10 @@ class _Rows:
                 self.on_done(finished)
         if not going and not self.queue:
             return False
-        if done == 0 or (done < -(-len(rows) // 4) and not self.queue):
+        # a captured batch captures its graphs again for every new batch size: there finished
+        # rows leave once half has finished (a GPU's step costs about the same for fewer rows)
+        share = 2 if self.steps.target.capture else 4
+        if done == 0 or (done < -(-len(rows) // share) and not self.queue):
             return True
         self.steps.keep_rows(going)  # none at all, for a moment, where every row finished
         self.drafting.keep_rows(going)
