@@ -18,9 +18,10 @@ step's tree layout and acceptance (:mod:`headway.decode.device_tree`) take trees
 each row what it gives alone; :class:`~headway.decode.batch_step.BatchVerify` takes
 steps for ``B`` rows with them (one host read a step for all rows), greedy or sampled, and
 :class:`~headway.drafters.batch_eagle.BatchEagle` keeps an EAGLE draft layer's keys/values for
-``B`` rows in one; finished rows leave a batch (:meth:`StaticCache.kept_rows`). What remains is
-refilling a batch with new prompts as rows finish (as
-:mod:`headway.generation.batched_generation` does with its ragged cache).
+``B`` rows in one; finished rows leave a batch and waiting prompts join it
+(:meth:`StaticCache.kept_rows`, :meth:`StaticCache.joined`), as
+:mod:`headway.generation.batched_generation` does with its ragged cache, which regeneration
+still runs on (a later turn there continues from the turn before's keys/values).
 """
 
 from __future__ import annotations
