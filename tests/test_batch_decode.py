@@ -330,7 +330,8 @@ def test_the_sizer_weighs_drafting_time_and_pauses_drafting_that_does_not_pay() 
 
     sizer = object.__new__(BatchSizer)
     sizer.seconds = [0.010, 0.011, 0.012, 0.014]  # blocks of 1, 2, 4, 8 entries a row
-    sizer.accepted, sizer.drafted, sizer.pause, sizer.skipped = 3.0, 4.0, 0, 0
+    sizer.pause, sizer.skipped = 0, 0
+    sizer.reached, sizer.passed = [1.0] * 8, [0.75] * 8  # three in four accepted at a depth
     sizer.drafted_steps = 0
     chain = [[-1, 0, 1, 2, 3, 4]] * 4  # four rows, a six-deep chain each
     assert sizer.nodes(chain, drafting=0.001) == 7 and sizer.drafts()
@@ -356,7 +357,8 @@ def test_the_sizer_follows_the_steps_it_times() -> None:
 
     sizer = object.__new__(BatchSizer)
     sizer.seconds = [0.010, 0.011, 0.012, 0.014]  # blocks of 1, 2, 4, 8 entries a row
-    sizer.accepted, sizer.drafted, sizer.pause, sizer.skipped = 2.0, 4.0, 0, 0
+    sizer.pause, sizer.skipped = 0, 0
+    sizer.reached, sizer.passed = [1.0] * 8, [0.5] * 8  # one in two accepted at a depth
     sizer.drafted_steps = 0
     chain = [[-1, 0, 1, 2, 3, 4]] * 4  # four rows, a six-deep chain each
     assert sizer.nodes(chain) == 7
@@ -408,3 +410,20 @@ def test_finished_rows_leave_after_a_quarter_or_half_where_captured(
         if kept:
             break
     assert kept and len(kept[0]) == 4 - leave_after
+
+
+def test_the_sizer_weighs_each_depth_by_how_often_it_was_accepted() -> None:
+    """Chains of six where the first node was accepted 80% of the time and the second 20%,
+    never deeper: the sizer sends three nodes (a seventh entry's step costs more than what
+    depths 4-6 bring), where one share of all drafted depth would have sent all six."""
+    from headway.decode.batch_sizer import BatchSizer
+
+    sizer = object.__new__(BatchSizer)
+    sizer.seconds = [0.010, 0.011, 0.012, 0.014]  # blocks of 1, 2, 4, 8 entries a row
+    sizer.pause, sizer.skipped, sizer.drafted_steps = 0, 0, 0
+    sizer.reached = [1.0] * 8
+    sizer.passed = [0.5**depth for depth in range(8)]
+    for accepted in [1] * 12 + [2] * 4 + [0] * 4:
+        sizer.learn(6, accepted)
+    chain = [[-1, 0, 1, 2, 3, 4]] * 4
+    assert sizer.nodes(chain) == 3

@@ -28,8 +28,9 @@ BatchSizer`): every row's tree is cut to
 one block size ``S`` (1, 2, 4, ... entries a row), the size whose expected committed tokens
 over the measured time of a step of that size is highest. The sizes are timed on the rows
 themselves once per machine, model, batch size and cache size (kept, as the GEMM route and the
-verify cost table are: :mod:`headway.timings`); the expected tokens count each row's tree depth
-at that size times the share of drafted depth accepted so far. On a CPU, where a step's time
+verify cost table are: :mod:`headway.timings`), then following the steps taken; each row's
+expected tokens add, for every depth its tree reaches at that size, how often an accepted path
+has reached that depth so far. On a CPU, where a step's time
 grows with ``B x S``, one row's long draft no longer makes every row verify its padding
 (MT-bench x8, SmolLM2 fp32, 2-core EPYC, prompt lookup: a batch whose rows all verified the
 longest row's tree ran 1.48x HF greedy one prompt at a time, sized so 2.85x, both on the stock

@@ -25,8 +25,8 @@ class BatchSizer:
     """The block size of a batch's steps (module docstring): ``seconds[i]``, what a step of
     ``2^i`` entries a row takes on ``steps``' rows, timed once per machine, model shapes, GEMM
     route, batch size and cache capacity (kept by :mod:`headway.timings`; each size one run that
-    builds its buffers, or graph, then one timed, both committing nothing), and the share of
-    drafted depth accepted so far."""
+    builds its buffers, or graph, then one timed, both committing nothing), and how often an
+    accepted path has reached each depth so far."""
 
     def __init__(self, steps: BatchVerify, largest: int) -> None:
         self.steps = steps
@@ -42,7 +42,10 @@ class BatchSizer:
             valid=seconds_table(count),
         )
         self.seconds: list[float] = list(kept)  # follows the steps taken (timed)
-        self.accepted, self.drafted = 1.0, 2.0  # a prior: half of what is drafted
+        # per depth d: trees that reached d, and those whose accepted path did (a prior of
+        # one tree each, accepted to depth d with probability 2^-d)
+        self.reached = [1.0] * (largest + 1)
+        self.passed = [0.5**depth for depth in range(largest + 1)]
         self.pause = 0  # steps left without drafting (drafting did not pay when last weighed)
         self.skipped = 0  # the pause drafting takes next time it does not pay (doubles)
         self.drafted_steps = 0  # steps drafted since the last plain one
@@ -80,12 +83,15 @@ class BatchSizer:
         the ``drafting`` seconds the trees took counted against every size but none. Where the
         best is slower than a step whose rows never drafted, the next steps skip drafting: 1,
         then 2, 4, ... up to 64 steps while it keeps losing (a win resets the pause)."""
-        share = self.accepted / self.drafted
+        gains = [0.0]  # gains[d]: tokens a tree of depth d is expected to add
+        for depth in range(1, len(self.reached)):
+            gains.append(gains[-1] + self.passed[depth] / self.reached[depth])
         best, best_rate = 0, len(parents) / (self.seconds[0] + drafting)  # drafting, unused
         plain = len(parents) / self.seconds[0]  # had the rows not drafted at all
         for index, seconds in enumerate(self.seconds[1:], start=1):
             size = 1 << index
-            expected = sum(1 + share * depth_of(tree[: size - 1]) for tree in parents)
+            depths = [min(depth_of(tree[: size - 1]), len(gains) - 1) for tree in parents]
+            expected = sum(1 + gains[depth] for depth in depths)
             if expected / (seconds + drafting) > best_rate:
                 best, best_rate = size - 1, expected / (seconds + drafting)
         if best_rate < plain:  # drafting costs more than it brings: pause it
@@ -113,9 +119,12 @@ class BatchSizer:
         self.seconds = [seconds * new / old for seconds in self.seconds]
 
     def learn(self, depth: int, accepted: int) -> None:
-        """A row's tree of ``depth`` had ``accepted`` of its nodes accepted."""
-        self.drafted += depth
-        self.accepted += accepted
+        """A row's tree of ``depth`` had ``accepted`` of its nodes accepted: the rate at which
+        an accepted path reaches each depth a tree reaches (deeper nodes pay less, which one
+        share of all drafted depth would not say)."""
+        for level in range(1, min(depth, len(self.reached) - 1) + 1):
+            self.reached[level] += 1
+            self.passed[level] += accepted >= level
 
 
 def depth_of(parents: list[int]) -> int:
