@@ -41,7 +41,8 @@ CHOICES: dict[str, Any] = {"default": "default", "deep": [[0], [1], [0, 0], [0, 
 def _drafters(model: Any, choices: Any, count: int) -> list[MedusaDrafter]:
     """``count`` drafters over one set of random heads (sharpened, so some drafts land)."""
     torch.manual_seed(1)
-    heads = MedusaHeads(MedusaConfig(3, 1, 32, TINY_VOCAB), model.lm_head.weight).eval()
+    heads = MedusaHeads(MedusaConfig(3, 1, 32, TINY_VOCAB), model.lm_head.weight)
+    heads = heads.to(model.device).eval()  # on the model's device before its route is chosen
     layer = final_hidden_layer(model)
     return [MedusaDrafter(heads, hidden_layer=layer, choices=choices) for _ in range(count)]
 
@@ -142,9 +143,7 @@ def test_batch_drafting_with_rows_joining_on_cuda(
     truths = [hf_greedy(model, prompt, NEW_TOKENS, eos=None) for prompt in prompts]
     torch.manual_seed(1)
     if kind == "medusa":
-        drafter = _drafters(model, "default", 1)[0]
-        drafter.heads.to("cuda")
-        batch: Any = BatchMedusa(drafter, 2)
+        batch: Any = BatchMedusa(_drafters(model, "default", 1)[0], 2)
     else:
         draft = EagleModel(EagleConfig.from_target(model)).to("cuda").eval()
         layer = int(model.config.num_hidden_layers)
