@@ -427,3 +427,45 @@ def test_the_sizer_weighs_each_depth_by_how_often_it_was_accepted() -> None:
         sizer.learn(6, accepted)
     chain = [[-1, 0, 1, 2, 3, 4]] * 4
     assert sizer.nodes(chain) == 3
+
+
+def test_a_sampled_batch_sends_whole_trees_whatever_the_timings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sampled, no sizer weighs timings (they would change which random numbers a step
+    draws): every row's whole tree goes, and one seed gives the same tokens twice."""
+    from headway.decode import batch_sizer
+    from headway.decode.batch_drafting import RowDrafters
+    from headway.decode.sampling import SamplingParams
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a sampled batch built a sizer")
+
+    monkeypatch.setattr(batch_sizer.BatchSizer, "__init__", refused)
+    proposed: list[int] = []
+    propose = RowDrafters.propose
+
+    def counted(self: RowDrafters, *args: Any) -> Any:
+        trees = propose(self, *args)
+        proposed.append(sum(len(tokens) for tokens, _ in trees))
+        return trees
+
+    monkeypatch.setattr(RowDrafters, "propose", counted)
+    model = tiny_model("llama")
+    runs = []
+    for _ in range(2):
+        drafters = [PromptLookupDrafter() for _ in range(4)]
+        sampling = SamplingParams(temperature=0.1)  # near greedy: the phrases repeat
+        generator = torch.Generator().manual_seed(11)
+        runs.append(
+            decode_batch(
+                model,
+                _prompts(),
+                drafters,
+                max_new_tokens=30,
+                sampling=sampling,
+                generator=generator,
+            )
+        )
+    assert [row.tokens for row in runs[0]] == [row.tokens for row in runs[1]]
+    assert proposed  # every step asked for the rows' trees

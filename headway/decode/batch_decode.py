@@ -36,6 +36,8 @@ grows with ``B x S``, one row's long draft no longer makes every row verify its 
 longest row's tree ran 1.48x HF greedy one prompt at a time, sized so 2.85x, both on the stock
 GEMM route; 4.64x on the packed one with grouped heads read once, docs/usage.md);
 on a GPU, where a small model's step costs about the same at any size, the whole trees go.
+Sampled, the whole trees always go: sizes that followed a run's timings would change which
+random numbers a step draws, and one seed would give other tokens on another run.
 
 Greedy, each row's tokens are the target's greedy output for that prompt alone (fp32);
 sampled, each row's tokens follow the target's distribution for its prompt
@@ -200,7 +202,10 @@ def _decode(batch: _Rows) -> list[GenerationResult]:
     steps, drafting = batch.steps, batch.drafting
     batch.start(batch.queue[: steps.batch])
     batch.queue = batch.queue[steps.batch :]
-    sizer = BatchSizer(steps, steps.max_depth + 1) if drafting.drafts else None
+    # sampled, every row's whole tree goes: sizes that followed this run's timings would change
+    # which random numbers a step draws, and a seed would give other tokens on another run
+    sized = drafting.drafts and batch.sampling.greedy
+    sizer = BatchSizer(steps, steps.max_depth + 1) if sized else None
     while True:
         size = len(batch.order)
         if not batch.reshaped():
@@ -210,13 +215,14 @@ def _decode(batch: _Rows) -> list[GenerationResult]:
         rows = [batch.everyone[index] for index in batch.order]
         ids = [batch.ids[index] for index in batch.order]
         live = [row.stop_reason is None for row in rows]
-        drafts = sizer is not None and sizer.drafts()
+        drafts = drafting.drafts and (sizer is None or sizer.drafts())
         start = time.perf_counter()
         trees = drafting.propose(ids, live) if drafts else [([], [])] * len(rows)
         nodes = 0
-        if sizer is not None and drafts:
+        if drafts:
             sent = [parents for (_, parents), on in zip(trees, live, strict=True) if on]
-            nodes = sizer.nodes(sent, time.perf_counter() - start)
+            whole = max((len(tree) for tree in sent), default=0)
+            nodes = whole if sizer is None else sizer.nodes(sent, time.perf_counter() - start)
         trees = [(tokens[:nodes], parents[:nodes]) for tokens, parents in trees]
         padded = [_padded(tokens, parents, nodes) for tokens, parents in trees]
         tokens = torch.tensor([t for t, _ in padded], dtype=torch.long)
