@@ -155,4 +155,4 @@ def test_batch_drafting_with_rows_joining_on_cuda(
     rows = decode_batch(model, prompts, recorded, max_new_tokens=NEW_TOKENS, max_batch=2)
     assert [row.tokens for row in rows] == truths
     if kind == "eagle1":
-        assert batch._graph is not None and recorded.trees == eager.trees
+        assert batch._drafting.graph is not None and recorded.trees == eager.trees

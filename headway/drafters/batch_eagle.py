@@ -38,7 +38,8 @@ instead).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,12 +66,9 @@ class BatchEagle:
         if capture and not on_cuda:
             raise ValueError(f"CUDA graphs need a CUDA device; the drafter is on {drafter._device}")
         self.capture = on_cuda if capture is None else capture
-        self._graph: Any = None  # the captured drafting step, and the tensors it was bound to
-        self._bound: tuple[object, ...] = ()
+        self._drafting, self._learning = _BoundGraph(), _BoundGraph()  # captured on CUDA
         self._out: Tensor | None = None
         self.fixed = self.capture  # a step's pairs learned in one shape (what a graph holds)
-        self._learn_graph: Any = None
-        self._learn_bound: tuple[object, ...] = ()
         self._in_states: tuple[Tensor, ...] = ()
         self._in_tokens = torch.zeros(0, dtype=torch.long)
         self._in_count = torch.zeros(0, dtype=torch.long)
@@ -121,9 +119,14 @@ class BatchEagle:
         self._stage(tokens, tuple(s[:, : min(width, s.shape[1])] for s in states), count)
         with self.drafter.routed():
             if not self.capture:
-                self.learn(*self._staged())
-            else:
-                self._replay_learning()
+                self.learn(self._in_tokens, self._in_states, self._in_count)
+            else:  # captured again once the buffers it reads or writes are other tensors
+                bound = (self._cache, self._roots, self._committed, self._columns, *self._in_states)
+                self._learning.run(
+                    lambda: self.learn(self._in_tokens, self._in_states, self._in_count),
+                    bound,
+                    self._device,
+                )
 
     def _stage(self, tokens: Tensor, states: tuple[Tensor, ...], count: Tensor) -> None:
         """Copy a step's pairs into the buffers the fixed-shape learning reads (``tokens``
@@ -143,23 +146,6 @@ class BatchEagle:
             buffer[:, : layer.shape[1]].copy_(layer)
         self._in_tokens.copy_(tokens)
         self._in_count.copy_(count)
-
-    def _staged(self) -> tuple[Tensor, tuple[Tensor, ...], Tensor]:
-        return self._in_tokens, self._in_states, self._in_count
-
-    def _replay_learning(self) -> None:
-        """:meth:`learn` over the staged buffers, replayed from a CUDA graph (captured on first
-        use, and again once the buffers it reads or writes are other tensors)."""
-        bound = (self._cache, self._roots, self._committed, self._columns, *self._in_states)
-        same = len(bound) == len(self._learn_bound) and all(
-            a is b for a, b in zip(bound, self._learn_bound, strict=True)
-        )
-        if self._learn_graph is not None and same:
-            self._learn_graph.replay()
-            return
-        self._learn_graph, self._learn_bound = None, bound
-        body = lambda: self.learn(*self._staged())  # noqa: E731
-        self._learn_graph = record_graph(body, self._device, torch.cuda.graph_pool_handle())
 
     def learn(self, tokens: Tensor, states: tuple[Tensor, ...], count: Tensor) -> None:
         """Feed each row's pairs (``tokens [B, M]`` on the device, ``states`` ``[B, M, H_t]``
@@ -237,16 +223,11 @@ class BatchEagle:
         counts are other tensors than the graph's (rows left or joined, the cache grew)."""
         if not self.capture:
             return self.trees_on_device(roots)
-        bound = (self._cache, roots, self._committed, self._columns)
-        if self._graph is None or any(a is not b for a, b in zip(bound, self._bound, strict=True)):
-            self._graph, self._bound = None, bound
 
-            def body() -> None:
-                self._out = self.trees_on_device(roots)
+        def body() -> None:
+            self._out = self.trees_on_device(roots)
 
-            self._graph = record_graph(body, self._device, torch.cuda.graph_pool_handle())
-        else:
-            self._graph.replay()
+        self._drafting.run(body, (self._cache, roots, self._committed, self._columns), self._device)
         assert self._out is not None
         return self._out
 
@@ -309,3 +290,24 @@ class BatchEagle:
         return draft_forward(
             self.drafter, self._cache, features, tokens, positions, placed[:, tree:], visible
         )
+
+
+@dataclass
+class _BoundGraph:
+    """A CUDA graph and the tensors it was captured over (:attr:`bound`): replayed while they
+    are the same objects, captured again once one is another (rows left or joined, the cache
+    grew: a graph writes into the buffers it was captured with)."""
+
+    graph: Any = None
+    bound: tuple[object, ...] = ()
+
+    def run(self, body: Callable[[], None], bound: tuple[object, ...], device: Any) -> None:
+        """Replay the graph, or capture ``body`` over ``bound`` (which it runs once too)."""
+        same = len(bound) == len(self.bound) and all(
+            a is b for a, b in zip(bound, self.bound, strict=True)
+        )
+        if self.graph is not None and same:
+            self.graph.replay()
+            return
+        self.graph, self.bound = None, bound  # the old graph and its memory pool go first
+        self.graph = record_graph(body, device, torch.cuda.graph_pool_handle())
