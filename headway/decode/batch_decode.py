@@ -267,9 +267,7 @@ def _row_drafters(
             f"need one drafter (or None) per row ({batch}) or per prompt ({prompts}); "
             f"got {len(drafters)}"
         )
-    rows = RowDrafters(drafters[:batch])
-    rows.free = list(drafters[batch:])
-    return rows
+    return RowDrafters(drafters[:batch], spare=drafters[batch:])
 
 
 def _check(

@@ -71,23 +71,27 @@ class BatchDrafter(Protocol):
 
 
 class RowDrafters:
-    """One drafter per row (None: that row does not draft) as a :class:`BatchDrafter`.
+    """One drafter per row (None: that row does not draft) as a :class:`BatchDrafter`;
+    ``spare`` ones for the rows that join later.
 
     Raises:
         HeadwayError: drafters reading the target's states at different layers (a step
             leaves one set for all rows).
     """
 
-    def __init__(self, drafters: Sequence[Drafter | None]) -> None:
+    def __init__(
+        self, drafters: Sequence[Drafter | None], spare: Sequence[Drafter | None] = ()
+    ) -> None:
         self.rows = list(drafters)
-        self.free: list[Drafter | None] = []  # the drafters of rows that left the batch
-        layers = {drafter.hidden_layers for drafter in drafters if drafter is not None}
+        # drafters for rows that join: ``spare`` ones, then those of rows that left the batch
+        self.free: list[Drafter | None] = list(spare)
+        layers = {drafter.hidden_layers for drafter in [*drafters, *spare] if drafter is not None}
         if len(layers) > 1:
             raise HeadwayError(
                 f"a batch's drafters read the target's states at one set of layers, not {layers}"
             )
         self.hidden_layers: tuple[int, ...] = layers.pop() if layers else ()
-        nodes = [drafter.max_nodes for drafter in drafters if drafter is not None]
+        nodes = [drafter.max_nodes for drafter in [*drafters, *spare] if drafter is not None]
         self.max_nodes = max(nodes, default=0)
 
     @property
