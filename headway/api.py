@@ -134,7 +134,10 @@ def generate(
     """Generate from `prompt` with speculative decoding.
 
     At temperature 0 the output equals the target's own greedy decoding (exactly, in fp32); with
-    sampling it follows the target's distribution. Generation stops right after the token that
+    sampling it follows the target's distribution, and one ``seed`` samples one text with any
+    drafter, tree and device (up to the rounding of the forward; each token is drawn with a
+    uniform keyed by the seed and its position, :mod:`headway.decode.keyed_noise`). Generation
+    stops right after the token that
     completes one of the `stop` strings in the decoded text (the match stays in the output).
     `on_text` receives each newly committed piece of text. ``options`` are the
     :class:`DecodeOptions` (cost sizing, GEMM order, acceptance rule: ``acceptance="typical"``
@@ -164,7 +167,7 @@ def generate(
         decoder = Decoder(model, drafter, options or DecodeOptions(verify=verify))
     check_tree_mask(model)  # once per model: refuses one that ignores the 4-D tree mask
     ids = prompt_ids(target, prompt, chat=chat).to(model.device)
-    generator = torch.Generator(device=model.device).manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)  # on the host: one text per seed anywhere
     streamer = _TextStreamer(target, on_text) if on_text else None
     start = time.perf_counter()
     result = decoder.generate(
@@ -208,7 +211,9 @@ def generate_batch(
     static cache and reads the device once for all of them
     (:mod:`headway.decode.batch_decode`); at temperature 0 each output is the target's greedy
     output for its prompt alone (exactly, in fp32), sampled each follows the target's
-    distribution (one generator seeded with ``seed`` draws for every row); a row stops right
+    distribution, and the first prompt's tokens are what :func:`generate` samples for it with
+    the same ``seed`` (each prompt has its own seed from ``seed``, whatever the drafter, the
+    batch size and the rows beside it: :mod:`headway.decode.keyed_noise`); a row stops right
     after the token that completes one of the ``stop`` strings, as in :func:`generate`.
     ``drafter``: a
     name (``"prompt-lookup"``, the default here, ``"retrieval"``, ``"lookup-medusa"``),
@@ -241,7 +246,7 @@ def generate_batch(
         eos_token_ids=eos_token_ids(target),
         stop_check=_stop_strings(target, stop) if stop else None,
         sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-        generator=torch.Generator(device=model.device).manual_seed(seed),
+        generator=torch.Generator().manual_seed(seed),
         max_batch=rows,
         on_done=on_done,
     )

@@ -108,6 +108,23 @@ def test_a_row_growing_the_cache_keeps_every_rows_output() -> None:
     assert [row[:40] for row in generated] == [truth[:40] for truth in truths]
 
 
+def _counted_bodies(
+    step: BatchVerify, model: Any, roots: Tensor, monkeypatch: pytest.MonkeyPatch
+) -> DispatchCounter:
+    """A dispatch counter over ``step``'s tensors and the model's, every step body counted
+    in its ``captured`` region (what a GPU records as a graph)."""
+    tensors, devices = seeds_of(step, 4, every_tensor=True)
+    counter = DispatchCounter([*tensors, *model.parameters(), *model.buffers(), roots], devices)
+    body = BatchVerify._body
+
+    def captured(self: BatchVerify, plan: Any) -> None:
+        with counter.region("captured"):
+            body(self, plan)
+
+    monkeypatch.setattr(BatchVerify, "_body", captured)
+    return counter
+
+
 def test_a_step_reads_the_device_once_and_its_body_is_device_work_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -118,15 +135,7 @@ def test_a_step_reads_the_device_once_and_its_body_is_device_work_only(
     truths = [hf_greedy(model, p, 16 + DEPTH + 1, eos=None) for p in prompts]
     step = BatchVerify(StaticForward(model, batch=len(prompts)), max_depth=DEPTH)
     roots = step.prefill(prompts)  # the buffers exist before counting
-    tensors, devices = seeds_of(step, 4, every_tensor=True)
-    counter = DispatchCounter([*tensors, *model.parameters(), *model.buffers(), roots], devices)
-    body = BatchVerify._body
-
-    def captured(self: BatchVerify, plan: Any) -> None:
-        with counter.region("captured"):
-            body(self, plan)
-
-    monkeypatch.setattr(BatchVerify, "_body", captured)
+    counter = _counted_bodies(step, model, roots, monkeypatch)
     monkeypatch.setattr(step, "prefill", lambda prompts: roots)
     steps = []
     original = step.step
@@ -141,6 +150,36 @@ def test_a_step_reads_the_device_once_and_its_body_is_device_work_only(
     assert [row[:16] for row in generated] == [truth[:16] for truth in truths]
     assert counter.counts.syncs == len(steps) + 1 > 4  # and the read of the first tokens
     assert counter.counts.graph_faults == {}
+
+
+def test_a_sampled_steps_body_computes_its_uniforms_on_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sampled, each row's uniforms are hashes of its seed and positions computed in the body
+    (headway.decode.keyed_noise): no host read or copy there, one read a step."""
+    from headway.decode.sampling import SamplingParams
+
+    model = tiny_model("llama")
+    prompts = _prompts((3, 9, 5))
+    hot = SamplingParams(temperature=1.0)
+    step = BatchVerify(StaticForward(model, batch=len(prompts)), max_depth=DEPTH)
+    roots = step.prefill(prompts, hot, torch.tensor([5, 6, 7]))
+    counter = _counted_bodies(step, model, roots, monkeypatch)
+    rng = random.Random(1)
+    generated = [[int(root)] for root in roots.tolist()]
+    with torch.inference_mode(), counter:
+        for _ in range(5):
+            trees = [_tree(row, 0, rng) for row in generated]
+            committed = step.step(
+                torch.tensor([row[-1] for row in generated]),
+                torch.tensor([tokens for tokens, _ in trees]),
+                torch.tensor([parents for _, parents in trees]),
+                sampling=hot,
+            )
+            for row, tokens in zip(generated, committed, strict=True):
+                row += tokens
+    assert counter.counts.syncs == 5 and counter.counts.graph_faults == {}
+    assert min(len(row) for row in generated) >= 6
 
 
 def test_rows_leaving_the_batch_leave_the_others_as_they_were() -> None:

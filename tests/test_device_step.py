@@ -22,9 +22,9 @@ from headway.decode.device_tree import (
 )
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
-from headway.decode.sampling import SamplingParams
+from headway.decode.sampling import SamplingParams, probs_from_logits
 from headway.decode.tree import DraftTree, ancestor_mask, depths, subtree
-from headway.decode.verify import verify_greedy
+from headway.decode.verify import verify_greedy, verify_sampling
 from headway.drafters.medusa_drafter import MedusaDrafter
 from headway.drafters.static_eagle import StaticEagle3Drafter
 from headway.eval.dispatch_decoding import CAPTURED_BODIES, count_decoding
@@ -302,21 +302,25 @@ def test_medusa_heads_take_the_device_step() -> None:
     assert counts.syncs == counts.steps + 1 and single._verifier is not None
 
 
-def test_device_sampling_commits_tokens_distributed_as_the_target() -> None:
-    """The device rejection walk over test_verify.py's tree of fixed candidates: the first
-    committed token follows the target's root distribution, the second (after an accepted
-    first) the target's distribution after it."""
+def test_device_sampling_commits_the_hosts_tokens_over_the_same_uniforms() -> None:
+    """The device's draw-then-match walk over test_verify.py's tree of fixed candidates commits
+    what the host's :func:`verify_sampling` commits over the same uniforms, every sample: the
+    first token follows the target's root distribution, the second (after an accepted first)
+    the target's distribution after it."""
     tree = deterministic_tree(torch.Generator())
-    probs = block_probs(tree)
+    logits = block_probs(tree).log()
+    hot = SamplingParams(temperature=1.0)
+    probs = probs_from_logits(logits, hot)
     ids = torch.cat([torch.tensor([0]), tree.tokens])
     generator = torch.Generator().manual_seed(99)
     first = torch.zeros(SMALL)
     second = torch.zeros(SMALL, SMALL)
     samples = 6000
     for _ in range(samples):
-        noise = torch.rand(tree.size + SMALL, generator=generator)
-        count, _, committed = accept_sampled(ids, tree.parents, probs, noise, 3, 2)
+        uniforms = torch.rand(3, generator=generator, dtype=torch.float64)
+        count, _, committed = accept_sampled(ids, tree.parents, logits, hot, uniforms, 3)
         tokens = committed[: int(count)].tolist()
+        assert tokens == verify_sampling(tree, probs, uniforms).tokens.tolist()
         first[tokens[0]] += 1
         if len(tokens) >= 2:
             second[tokens[0], tokens[1]] += 1

@@ -275,9 +275,9 @@ def every_first_then_greedy(second: Tensor) -> Tensor:
 
 class TableDrafter:
     """Drafts from a table of the target's next-token probabilities after the first token, mixed
-    with uniform noise. ``random=True``: ``width`` siblings drawn from q without replacement (with
-    draft_probs); otherwise the top-``width`` of q as deterministic candidates. Each sibling gets a
-    chain of ``depth - 1`` further tokens below it."""
+    with uniform noise. ``random=True``: ``width`` siblings drawn from q without replacement;
+    otherwise the top-``width`` of q as deterministic candidates. Each sibling gets a chain of
+    ``depth - 1`` further tokens below it, drawn uniformly."""
 
     hidden_layers: tuple[int, ...] = ()
     max_nodes = 64
@@ -302,17 +302,15 @@ class TableDrafter:
         else:
             first = q.topk(self.width).indices
         self.last_children = first.tolist()
-        tokens, parents, rows = [], [], []
+        tokens, parents = [], []
         for child in first.tolist():
             below = torch.randint(TINY_VOCAB, (self.depth - 1,), generator=self.generator)
             parent = -1
-            for level, token in enumerate([child, *below.tolist()]):  # below: from uniform q
+            for token in [child, *below.tolist()]:
                 tokens.append(token)
                 parents.append(parent)
-                rows.append(q if level == 0 else uniform)
                 parent = len(tokens) - 1
-        probs = torch.stack(rows) if self.random else None
-        return DraftTree(torch.tensor(tokens), torch.tensor(parents), probs)
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents))
 
 
 def chi_square(counts: Tensor, probs: Tensor) -> tuple[float, float]:

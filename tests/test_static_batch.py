@@ -14,6 +14,7 @@ from torch import Tensor
 
 from headway.decode.device_tree import accept_greedy, accept_sampled, open_columns, tree_layout
 from headway.decode.kv import cache_argument
+from headway.decode.sampling import SamplingParams
 from headway.decode.static_cache import StaticCache
 from headway.decode.tree import ancestor_mask
 from tests.test_generate import hf_greedy
@@ -211,19 +212,20 @@ def test_batched_tree_layout_and_acceptance_are_each_rows_own(nodes: int) -> Non
     argmax = torch.where(  # often the drafted token, so paths get long
         torch.rand(batch, size, generator=generator) < 0.6, ids.roll(-1, -1), ids.roll(1, -1)
     )
-    probs = torch.softmax(3 * torch.randn(batch, size, vocab, generator=generator), -1)
-    noise = torch.rand(batch, nodes + vocab, generator=generator)
+    logits = 3 * torch.randn(batch, size, vocab, generator=generator)
+    hot = SamplingParams(temperature=1.0)
     rows = nodes + 1
+    uniforms = torch.rand(batch, rows, generator=generator, dtype=torch.float64)
     depths, ancestors = tree_layout(parents, nodes)
     greedy = accept_greedy(ids, parents, depths, ancestors, argmax, rows)
-    sampled = accept_sampled(ids, parents, probs, noise, rows, nodes)
+    sampled = accept_sampled(ids, parents, logits, hot, uniforms, rows)
     assert greedy[0].shape == (batch,) and sampled[2].shape == greedy[2].shape
     for b in range(batch):
         alone_depths, alone_ancestors = tree_layout(parents[b], nodes)
         assert torch.equal(depths[b], alone_depths) and torch.equal(ancestors[b], alone_ancestors)
         alone = accept_greedy(ids[b], parents[b], alone_depths, alone_ancestors, argmax[b], rows)
         assert all(torch.equal(mine[b], its) for mine, its in zip(greedy, alone, strict=True)), b
-        alone = accept_sampled(ids[b], parents[b], probs[b], noise[b], rows, nodes)
+        alone = accept_sampled(ids[b], parents[b], logits[b], hot, uniforms[b], rows)
         assert all(torch.equal(mine[b], its) for mine, its in zip(sampled, alone, strict=True)), b
     if nodes > 1:  # the batch differs between rows: a test of rows, not of one row five times
         assert len({tuple(row.tolist()) for row in greedy[2]}) > 1

@@ -168,5 +168,3 @@ def test_draft_tree_shape_errors() -> None:
         DraftTree(torch.tensor([1, 2]), torch.tensor([-1]))
     with pytest.raises(ValueError, match="int64"):
         DraftTree(torch.tensor([1.0]), torch.tensor([-1]))
-    with pytest.raises(ValueError, match="draft_probs"):
-        DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), torch.ones(3, 5))

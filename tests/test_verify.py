@@ -17,6 +17,7 @@ from headway.decode.sampling import (
     SamplingParams,
     probs_from_logits,
     sample,
+    sample_with,
     top_p_drop,
     top_p_drop_reference,
 )
@@ -111,24 +112,28 @@ def block_probs(tree: DraftTree) -> torch.Tensor:
 
 
 def deterministic_tree(generator: torch.Generator) -> DraftTree:
-    """Root children 2, 0, 4 (2 has children 1, 3; 0 has child 5): fixed candidates, no q."""
+    """Root children 2, 0, 4 (2 has children 1, 3; 0 has child 5): fixed candidates."""
     return DraftTree(torch.tensor([2, 0, 4, 1, 3, 5]), torch.tensor([-1, -1, -1, 0, 0, 1]))
 
 
 def drafted_tree(generator: torch.Generator) -> DraftTree:
-    """3 root children drawn from ROOT_Q without replacement, 2 grandchildren each from CHILD_Q."""
+    """3 root children drawn from ROOT_Q without replacement, 2 grandchildren each from CHILD_Q
+    (a drafter that samples its candidates: any way of choosing them stays lossless)."""
     first = torch.multinomial(ROOT_Q, 3, replacement=False, generator=generator)
-    tokens, parents, rows = first.tolist(), [-1, -1, -1], [ROOT_Q] * 3
+    tokens, parents = first.tolist(), [-1, -1, -1]
     for child in range(3):
         second = torch.multinomial(CHILD_Q, 2, replacement=False, generator=generator)
         tokens += second.tolist()
         parents += [child, child]
-        rows += [CHILD_Q, CHILD_Q]
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.stack(rows))
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents))
 
 
 def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return 0.5 * float((counts / counts.sum() - probs).abs().sum())
+
+
+def uniforms(generator: torch.Generator) -> torch.Tensor:
+    return torch.rand(3, generator=generator, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("make_tree", [deterministic_tree, drafted_tree])
@@ -138,7 +143,7 @@ def test_sampling_commits_tokens_distributed_as_the_target(make_tree: object) ->
     second = torch.zeros(SMALL, SMALL)  # [first token, second token] when the first was drafted
     for _ in range(SAMPLES):
         tree = make_tree(generator)  # type: ignore[operator]
-        accepted = verify_sampling(tree, block_probs(tree), generator)
+        accepted = verify_sampling(tree, block_probs(tree), uniforms(generator))
         tokens = accepted.tokens.tolist()
         first[tokens[0]] += 1
         if len(tokens) >= 2:
@@ -150,11 +155,39 @@ def test_sampling_commits_tokens_distributed_as_the_target(make_tree: object) ->
     assert second.sum() > SAMPLES / 3  # drafts were accepted often enough to test depth 2
 
 
+def test_sampling_commits_what_plain_sampling_draws_with_the_same_uniforms() -> None:
+    """Whatever the tree (none, fixed candidates, sampled ones), a step's tokens are plain
+    sampling's over the same uniforms: the first from ROOT_P with u[0], the second (where a
+    drafted first token was accepted) from the distribution after it with u[1]."""
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(400):
+        u = uniforms(generator)
+        plain = int(sample_with(ROOT_P, u[0]))
+        assert verify_sampling(empty_tree(), ROOT_P[None], u).tokens.tolist() == [plain]
+        for tree in (deterministic_tree(generator), drafted_tree(generator)):
+            tokens = verify_sampling(tree, block_probs(tree), u).tokens.tolist()
+            assert tokens[0] == plain
+            if len(tokens) >= 2:
+                assert tokens[1] == int(sample_with(AFTER[plain], u[1]))
+
+
+def test_a_child_is_accepted_as_often_as_the_target_draws_it() -> None:
+    """Draw-then-match accepts a deterministic candidate set with its summed target mass (what
+    recursive rejection over the siblings gives): root children 2, 0, 4 hold 0.75 of ROOT_P."""
+    generator = torch.Generator().manual_seed(3)
+    tree = deterministic_tree(generator)
+    accepted = sum(
+        verify_sampling(tree, block_probs(tree), uniforms(generator)).accept_length > 1
+        for _ in range(SAMPLES)
+    )
+    assert abs(accepted / SAMPLES - 0.75) < 0.015
+
+
 def test_sampling_step_always_ends_with_one_bonus() -> None:
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
         tree = drafted_tree(generator)
-        accepted = verify_sampling(tree, block_probs(tree), generator)
+        accepted = verify_sampling(tree, block_probs(tree), uniforms(generator))
         assert accepted.accept_length == accepted.path.numel() <= 3
         drafted = tree.tokens[accepted.path[1:] - 1]
         assert torch.equal(accepted.tokens[:-1], drafted)
@@ -168,12 +201,13 @@ def test_typical_acceptance_takes_the_deepest_plausible_path() -> None:
     probs[3, 77] = 0.9  # bonus after b3 is (almost surely) 77
     probs[4, 66] = 0.9
     probs = probs / probs.sum(-1, keepdim=True)
-    accepted = verify_typical(TREE, probs, torch.Generator().manual_seed(0), TypicalParams())
+    u = torch.rand(4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    accepted = verify_typical(TREE, probs, u, TypicalParams())
     assert accepted.path.tolist()[:2] == [0, 1]
     assert accepted.path.numel() == 3  # depth 2: b3 and b4 tie on depth; b5 is rejected
     probs[1, 13] = 0.6  # now b4 has the higher path likelihood
     probs = probs / probs.sum(-1, keepdim=True)
-    assert verify_typical(TREE, probs, None).path.tolist() == [0, 1, 4]
+    assert verify_typical(TREE, probs, u).path.tolist() == [0, 1, 4]
 
 
 def test_verify_dispatch() -> None:
@@ -184,8 +218,11 @@ def test_verify_dispatch() -> None:
         assert verify(TREE, logits, greedy, None, rule).tokens.tolist() == [10, 12, 14, 7]
     with pytest.raises(ValueError, match="lossless"):
         verify(TREE, logits, greedy, None, "fast")  # type: ignore[arg-type]
-    hot = verify(TREE, logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    hot_params = SamplingParams(temperature=1.0)
+    hot = verify(TREE, logits, hot_params, torch.rand(4, dtype=torch.float64))
     assert hot.tokens.tolist() == [10, 12, 14, 7]  # logits of 100 make sampling deterministic
+    with pytest.raises(ValueError, match="uniforms"):
+        verify(TREE, logits, hot_params, None)
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,14 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--top-k", type=NON_NEGATIVE, default=0, help="sample among the k best (0 = off)"
     )
-    parser.add_argument("--seed", type=SEED, default=0, help="seed of the sampling generator")
+    parser.add_argument(
+        "--seed",
+        type=SEED,
+        default=0,
+        help="seed of sampled decoding: the same seed samples the same text with any drafter, "
+        "tree size, --batch or --batch-size (each token drawn with a uniform keyed by the seed "
+        "and its position; fp32: exactly, bf16: up to rounding)",
+    )
     parser.add_argument(
         "--stop",
         action="append",

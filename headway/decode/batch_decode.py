@@ -36,13 +36,14 @@ grows with ``B x S``, one row's long draft no longer makes every row verify its 
 longest row's tree ran 1.48x HF greedy one prompt at a time, sized so 2.85x, both on the stock
 GEMM route; 4.64x on the packed one with grouped heads read once, docs/usage.md);
 on a GPU, where a small model's step costs about the same at any size, the whole trees go.
-Sampled, the whole trees always go: sizes that followed a run's timings would change which
-random numbers a step draws, and one seed would give other tokens on another run.
 
 Greedy, each row's tokens are the target's greedy output for that prompt alone (fp32);
-sampled, each row's tokens follow the target's distribution for its prompt
-(``tests/test_batch_decode.py``; with Medusa and EAGLE drafters every row accepts what it
-accepts decoded alone, ``tests/test_batch_eagle.py``). On a CPU a batch's step is bound by
+sampled, each row's tokens are what its seed samples for that prompt, whatever the trees, the
+batch and the rows beside it (prompt ``i`` gets the ``i``-th seed of
+:func:`~headway.decode.keyed_noise.sequence_seeds`; the first prompt's tokens are
+``headway.generate``'s for it with the same generator), and they follow the target's
+distribution (``tests/test_batch_decode.py``; with Medusa and EAGLE drafters every row accepts
+what it accepts decoded alone, ``tests/test_batch_eagle.py``). On a CPU a batch's step is bound by
 arithmetic, not by reading the weights, so drafting seldom pays there (docs/usage.md, "Several
 prompts at once"): prompt lookup, whose drafting costs nothing, is the batch's default.
 """
@@ -64,6 +65,7 @@ from headway.decode.captured import StaticForward, block_bucket
 from headway.decode.gemm import gemm_route
 from headway.decode.generate import GenerationResult
 from headway.decode.grouped_attention import grouped_attention
+from headway.decode.keyed_noise import sequence_seeds
 from headway.decode.kv import context_limit
 from headway.decode.sampling import GREEDY, SamplingParams
 from headway.decode.session import Drafter, StopReason
@@ -98,10 +100,11 @@ def decode_batch(
 ) -> list[GenerationResult]:
     """Decode ``prompts`` (LongTensors ``[P_b]``) together, drafted by ``drafters``: one per
     row (``drafters[b]``, None: no drafter) or a :class:`~headway.decode.batch_drafting.
-    BatchDrafter` drafting every row's tree at once; greedy or by ``sampling`` with
-    ``generator``; see the module docstring. ``stop_check(generated)`` true ends a row after
-    that token (stop strings). ``capture``: CUDA graphs (default: on CUDA). ``max_batch``:
-    the most prompts decoded at once (default: all), the rest taking finished rows' places;
+    BatchDrafter` drafting every row's tree at once; greedy or by ``sampling`` with the
+    prompts' seeds drawn from ``generator``; see the module docstring.
+    ``stop_check(generated)`` true ends a row after that token (stop strings). ``capture``:
+    CUDA graphs (default: on CUDA). ``max_batch``: the most prompts decoded at once
+    (default: all), the rest taking finished rows' places;
     a list of ``drafters`` may then hold one per row of the first batch. ``on_done(n)`` is
     called as prompts finish, ``n`` the number finished so far (a progress bar). Returns one
     :class:`~headway.decode.generate.GenerationResult` per prompt, as a prompt decoded alone.
@@ -121,7 +124,8 @@ def decode_batch(
         forward = StaticForward(model, capture=capture, batch=batch)
         steps = BatchVerify(forward, depth, drafting.hidden_layers)
         ending = _Ending(frozenset(eos_token_ids), max_new_tokens, stop_check)
-        rows = _Rows(steps, drafting, prompts, ending, sampling, generator, on_done)
+        seeds = None if sampling.greedy else sequence_seeds(generator, len(prompts))
+        rows = _Rows(steps, drafting, prompts, ending, sampling, seeds, on_done)
         return _decode(rows)
 
 
@@ -135,7 +139,7 @@ class _Rows:
     prompts: Sequence[Tensor]
     ending: _Ending
     sampling: SamplingParams
-    generator: torch.Generator | None
+    seeds: Tensor | None  # sampled: each prompt's seed [prompts]
     on_done: Callable[[int], None] | None = None
     order: list[int] = field(default_factory=list)
     queue: list[int] = field(default_factory=list)
@@ -154,13 +158,14 @@ class _Rows:
         commit their first tokens; their drafting learns their prompts."""
         steps, device = self.steps, self.steps.target.model.device
         on_device = [self.prompts[index].to(device) for index in prompts]
+        seeds = None if self.seeds is None else self.seeds[prompts]
         if not self.started:
             self.started = True
             self.drafting.begin([self.prompts[index] for index in prompts])
-            firsts = steps.prefill(on_device, self.sampling, self.generator).tolist()
+            firsts = steps.prefill(on_device, self.sampling, seeds).tolist()
         else:
             self.drafting.add_rows([self.prompts[index] for index in prompts])
-            firsts = steps.add_rows(on_device, self.sampling, self.generator).tolist()
+            firsts = steps.add_rows(on_device, self.sampling, seeds).tolist()
         kept: list[list[int]] = [[] for _ in self.order]
         for index, first in zip(prompts, firsts, strict=True):
             row, sequence = self.everyone[index], self.ids[index]
@@ -202,10 +207,7 @@ def _decode(batch: _Rows) -> list[GenerationResult]:
     steps, drafting = batch.steps, batch.drafting
     batch.start(batch.queue[: steps.batch])
     batch.queue = batch.queue[steps.batch :]
-    # sampled, every row's whole tree goes: sizes that followed this run's timings would change
-    # which random numbers a step draws, and a seed would give other tokens on another run
-    sized = drafting.drafts and batch.sampling.greedy
-    sizer = BatchSizer(steps, steps.max_depth + 1) if sized else None
+    sizer = BatchSizer(steps, steps.max_depth + 1) if drafting.drafts else None
     while True:
         size = len(batch.order)
         if not batch.reshaped():
@@ -229,9 +231,7 @@ def _decode(batch: _Rows) -> list[GenerationResult]:
         parents = torch.tensor([p for _, p in padded], dtype=torch.long)
         roots = torch.tensor([sequence[-1] for sequence in ids])
         begun = time.perf_counter()
-        committed = steps.step(
-            roots, tokens, parents, torch.tensor(live), batch.sampling, batch.generator
-        )
+        committed = steps.step(roots, tokens, parents, torch.tensor(live), batch.sampling)
         if sizer is not None:
             sizer.timed(block_bucket(nodes + 1), time.perf_counter() - begun)
         kept: list[list[int]] = []

@@ -10,16 +10,18 @@ the same functions over a leading batch dimension (:mod:`headway.decode.device_t
 1. each row's block (its root, then its tree, padded to a power of two) is written at its own
    columns ``lengths[b] ..``, its positions and mask from its own tree and length;
 2. one verify forward of ``[B, S]`` entries;
-3. acceptance per row (greedy, or lossless speculative sampling over uniforms drawn before the
-   step), each row's accepted path moved behind its own prefix, and ``lengths`` advanced by
-   each row's count, all on the device;
+3. acceptance per row (greedy, or lossless speculative sampling over the uniforms of the row's
+   seed at the step's positions, :mod:`headway.decode.keyed_noise`, computed on the device),
+   each row's accepted path moved behind its own prefix, and ``lengths`` advanced by each
+   row's count, all on the device;
 
 then one host read for all rows (the committed tokens). Shapes depend only on ``B`` and ``n``,
 so on CUDA the step is captured as one graph per tree size and replayed; off CUDA it runs
 uncaptured. A row that has finished keeps stepping (its tokens are ignored) until its caller
 drops it (:meth:`BatchVerify.keep_rows`). Rows' outputs are each row's own greedy output, as
 transformers decodes that prompt alone (``tests/test_batch_step.py``, fp32); sampled, each
-row's tokens follow the target's distribution (``tests/test_batch_decode.py``).
+row's tokens are those its seed samples for that prompt alone, with or without a drafter
+(``tests/test_batch_decode.py``).
 
 Not yet: targets with sliding or chunked layers (their masks need a host check a step).
 """
@@ -34,10 +36,16 @@ import torch
 from torch import Tensor
 
 from headway.decode.captured import StaticForward, block_bucket, run_graph
-from headway.decode.device_step import draw_uniforms
 from headway.decode.device_tree import accept_greedy, accept_sampled, open_columns, tree_layout
 from headway.decode.gemm import routed_linears
-from headway.decode.sampling import GREEDY, SamplingParams, pick_tokens, probs_from_logits
+from headway.decode.keyed_noise import uniforms_at
+from headway.decode.sampling import (
+    GREEDY,
+    SamplingParams,
+    pick_tokens,
+    probs_from_logits,
+    sample_with,
+)
 from headway.decode.static_cache import StaticCache
 from headway.errors import TargetError
 
@@ -56,7 +64,6 @@ class _Plan:
     active: Tensor  # [B] bool: rows that commit this step
     cache: object  # the StaticCache the graph writes into
     sampling: SamplingParams = GREEDY
-    noise: Tensor | None = None  # sampling: [B, n + V] uniforms, drawn before each step
     graph: object = None
     out: Tensor | None = None  # [B, 2 + rows]: count, committed tokens, whether it commits
     hidden: tuple[Tensor, ...] = ()  # [B, rows, H] per hidden layer, along each accepted path
@@ -81,6 +88,7 @@ class BatchVerify:
         self.batch = target.cache.batch
         device = target.model.device
         self.lengths = torch.zeros(self.batch, dtype=torch.long, device=device)  # per row
+        self.seeds = torch.zeros(self.batch, dtype=torch.long, device=device)  # sampling's
         self._known = [0] * self.batch  # the same on the host, from each step's one read
         self._plans: dict[tuple[int, SamplingParams], _Plan] = {}
         # the target's states (``hidden_layers``) the last prefill or step left: [B, L, H]
@@ -92,16 +100,19 @@ class BatchVerify:
         self,
         prompts: Sequence[Tensor],
         sampling: SamplingParams = GREEDY,
-        generator: torch.Generator | None = None,
+        seeds: Tensor | None = None,
     ) -> Tensor:
         """Run each row's prompt (``B`` LongTensors ``[L_b]``, L_b >= 1) from column 0 in one
-        forward; returns each row's next token ``[B]`` (on the device; greedy, or drawn with
-        ``generator`` by ``sampling``), the first root to feed :meth:`step`. Shorter prompts
-        are padded with entries that see only themselves (their columns are overwritten or
-        never opened later)."""
+        forward; returns each row's next token ``[B]`` (on the device; greedy, or drawn by
+        ``sampling`` with the uniforms of the rows' ``seeds [B]``, which every later step
+        of the row draws with too: :mod:`headway.decode.keyed_noise`), the first root to
+        feed :meth:`step`. Shorter prompts are padded with entries that see only themselves
+        (their columns are overwritten or never opened later)."""
         target, device = self.target, self.target.model.device
         if len(prompts) != self.batch or min(p.numel() for p in prompts) < 1:
             raise ValueError(f"need {self.batch} prompts of at least one token each")
+        if not sampling.greedy and (seeds is None or seeds.shape != (self.batch,)):
+            raise ValueError(f"sampling needs one seed per row ([{self.batch}])")
         sizes = torch.tensor([p.numel() for p in prompts], device=device)
         width = int(max(p.numel() for p in prompts))
         target.begin(width)
@@ -126,7 +137,12 @@ class BatchVerify:
         self.lengths.copy_(sizes)
         self._known = [p.numel() for p in prompts]
         target.cache.length = width
-        return pick_tokens(last_logits, sampling, generator)
+        if sampling.greedy:
+            return pick_tokens(last_logits, sampling, None)
+        assert seeds is not None
+        self.seeds = seeds.to(device)
+        probs = probs_from_logits(last_logits, sampling)
+        return sample_with(probs, uniforms_at(self.seeds, sizes))  # the first answer token
 
     @torch.no_grad()
     def step(
@@ -136,7 +152,6 @@ class BatchVerify:
         parents: Tensor,
         active: Tensor | None = None,
         sampling: SamplingParams = GREEDY,
-        generator: torch.Generator | None = None,
     ) -> list[list[int]]:
         """Verify each row's tree (``tokens``/``parents [B, n]``, topological order, -1 for the
         root's children) below its root (``roots [B]``: each row's last committed token, not
@@ -144,16 +159,14 @@ class BatchVerify:
         row's committed tokens (its next root is the last). A row ``active [B]`` (bool,
         default all) leaves False is computed but commits nothing: its length stays, and the
         tokens returned for it are to be ignored (a finished row, until the batch ends).
-        ``sampling``: greedy acceptance, or lossless speculative sampling over uniforms drawn
-        from ``generator`` before the step runs (the graph holds no random op)."""
+        ``sampling``: greedy acceptance, or lossless speculative sampling over the uniforms of
+        the rows' seeds (:meth:`prefill`) at the step's positions."""
         nodes = tokens.shape[-1]
         if tokens.shape != (self.batch, nodes) or parents.shape != tokens.shape:
             raise ValueError(f"need trees [{self.batch}, n]; got {list(tokens.shape)}")
         target = self.target
         target.reserve(max(self._known) + block_bucket(nodes + 1))
         plan = self._plan(nodes, sampling)
-        if plan.noise is not None:
-            draw_uniforms(plan.noise, generator)
         plan.roots.copy_(roots)
         plan.tokens.copy_(tokens)
         plan.parents.copy_(parents)
@@ -179,6 +192,7 @@ class BatchVerify:
         target.cache = target.cache.kept_rows(index)
         self.batch = len(rows)
         self.lengths = self.lengths.index_select(0, index)
+        self.seeds = self.seeds.index_select(0, index)
         self._known = [self._known[row] for row in rows]
         self.hidden = tuple(states.index_select(0, index) for states in self.hidden)
         self._plans.clear()
@@ -188,19 +202,21 @@ class BatchVerify:
         self,
         prompts: Sequence[Tensor],
         sampling: SamplingParams = GREEDY,
-        generator: torch.Generator | None = None,
+        seeds: Tensor | None = None,
     ) -> Tensor:
         """Put ``prompts`` (``n`` LongTensors ``[L_i]``) in the batch after its rows, each
-        run from column 0 of a row of its own (:meth:`prefill` over them alone, then the
-        caches joined); returns their first tokens ``[n]``. :attr:`hidden` holds the batch's
+        run from column 0 of a row of its own (:meth:`prefill` over them alone, with their
+        ``seeds [n]`` where sampled, then the caches joined); returns their first tokens
+        ``[n]``. :attr:`hidden` holds the batch's
         states ``[B + n, L, H]``: the old rows' zeros, the new rows' at every prompt entry."""
         target, old = self.target, self.target.cache
-        lengths, known, batch = self.lengths, self._known, self.batch
+        lengths, known, batch, kept_seeds = self.lengths, self._known, self.batch, self.seeds
         device = lengths.device
         target.cache = StaticCache(len(old.layers), old.capacity, device, len(prompts))
         self.batch, self._plans = len(prompts), {}
         self.lengths = torch.zeros(len(prompts), dtype=torch.long, device=device)
-        firsts = self.prefill(prompts, sampling, generator)  # may grow the new rows' cache
+        self.seeds = torch.zeros(len(prompts), dtype=torch.long, device=device)
+        firsts = self.prefill(prompts, sampling, seeds)  # may grow the new rows' cache
         new = target.cache
         capacity = max(old.capacity, new.capacity)
         if old.capacity < capacity:
@@ -208,6 +224,7 @@ class BatchVerify:
         target.cache = old.joined(new)
         self.batch = batch + len(prompts)
         self.lengths = torch.cat([lengths, self.lengths])
+        self.seeds = torch.cat([kept_seeds, self.seeds])
         self._known = known + self._known
         self.hidden = tuple(
             torch.cat([states.new_zeros(batch, *states.shape[1:]), states])
@@ -232,9 +249,6 @@ class BatchVerify:
                 cache=self.target.cache,
                 sampling=sampling,
             )
-            if not sampling.greedy:  # one uniform per node, then the bonus token's noise
-                vocab = int(self.target.model.get_output_embeddings().weight.shape[0])
-                plan.noise = torch.zeros(self.batch, nodes + vocab, device=device)
             self._plans[(nodes, sampling)] = plan
         return plan
 
@@ -249,14 +263,15 @@ class BatchVerify:
         visible = torch.eye(size, dtype=torch.bool, device=ids.device).repeat(self.batch, 1, 1)
         visible[:, : nodes + 1, : nodes + 1] = ancestors
         logits, hidden = self._forward(ids, positions, visible, self.lengths, size)
-        if plan.noise is None:
+        if plan.sampling.greedy:
             count, path, committed = accept_greedy(
                 ids, plan.parents, depths, ancestors, logits.argmax(-1), plan.rows
             )
-        else:
-            probs = probs_from_logits(logits, plan.sampling)  # [B, S, V]
+        else:  # each row's token after its root sits at position lengths + 1
+            levels = self.lengths[:, None] + 1 + torch.arange(plan.rows, device=ids.device)
+            uniforms = uniforms_at(self.seeds, levels)  # [B, rows]
             count, path, committed = accept_sampled(
-                ids, plan.parents, probs, plan.noise, plan.rows, self.max_depth
+                ids, plan.parents, logits, plan.sampling, uniforms, plan.rows
             )
         plan.hidden = tuple(
             states.gather(1, path[..., None].expand(-1, -1, states.shape[-1])) for states in hidden

@@ -279,10 +279,9 @@ class TreeSizer:
     def trim(self, tree: DraftTree) -> DraftTree:
         """The nodes of ``tree`` worth sending: ranked by :func:`monotone_scores` (best first,
         ties to the earlier node, so every prefix of the ranking is a tree), the first
-        :meth:`keep` of them, in their original order. An empty tree, one without ``scores``, or
-        one of sampled drafts (``draft_probs``, whose siblings must stay together) is sent
-        whole."""
-        if tree.scores is None or tree.draft_probs is not None or tree.size == 0:
+        :meth:`keep` of them, in their original order. An empty tree or one without
+        ``scores`` is sent whole."""
+        if tree.scores is None or tree.size == 0:
             self._pending = None
             return tree
         scores = monotone_scores(tree.parents.cpu(), tree.scores.detach().float().cpu())

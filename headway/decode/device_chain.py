@@ -18,15 +18,15 @@ and keeps each step's count and committed tokens; the host reads them all once, 
 and commits them step by step (an EOS or the token limit inside the run drops the rest). On CUDA
 one step is one graph (captured on first use and again when a buffer it holds is replaced, a
 cache grown), replayed ``steps`` times back to back: the host queues the run's steps without
-waiting, a device index picking each step's row of results and uniforms. (The whole run as
+waiting, a device index picking each step's row of results. (The whole run as
 one graph, before, was launched on an H100 at a host cost growing as the square of the run:
 0.6, 2.4 and 9.9 ms for runs of 2, 4 and 8 plain steps, ``scripts/device/chain_probe.py``;
 ``decode_figures.py`` with the real target measured MT-bench x8 at 180 tokens/s 8 tokens a
 run against 283 a token a run.) Greedy or lossless sampling; drafters with the ``chain_*``
 methods (the static EAGLE drafters, Medusa heads, and plain decoding's empty drafter, whose
-steps are a token each). The tokens and acceptance lengths are the single steps' (greedy;
-sampled, the same too with a host generator, whose uniforms a run draws in the order single
-steps draw them: ``tests/test_device_chain.py``, ``tests/test_device_step.py``).
+steps are a token each). The tokens and acceptance lengths are the single steps' (greedy or
+sampled: each step draws with the uniforms of its own positions, :mod:`headway.decode.
+keyed_noise`; ``tests/test_device_chain.py``, ``tests/test_device_step.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from headway.decode.captured import block_bucket, record_graph
-from headway.decode.device_step import DeviceStep, DeviceVerify, draw_uniforms
+from headway.decode.device_step import DeviceStep, DeviceVerify
 from headway.decode.sampling import GREEDY, SamplingParams
 from headway.decode.session import Session, commit
 
@@ -130,9 +130,8 @@ class DeviceChain:
         self._graph: Any = None  # one step, replayed ``steps`` times a run
         self._held: tuple[object, ...] = ()  # the buffers the graph was captured over
         self._results: Tensor | None = None  # [steps, 1 + rows]: count, committed tokens
-        self._work: Tensor | None = None  # [2]: the running root and prefix length
+        self._work: Tensor | None = None  # [3]: the running root and prefix length, the seed
         self._index: Tensor | None = None  # [1]: the step of the run being taken
-        self._noise: Tensor | None = None  # sampled runs: [steps, n + V], drawn before each
 
     def columns(self) -> int:
         """Target columns a run can add at most (each step commits up to depth + 1 tokens)."""
@@ -144,13 +143,13 @@ class DeviceChain:
         prefix_len: int,
         hidden_layers: tuple[int, ...],
         sampling: SamplingParams = GREEDY,
-        generator: torch.Generator | None = None,
+        seed: int = 0,
     ) -> list[list[int]]:
         """Run the chained steps after ``root`` (the last committed token, not yet in the
         cache) over the cache's ``prefix_len`` tokens; returns each step's committed tokens
         (host). The cache then holds them all, less the last step's last token (the next
-        root); cut it back where fewer are kept. Sampled, every step's uniforms are drawn
-        from ``generator`` before the run, in step order (as one step at a time draws them)."""
+        root); cut it back where fewer are kept. Sampled, each step draws with the uniforms of
+        ``seed`` at its own positions, computed in the graph (as one step at a time draws them)."""
         verify, target, drafter = self.verify, self.verify.target, self.drafter
         target.check_prefix(prefix_len)
         drafter.chain_reserve(self.steps)
@@ -166,16 +165,10 @@ class DeviceChain:
         if not same or self._results is None:
             self._graph = None  # a buffer it reads or writes was replaced: capture again
             self._results = plan.staged.new_zeros(self.steps, plan.rows + 1)
-            self._work = plan.staged.new_zeros(2)
+            self._work = plan.staged.new_zeros(3)
             self._index = plan.staged.new_zeros(1)
-            self._noise = None
             self._held = held
-        if not sampling.greedy:
-            if self._noise is None:
-                size = (self.steps, verify.noise_size(plan))
-                self._noise = plan.staged.new_zeros(size, dtype=torch.float32)
-            draw_uniforms(self._noise, generator)
-        plan.host[0], plan.host[1] = root, prefix_len
+        plan.host[0], plan.host[1], plan.host[2] = root, prefix_len, seed
         plan.staged.copy_(plan.host, non_blocking=True)
         step = lambda: self._body(plan, hidden_layers, sampling)  # noqa: E731
         with drafter.chain_context():
@@ -213,8 +206,8 @@ class DeviceChain:
 
     def _body(self, plan: Any, hidden_layers: tuple[int, ...], sampling: SamplingParams) -> None:
         """One step, device work only (what the graph holds): it reads the root and prefix
-        the step before left in ``_work``, the drafter's inputs the step before left and,
-        sampled, the row of the uniforms at the device's step index; writes its count and
+        the step before left in ``_work`` (and the seed), the drafter's inputs the step before
+        left; writes its count and
         committed tokens to that row of the results and moves the index on. The same graph
         replayed takes the run's next step."""
         assert self._work is not None and self._results is not None and self._index is not None
@@ -223,8 +216,7 @@ class DeviceChain:
         if plan.nodes:  # plain decoding's empty tree has nothing to copy
             plan.tokens.copy_(tokens)
             plan.parents.copy_(parents)
-        noise = None if self._noise is None else self._noise.index_select(0, index)[0]
-        self.verify._body(plan, hidden_layers, sampling, staged=work, noise=noise)
+        self.verify._body(plan, hidden_layers, sampling, staged=work)
         out = plan.out
         assert out is not None
         self._results.index_copy_(0, index, out[None])
@@ -248,7 +240,7 @@ def chained_step(session: Session, step: DeviceStep) -> bool:
         return False
     root = int(session.sequence[session.length - 1])
     hidden_layers = session.drafter.hidden_layers
-    runs = chain.run(root, session.length - 1, hidden_layers, session.sampling, session.generator)
+    runs = chain.run(root, session.length - 1, hidden_layers, session.sampling, session.seed)
     for tokens in runs:
         commit(session, tokens)
         if session.stop_reason is not None:

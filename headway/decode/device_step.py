@@ -11,9 +11,10 @@ setting on CUDA):
 1. the block's layout and mask from the tree (:mod:`headway.decode.device_tree`),
 2. the target's verify forward over its static cache (:class:`~headway.decode.captured.
    StaticForward`'s buffers),
-3. acceptance (greedy; or lossless speculative sampling over uniforms drawn before the graph
-   runs), the accepted path's keys/values moved behind the prefix, and the target states on the
-   path gathered for the drafter,
+3. acceptance (greedy; or lossless speculative sampling over the uniforms of the step's
+   positions, :mod:`headway.decode.keyed_noise`, computed in the graph from the sequence's seed
+   and the prefix length), the accepted path's keys/values moved behind the prefix, and the
+   target states on the path gathered for the drafter,
 
 then reads back the committed tokens, the one host read of the step
 (:func:`~headway.decode.generate.device_step` is the loop's side; steps run several to a
@@ -21,8 +22,7 @@ read, :mod:`headway.decode.device_chain`). Where it applies:
 ``verify="captured"`` or ``"compiled"`` on a target without a sliding window, lossless
 acceptance, trees sized by the drafter (``sizing="drafter"``) and
 ``DecodeOptions.device_trees``; a step too near the context limit takes the host step. Output:
-greedy, the host step's token for token; sampled, the target's distribution, drawn with
-other random numbers than the host step's (``tests/test_device_step.py``).
+greedy or sampled, the host step's token for token (``tests/test_device_step.py``).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from torch import Tensor
 
 from headway.decode.captured import StaticForward, block_bucket, run_graph
 from headway.decode.device_tree import accept_greedy, accept_sampled, tree_layout
-from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits
+from headway.decode.keyed_noise import uniforms_at
+from headway.decode.sampling import GREEDY, SamplingParams
 from headway.decode.static_cache import StaticCache
 
-__all__ = ["DeviceDrafter", "DeviceStep", "DeviceVerify", "draw_uniforms"]
+__all__ = ["DeviceDrafter", "DeviceStep", "DeviceVerify"]
 
 
 @runtime_checkable
@@ -69,15 +70,14 @@ class _Plan:
 
     nodes: int
     rows: int
-    staged: Tensor  # [2] on the device: the root id, the prefix length
-    host: Tensor  # [2] on the host (pinned on CUDA)
+    staged: Tensor  # [3] on the device: the root id, the prefix length, the sampling seed
+    host: Tensor  # [3] on the host (pinned on CUDA)
     tokens: Tensor  # [n], the drafter's tree copied in
     parents: Tensor  # [n]
     cache: StaticCache  # the target cache the graph writes into
     graph: Any = None
     out: Tensor | None = None  # [1 + rows]: count, then the committed tokens (padded)
     hidden: tuple[Tensor, ...] = field(default_factory=tuple)  # [rows, H] per layer
-    noise: Tensor | None = None  # sampling: [n + V] uniforms, drawn before each run
 
 
 class DeviceVerify:
@@ -96,26 +96,23 @@ class DeviceVerify:
         prefix_len: int,
         hidden_layers: tuple[int, ...],
         sampling: SamplingParams = GREEDY,
-        generator: torch.Generator | None = None,
+        seed: int = 0,
     ) -> tuple[list[int], Tensor, tuple[Tensor, ...]]:
         """Verify the tree (``tokens``, ``parents`` ``[n]``) below ``root`` after the cache's
         ``prefix_len`` tokens; returns the committed tokens (host), and on the device the same
         tokens padded ``[rows]`` and the target states on the accepted path (``[rows, H]`` per
-        hidden layer), which stay valid until the next call. Sampling draws its uniforms from
-        ``generator`` before the graph runs (one launch; the graph holds no random op)."""
+        hidden layer), which stay valid until the next call. Sampled, the tokens are drawn
+        with the uniforms of ``seed`` (the sequence's, :mod:`headway.decode.keyed_noise`) at
+        the step's positions."""
         target = self.target
         tokens, parents = tree
         target.check_prefix(prefix_len)
         target.reserve(prefix_len + block_bucket(tokens.numel() + 1))
         plan = self._plan(tokens.numel(), hidden_layers, sampling)
-        plan.host[0], plan.host[1] = root, prefix_len
+        plan.host[0], plan.host[1], plan.host[2] = root, prefix_len, seed
         plan.staged.copy_(plan.host, non_blocking=True)
         plan.tokens.copy_(tokens)
         plan.parents.copy_(parents)
-        if not sampling.greedy:
-            if plan.noise is None:
-                plan.noise = plan.tokens.new_zeros(self.noise_size(plan), dtype=torch.float32)
-            draw_uniforms(plan.noise, generator)
         body = lambda: self._body(plan, hidden_layers, sampling)  # noqa: E731
         plan.graph = run_graph(plan.graph, body, target.model.device, target.capture)
         assert plan.out is not None
@@ -123,11 +120,6 @@ class DeviceVerify:
         count = int(host[0])
         target.cache.length = prefix_len + count
         return host[1 : 1 + count].tolist(), plan.out[1:], plan.hidden
-
-    def noise_size(self, plan: _Plan) -> int:
-        """Uniforms a sampled step of ``plan`` takes: one per node, then the bonus token's
-        Gumbel noise over the vocabulary."""
-        return plan.nodes + int(self.target.model.get_output_embeddings().weight.shape[0])
 
     def _plan(
         self,
@@ -150,8 +142,8 @@ class DeviceVerify:
             plan = _Plan(
                 nodes=nodes,
                 rows=min(self.max_depth, nodes) + 1,
-                staged=torch.zeros(2, dtype=torch.long, device=device),
-                host=torch.zeros(2, dtype=torch.long, pin_memory=device.type == "cuda"),
+                staged=torch.zeros(3, dtype=torch.long, device=device),
+                host=torch.zeros(3, dtype=torch.long, pin_memory=device.type == "cuda"),
                 tokens=torch.zeros(nodes, dtype=torch.long, device=device),
                 parents=torch.zeros(nodes, dtype=torch.long, device=device),
                 cache=self.target.cache,
@@ -167,12 +159,10 @@ class DeviceVerify:
         hidden_layers: tuple[int, ...],
         sampling: SamplingParams,
         staged: Tensor | None = None,
-        noise: Tensor | None = None,
     ) -> None:
         """Device work only, of fixed shapes (what a CUDA graph holds): steps 1-3 of the
-        module docstring, the root and prefix length read from ``staged`` (default
-        ``plan.staged``), a sampled step's uniforms from ``noise`` (default ``plan.noise``);
-        leaves the results in ``plan.out`` and ``plan.hidden``."""
+        module docstring, the root, prefix length and seed read from ``staged`` (default
+        ``plan.staged``); leaves the results in ``plan.out`` and ``plan.hidden``."""
         target, nodes = self.target, plan.nodes
         size = block_bucket(nodes + 1)
         staged = plan.staged if staged is None else staged
@@ -193,27 +183,16 @@ class DeviceVerify:
             count, path, tokens = accept_greedy(
                 ids, plan.parents, depths, ancestors, argmax, plan.rows
             )
-        else:
-            noise = plan.noise if noise is None else noise
-            assert noise is not None
-            probs = probs_from_logits(logits, sampling)
+        else:  # the token after the root sits at position prefix + 1
+            levels = torch.arange(plan.rows, device=ids.device) + prefix + 1
+            uniforms = uniforms_at(staged[2], levels)
             count, path, tokens = accept_sampled(
-                ids, plan.parents, probs, noise, plan.rows, self.max_depth
+                ids, plan.parents, logits, sampling, uniforms, plan.rows
             )
         if nodes:  # the accepted path's columns behind the prefix
             target.cache.move_columns(prefix + path, prefix + target.keys[: plan.rows])
         plan.hidden = tuple(layer.index_select(0, path) for layer in hidden)
         plan.out = torch.cat([count.reshape(1), tokens])
-
-
-def draw_uniforms(buffer: Tensor, generator: torch.Generator | None) -> None:
-    """Fill ``buffer`` with uniforms in ``[0, 1)`` from ``generator`` (outside any graph: the
-    graphs hold no random op); a generator on another device (e.g. the host's) draws there and
-    the values are copied over."""
-    if generator is None or generator.device == buffer.device:
-        buffer.uniform_(generator=generator)
-    else:
-        buffer.copy_(torch.rand(buffer.shape, generator=generator, device=generator.device))
 
 
 @dataclass

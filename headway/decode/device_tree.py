@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from headway.decode.sampling import SamplingParams, probs_from_logits, sample_with
+
 __all__ = ["accept_greedy", "accept_sampled", "open_columns", "subtree_on_device", "tree_layout"]
 
 
@@ -113,66 +115,62 @@ def _committed(ids: Tensor, path: Tensor, count: Tensor, bonus: Tensor) -> Tenso
 
 
 def accept_sampled(
-    ids: Tensor, parents: Tensor, probs: Tensor, noise: Tensor, rows: int, max_depth: int
+    ids: Tensor,
+    parents: Tensor,
+    logits: Tensor,
+    sampling: SamplingParams,
+    uniforms: Tensor,
+    rows: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Lossless speculative sampling over a tree of deterministic candidates on the device:
-    :func:`headway.decode.verify.verify_sampling`'s recursive rejection, in fixed shapes, for
-    one tree or a batch of trees of one size (leading dimensions ``*B``, each row its own walk
-    over its own uniforms).
+    """Lossless speculative sampling over a tree on the device:
+    :func:`headway.decode.verify.verify_sampling`'s draw-then-match in fixed shapes, for one
+    tree or a batch of trees of one size (leading dimensions ``*B``, each row its own walk over
+    its own uniforms).
 
-    At the current node (the root first) its children are tried in node order: child ``c_i``
-    is accepted with probability ``p(c_i) / (1 - p(c_1) - ... - p(c_{i-1}))``, which is what
-    trying ``c_i`` after zeroing and renormalising the rejected siblings' mass comes to; every
-    child at once, one uniform each. On acceptance the walk moves to the child with the target's
-    probabilities there; when none is accepted (or at a leaf) the bonus token is drawn from
-    ``p`` with the children's tokens removed (Gumbel-max over the same noise). Each node's
-    uniform is used at most once, so the committed tokens follow the target's distribution.
+    At the current node (the root first) the next token is drawn from the target's
+    distribution there (``sampling`` applied to that entry's logits only) by inverse CDF with
+    the uniform of its level; the child carrying it is accepted and the walk moves on, or the
+    drawn token is the bonus. The host step's tokens over the same uniforms
+    (:mod:`headway.decode.keyed_noise`).
 
     Args:
         ids: LongTensor ``[*B, S]``: root, the ``n`` nodes' tokens (distinct among siblings),
             padding.
         parents: LongTensor ``[*B, n]``.
-        probs: float ``[*B, S, V]``, the target's (shaped) probabilities after each entry.
-        noise: float ``[*B, n + V]`` of uniforms in ``[0, 1)``: one per node, then the bonus
-            token's Gumbel noise.
-        rows, max_depth: as :func:`accept_greedy`'s ``rows``; the deepest node.
+        logits: ``[*B, S, V]``, the target's after each entry.
+        sampling: how the logits are shaped into the target's distribution.
+        uniforms: float64 ``[*B, rows]``: the uniform of the token after a node at each depth.
+        rows: as :func:`accept_greedy`'s ``rows`` (the deepest node + 1).
 
     Returns:
         ``count``, ``path``, ``tokens`` as :func:`accept_greedy`.
     """
     batch, nodes = parents.shape[:-1], parents.shape[-1]
-    vocab, device = probs.shape[-1], ids.device
+    vocab = logits.shape[-1]
+    if nodes == 0:  # plain sampling: the root's token alone
+        drawn = sample_with(probs_from_logits(logits[..., 0, :], sampling), uniforms[..., 0])
+        return ids.new_ones(batch), ids.new_zeros(*batch, 1), drawn[..., None]
     tokens = ids[..., 1 : nodes + 1]
-    uniforms = noise[..., :nodes]
-    gumbel = -torch.log(-torch.log(noise[..., nodes:].clamp_min(1e-20)))
-    if nodes == 0:  # plain sampling: the bonus token alone
-        bonus = (probs[..., 0, :].log() + gumbel).argmax(-1, keepdim=True)
-        return ids.new_ones(batch), ids.new_zeros(*batch, 1), bonus
     node = ids.new_zeros(batch)  # block index of each walk's node
-    stopped = torch.zeros(batch, dtype=torch.bool, device=device)
-    residual = probs[..., 0, :]
+    stopped = torch.zeros(batch, dtype=torch.bool, device=ids.device)
     path = ids.new_zeros(*batch, rows)
     count = ids.new_ones(batch)
-    for level in range(max_depth + 1):  # a leaf at max_depth stops the walk at the last level
-        p = probs.gather(-2, node[..., None, None].expand(*batch, 1, vocab)).squeeze(-2)
-        children = parents == (node - 1).unsqueeze(-1)  # the root's children have parent -1
-        mass = torch.where(children, p.gather(-1, tokens), 0.0)  # [*B, n]
-        before = torch.cumsum(mass, -1) - mass  # earlier siblings' mass
-        accepted = children & (uniforms * (1.0 - before) < mass)
-        moves = accepted.any(-1) & ~stopped
-        child = accepted.int().argmax(-1) + 1  # the first accepted sibling, as a block index
-        taken = torch.zeros_like(p).scatter_add(-1, tokens, children.to(p.dtype)) > 0
-        left = torch.where(taken, 0.0, p)
-        total = left.sum(-1, keepdim=True)
-        left = torch.where(total > 0, left / total.clamp_min(1e-30), p)  # rounding: keep p
+    bonus = ids.new_zeros(batch)
+    for level in range(rows):
+        here = logits.gather(-2, node[..., None, None].expand(*batch, 1, vocab)).squeeze(-2)
+        drawn = sample_with(probs_from_logits(here, sampling), uniforms[..., level])  # [*B]
+        match = (parents == (node - 1).unsqueeze(-1)) & (tokens == drawn.unsqueeze(-1))
+        moves = match.any(-1) & ~stopped
+        if level + 1 == rows:  # no node lies deeper: every walk ends here
+            moves = torch.zeros_like(moves)
+        child = match.int().argmax(-1) + 1  # the matching child, as a block index
         stops = ~stopped & ~moves
-        residual = torch.where(stops.unsqueeze(-1), left, residual)
+        bonus = torch.where(stops, drawn, bonus)
         if level + 1 < rows:
             path[..., level + 1] = torch.where(moves, child, path[..., level + 1])
         count = count + moves.long()
         node = torch.where(moves, child, node)
         stopped = stopped | stops
-    bonus = (residual.log() + gumbel).argmax(-1, keepdim=True)
     last = path.gather(-1, (count - 1).unsqueeze(-1))
-    path = torch.where(torch.arange(rows, device=device) < count.unsqueeze(-1), path, last)
-    return count, path, _committed(ids, path, count, bonus)
+    path = torch.where(torch.arange(rows, device=ids.device) < count.unsqueeze(-1), path, last)
+    return count, path, _committed(ids, path, count, bonus[..., None])

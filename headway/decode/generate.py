@@ -36,9 +36,10 @@ from headway.decode.device_chain import ChainDrafter, DeviceChain, EmptyChain, c
 from headway.decode.device_step import DeviceDrafter, DeviceStep, DeviceVerify
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.gemm import gemm_route
+from headway.decode.keyed_noise import sequence_seeds
 from headway.decode.kv import context_limit
 from headway.decode.options import DecodeOptions
-from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits, sample
+from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits, sample_with
 from headway.decode.session import Drafter, Session, StopReason, commit
 from headway.decode.tree import DraftTree, empty_tree, limit_depth
 from headway.decode.verify import verify
@@ -109,9 +110,7 @@ def _first_token(session: Session, logits: Tensor) -> int:
     if session.sampling.greedy:
         return int(logits.argmax())
     probs = probs_from_logits(logits, session.sampling)
-    if session.generator is not None:
-        probs = probs.to(session.generator.device)
-    return int(sample(probs, session.generator))
+    return int(sample_with(probs, session.uniforms(1)[0]))
 
 
 def prefill_step(session: Session) -> None:
@@ -142,7 +141,8 @@ def draft_step(session: Session) -> None:
         block, tree.parents, prefix_len, session.drafter.hidden_layers
     )
     rule = session.options.acceptance
-    accepted = verify(tree, logits, session.sampling, session.generator, rule)
+    uniforms = None if session.sampling.greedy else session.uniforms(tree.size + 1)
+    accepted = verify(tree, logits, session.sampling, uniforms, rule)
     session.target.compact(prefix_len, accepted.path)
     committed = commit(session, accepted.tokens.tolist())
     if sizer is not None:  # the bonus token is not a drafted one
@@ -167,7 +167,7 @@ def device_step(session: Session) -> bool:
     root = int(session.sequence[session.length - 1])
     hidden_layers = session.drafter.hidden_layers
     tokens, padded, hidden = step.verify.run(
-        root, tree, session.length - 1, hidden_layers, session.sampling, session.generator
+        root, tree, session.length - 1, hidden_layers, session.sampling, session.seed
     )
     committed = commit(session, tokens)
     step.drafter.observe_on_device(padded, hidden, len(committed))
@@ -310,7 +310,7 @@ class Decoder:
             sampling=sampling,
             options=self.options,
             sizer=sizer,
-            generator=generator,
+            seed=0 if sampling.greedy else int(sequence_seeds(generator, 1)[0]),
             max_new_tokens=max_new_tokens,
             context_limit=context_limit(model),
             eos=frozenset(int(token) for token in eos_token_ids),

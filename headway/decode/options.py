@@ -44,17 +44,16 @@ class DecodeOptions:
         ``sizing="drafter"``, let a drafter whose trees stay on the device (static EAGLE
         drafting, Medusa heads, plain decoding) skip the host: layout, mask, acceptance and
         compaction run on the device and a step reads it once
-        (:mod:`headway.decode.device_step`). Greedy: the same tokens either way (False is the
-        reference); sampled: the same distribution, other random numbers.
+        (:mod:`headway.decode.device_step`). The same tokens either way, greedy or sampled
+        with one seed (False is the reference).
     chain: device steps per run (:mod:`headway.decode.device_chain`; without a drafter a
         step is a token): each step's committed count, next root and prefix length stay on the
-        device for the next (sampled, each step's uniforms are drawn before the run), so a GPU
+        device for the next (sampled, each step computes its positions' uniforms), so a GPU
         takes ``chain`` steps back to back and the host reads it once per run instead of once
         a step (the last few steps of a generation one at a time). Default 1: on an H100
         (2026-11-27, bf16, MT-bench x8) runs of 8 captured as one graph ran 0.63x (plain) and
         0.50x (the shipped EAGLE-3) of a read a step; runs now replay a one-step graph, not
-        yet measured on a GPU. Same tokens either way (sampled: with a generator on the host;
-        on a GPU the same distribution).
+        yet measured on a GPU. Same tokens either way (sampled too, with one seed).
     """
 
     sizing: Sizing = field(default="drafter")

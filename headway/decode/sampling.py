@@ -20,10 +20,10 @@ from torch import Tensor
 __all__ = [
     "GREEDY",
     "SamplingParams",
-    "normalise",
     "pick_tokens",
     "probs_from_logits",
     "sample",
+    "sample_with",
     "top_p_drop",
     "top_p_drop_reference",
 ]
@@ -131,31 +131,27 @@ def top_p_drop(
     return top_p_drop_reference(scores, top_p)
 
 
-def normalise(weights: Tensor, fallback: Tensor) -> Tensor:
-    """``weights / weights.sum()``, or ``fallback`` when the mass is zero (possible only through
-    rounding, e.g. a residual ``max(0, p - q)`` of two nearly equal distributions)."""
-    total = weights.sum()
-    if float(total) <= 0.0:
-        return fallback
-    return weights / total
-
-
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """One token id per row of ``probs [..., V]`` (need not sum to 1) → LongTensor ``[...]``,
-    drawn with ``generator`` (``None`` = torch's global generator).
-
-    Inverse-CDF sampling in float64: exact like ``torch.multinomial``, but one uniform draw instead
-    of V exponentials, so cheaper per draw at a large vocabulary on a CPU.
-    """
-    cdf = probs.double().cumsum(-1)
-    uniform = torch.rand(
-        (*cdf.shape[:-1], 1), generator=generator, dtype=torch.float64, device=cdf.device
+    drawn with ``generator`` (``None`` = torch's global generator): :func:`sample_with` over
+    uniforms drawn from it (one per row; float64). Raises on a row with no mass."""
+    if not bool((probs.sum(-1) > 0).all()):
+        raise ValueError("cannot sample from a distribution with no probability mass")
+    uniforms = torch.rand(
+        probs.shape[:-1], generator=generator, dtype=torch.float64, device=probs.device
     )
-    drawn = torch.searchsorted(cdf, uniform * cdf[..., -1:], right=True).squeeze(-1)
+    return sample_with(probs, uniforms)
+
+
+def sample_with(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Inverse-CDF draws: for each row of ``probs [..., V]`` (need not sum to 1) the token
+    whose cumulative mass first exceeds ``uniforms [...]`` (in ``[0, 1)``) times the row's
+    total → LongTensor ``[...]``. Exact like ``torch.multinomial`` (float64 sums), one uniform
+    a draw, device work only (no host read: a captured graph may hold it); a uniform rounded
+    up to the total takes the last token with mass."""
+    cdf = probs.double().cumsum(-1)
+    scaled = uniforms.to(cdf.device, torch.float64)[..., None] * cdf[..., -1:]
+    drawn = torch.searchsorted(cdf, scaled, right=True).squeeze(-1)
     vocab = probs.shape[-1]
-    if bool((drawn >= vocab).any()):  # u * total rounded up to total: take the last token with mass
-        if not bool((cdf[..., -1] > 0).all()):
-            raise ValueError("cannot sample from a distribution with no probability mass")
-        last_with_mass = vocab - 1 - (probs.flip(-1) > 0).long().argmax(-1)
-        drawn = torch.minimum(drawn, last_with_mass)
-    return drawn
+    last_with_mass = vocab - 1 - (probs.flip(-1) > 0).long().argmax(-1)
+    return torch.minimum(drawn, last_with_mass)

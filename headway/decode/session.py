@@ -20,6 +20,7 @@ from torch import Tensor
 from headway.decode.costs import TreeSizer
 from headway.decode.device_step import DeviceStep
 from headway.decode.forwards import TargetForward
+from headway.decode.keyed_noise import uniforms_at
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree
@@ -66,12 +67,18 @@ class Drafter(Protocol):
 class Session:
     """Everything one generation carries between steps (never stored on the model)."""
 
+    def uniforms(self, count: int) -> Tensor:
+        """Sampling's uniforms (float64 ``[count]``, host) of the next ``count`` positions:
+        the token after the last committed one first (:mod:`headway.decode.keyed_noise`)."""
+        positions = torch.arange(self.length, self.length + count)
+        return uniforms_at(torch.tensor(self.seed), positions)
+
     target: TargetForward
     drafter: Drafter
     sampling: SamplingParams
     options: DecodeOptions
     sizer: TreeSizer | None
-    generator: torch.Generator | None
+    seed: int  # the sequence's sampling seed (headway.decode.keyed_noise; greedy: unused)
     max_new_tokens: int
     context_limit: int
     eos: frozenset[int]

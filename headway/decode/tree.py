@@ -132,10 +132,6 @@ class DraftTree:
         tokens: LongTensor ``[n]``, the drafted token ids (the root is not included).
         parents: LongTensor ``[n]``, parent node index or -1 for a child of the root;
             topologically ordered (``parents[i] < i``).
-        draft_probs: optional ``[n, V]``. Row ``i`` is the draft distribution q at node i's
-            parent, from which node i and its siblings were drawn *without replacement*, in node
-            order (siblings share the row). ``None`` means the nodes are deterministic candidates
-            (top-k heads, tree search, prompt lookup); see :mod:`headway.decode.verify`.
         scores: optional fp32 ``[n]``, each node's estimated acceptance probability (EAGLE-2's
             cumulative draft probability, a product of Medusa head probabilities, a corpus
             share), on any device. A loop that sizes trees by cost ranks the nodes by it
@@ -144,7 +140,6 @@ class DraftTree:
 
     tokens: Tensor
     parents: Tensor
-    draft_probs: Tensor | None = field(default=None)
     scores: Tensor | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -159,13 +154,6 @@ class DraftTree:
                 "have the same length (one parent per drafted token)"
             )
         validate_parents(self.parents)
-        if self.draft_probs is not None and (
-            self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != self.tokens.numel()
-        ):
-            raise ValueError(
-                f"draft_probs must be [n, V] with n = {self.tokens.numel()} drafted tokens, "
-                f"got {tuple(self.draft_probs.shape)}"
-            )
         if self.scores is not None and self.scores.shape != self.tokens.shape:
             raise ValueError(
                 f"scores must be [n] with n = {self.tokens.numel()} drafted tokens, "
@@ -199,12 +187,12 @@ def empty_tree(device: torch.device | str = "cpu") -> DraftTree:
     return DraftTree(nothing, nothing.clone())
 
 
-def chain(tokens: Tensor | Sequence[int], draft_probs: Tensor | None = None) -> DraftTree:
+def chain(tokens: Tensor | Sequence[int]) -> DraftTree:
     """The degenerate tree: ``tokens[i]`` is the child of ``tokens[i - 1]`` (parents ``[-1, 0, 1,
     ...]``), i.e. classic speculative decoding (Leviathan et al. 2023; Chen et al. 2023)."""
     ids = torch.as_tensor(tokens, dtype=torch.long)
     parents = torch.arange(-1, ids.numel() - 1, dtype=torch.long, device=ids.device)
-    return DraftTree(ids, parents, draft_probs)
+    return DraftTree(ids, parents)
 
 
 def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
@@ -216,8 +204,7 @@ def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     new_index = torch.cumsum(keep, 0) - 1
     old_parents = tree.parents[keep]
     parents = torch.where(old_parents >= 0, new_index[old_parents.clamp_min(0)], old_parents)
-    probs = None if tree.draft_probs is None else tree.draft_probs[keep]
-    return DraftTree(tree.tokens[keep], parents, probs)
+    return DraftTree(tree.tokens[keep], parents)
 
 
 def subtree(tokens: Tensor, parents: Tensor, keep: Tensor, *, ranked: bool = False) -> DraftTree:

@@ -6,8 +6,9 @@ bonus token drawn from the target). Inputs are the target's logits or probabilit
 entry, ``[n + 1, V]``, from :func:`headway.decode.kv.tree_forward`.
 
 - :func:`verify_greedy` — lossless for greedy decoding (Cai et al. 2024, Medusa).
-- :func:`verify_sampling` — lossless for sampling: recursive rejection over siblings (Leviathan et
-  al. 2023; Chen et al. 2023; Miao et al. 2023, SpecInfer; Li et al. 2024, EAGLE-2).
+- :func:`verify_sampling` — lossless for sampling: the target's token drawn at each position with
+  that position's uniform, a child accepted when it carries it (:mod:`headway.decode.keyed_noise`;
+  the acceptance of recursive rejection over deterministic siblings, Miao et al. 2023, SpecInfer).
 - :func:`verify_typical` — Medusa's typical acceptance (Cai et al. 2024). LOSSY: the output no
   longer follows the target distribution. Opt-in only.
 """
@@ -21,7 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from headway.decode.sampling import SamplingParams, normalise, probs_from_logits, sample
+from headway.decode.sampling import SamplingParams, probs_from_logits, sample_with
 from headway.decode.tree import DraftTree
 
 __all__ = [
@@ -95,81 +96,37 @@ def verify_greedy(tree: DraftTree, logits: Tensor) -> Acceptance:
     return _accept(tree, path, int(argmax[int(path[-1])]))
 
 
-def _try_children_deterministic(
-    kids: list[int], tokens: list[int], p: Tensor, generator: torch.Generator | None
-) -> tuple[int | None, Tensor]:
-    for child in kids:
-        token = tokens[child - 1]
-        # Deterministic candidate c (q is a point mass on c): accept with probability p(c);
-        # on rejection the residual norm(max(0, p - q)) is p with p(c) = 0, renormalised,
-        # so the next sibling and the bonus are drawn from what c did not cover.
-        if torch.rand((), generator=generator, device=p.device) < p[token]:
-            return child, p
-        rejected = p.clone()
-        rejected[token] = 0.0
-        p = normalise(rejected, fallback=p)
-    return None, p
-
-
-def _try_children_drafted(
-    kids: list[int],
-    tokens: list[int],
-    p: Tensor,
-    q: Tensor,
-    generator: torch.Generator | None,
-) -> tuple[int | None, Tensor]:
-    for child in kids:
-        token = tokens[child - 1]
-        # Sibling c drawn from q without replacement: accept with min(1, p(c) / q(c));
-        # on rejection p <- norm(max(0, p - q)) and q <- q without c, renormalised
-        # (Leviathan et al. 2023 Thm. 1, applied recursively over siblings as in SpecInfer/EAGLE).
-        if torch.rand((), generator=generator, device=p.device) * q[token] < p[token]:
-            return child, p
-        p = normalise((p - q).clamp_min(0.0), fallback=p)
-        without = q.clone()
-        without[token] = 0.0
-        q = normalise(without, fallback=q)
-    return None, p
-
-
 def verify_sampling(
     tree: DraftTree,
     target_probs: Tensor | Callable[[int], Tensor],
-    generator: torch.Generator | None,
+    uniforms: Tensor,
 ) -> Acceptance:
-    """Lossless multi-candidate speculative sampling over a tree.
+    """Lossless speculative sampling over a tree: draw, then match.
 
-    Recursive rejection over siblings (Leviathan et al. 2023; Chen et al. 2023; Miao et al. 2023,
-    SpecInfer; Li et al. 2024, EAGLE-2): start at the root with p = target probs there; try its
-    children in node order (accept-with-p(c) for deterministic candidates, min(1, p/q) when
-    ``tree.draft_probs`` holds q); on acceptance descend with p = target probs at the child; when no
-    child is accepted, or at a leaf, draw the bonus from the current residual p. Every committed
-    token is distributed exactly as the target's probabilities.
+    At the current node (the root first) the next token is drawn from the target's
+    probabilities there by inverse CDF with the uniform of its position
+    (:func:`~headway.decode.sampling.sample_with`; ``uniforms[d]`` for the token after a node
+    at depth ``d``, :mod:`headway.decode.keyed_noise`); the child carrying that token, if any,
+    is accepted and the walk goes on from it, otherwise the drawn token is the bonus. Every
+    committed token is the target's own draw given the tokens before it, so the text follows
+    the target's distribution and equals plain sampling's over the same uniforms. A child
+    ``c`` is accepted with probability ``p(c)``, as recursive rejection over deterministic
+    siblings accepts it (Miao et al. 2023, SpecInfer; Li et al. 2024, EAGLE-2).
 
     ``target_probs`` is ``[n + 1, V]``, or a function from a block index to that row ``[V]`` so
-    only the rows on the accepted path are ever computed (top-p needs a sort per row). Randomness
-    comes only from ``generator``; probabilities are moved to its device.
+    only the rows on the accepted path are ever computed (top-p needs a sort per row);
+    ``uniforms`` float64 ``[d + 1]`` for a tree ``d`` deep (at least).
     """
-    device = generator.device if generator is not None else None
     row = target_probs.__getitem__ if isinstance(target_probs, Tensor) else target_probs
-    draft = tree.draft_probs
     tokens = tree.tokens.tolist()
     node, path = 0, [0]
-    p = row(0).to(device)
-    while tree.children[node]:
-        kids = tree.children[node]
-        if draft is None:
-            child, p = _try_children_deterministic(kids, tokens, p, generator)
-        else:
-            q = draft[kids[0] - 1].to(p.device)
-            child, p = _try_children_drafted(kids, tokens, p, q, generator)
+    while True:
+        drawn = int(sample_with(row(node), uniforms[len(path) - 1]))
+        child = next((kid for kid in tree.children[node] if tokens[kid - 1] == drawn), None)
         if child is None:
-            break
+            return _accept(tree, torch.tensor(path), drawn)
         node = child
         path.append(node)
-        p = row(node).to(p.device)
-    bonus = int(sample(p, generator))
-    return _accept(tree, torch.tensor(path), bonus)
 
 
 @dataclass(frozen=True)
@@ -195,7 +152,7 @@ class TypicalParams:
 def verify_typical(
     tree: DraftTree,
     target_probs: Tensor,
-    generator: torch.Generator | None,
+    uniforms: Tensor,
     params: TypicalParams | None = None,
 ) -> Acceptance:
     """Typical acceptance (Cai et al. 2024, Medusa). LOSSY: faster, but the committed text no
@@ -203,7 +160,8 @@ def verify_typical(
 
     A node is plausible if ``p_parent(token) > min(ε, δ·exp(-H(p_parent)))``; the deepest fully
     plausible path wins (ties: highest summed log-probability), and the bonus is sampled from the
-    target probs at its end.
+    target probs at its end with the uniform of its position (``uniforms`` as
+    :func:`verify_sampling`'s).
     """
     params = params or TypicalParams()
     probs = target_probs.float()
@@ -218,29 +176,26 @@ def verify_typical(
     path_ok = ~(ancestors & ~plausible).any(-1)
     likelihood = (ancestors * torch.log(token_prob.clamp_min(1e-30))).sum(-1)
     path = _best_node(path_ok, tree, tie_break=likelihood)
-    end = probs[int(path[-1])]
-    return _accept(tree, path, int(sample(end.to(_device(generator, end)), generator)))
-
-
-def _device(generator: torch.Generator | None, fallback: Tensor) -> torch.device:
-    return generator.device if generator is not None else fallback.device
+    bonus = sample_with(probs[int(path[-1])], uniforms[path.numel() - 1])
+    return _accept(tree, path, int(bonus))
 
 
 def verify(
     tree: DraftTree,
     logits: Tensor,
     sampling: SamplingParams,
-    generator: torch.Generator | None,
+    uniforms: Tensor | None,
     acceptance: AcceptanceRule = "lossless",
 ) -> Acceptance:
-    """Dispatch: greedy when ``sampling.greedy`` (for both rules, as Medusa does), otherwise the
-    lossless sampling rule or, if asked for, the lossy typical rule."""
+    """Dispatch: greedy when ``sampling.greedy`` (for both rules, as Medusa does; ``uniforms``
+    unused), otherwise the lossless sampling rule or, if asked for, the lossy typical rule,
+    over ``uniforms`` (float64 ``[depth + 1]``, :func:`verify_sampling`)."""
     if acceptance not in ("lossless", "typical"):
         raise ValueError(f"acceptance must be 'lossless' or 'typical', got {acceptance!r}")
     if sampling.greedy:
         return verify_greedy(tree, logits)
+    if uniforms is None:
+        raise ValueError("sampled verification needs the uniforms of the tree's positions")
     if acceptance == "typical":
-        return verify_typical(tree, probs_from_logits(logits, sampling), generator)
-    return verify_sampling(
-        tree, lambda block: probs_from_logits(logits[block], sampling), generator
-    )
+        return verify_typical(tree, probs_from_logits(logits, sampling), uniforms)
+    return verify_sampling(tree, lambda block: probs_from_logits(logits[block], sampling), uniforms)

@@ -27,8 +27,8 @@ them where no GPU is (views, which launch nothing, are not counted):
   zero-dimensional ones pass as the Python constants they are, except as the values of an
   indexed assignment or a copy, which CUDA copies to the device: ``mask[rows, cols] = True``
   cannot be captured), a host-only op (it runs once,
-  at capture, never on replay), a random op (the decoder draws its random numbers before a
-  graph, so that replays follow the caller's generator).
+  at capture, never on replay), a random op (sampling's uniforms are hashes of the sequence's
+  seed and positions, :mod:`headway.decode.keyed_noise`, computed in the graph).
 
 Limits: a tensor the code places on the device with ``.to(device)`` stays "host" here (on a CPU
 ``.to`` returns the tensor itself, so its storage cannot be told apart), though the ops using it
