@@ -54,8 +54,8 @@ def test_sampled_chains_keep_the_target_distribution() -> None:
     rows, vocab = 20_000, 5
     logits = torch.tensor([[1.5, 1.0, 0.2, -0.5, -3.0], [0.1, -1.0, 2.0, 0.5, 0.0]])
     rule = SamplingParams(temperature=0.9)
-    generator = torch.Generator().manual_seed(0)
-    accepted = accept_chains(logits[None].repeat(rows, 1, 1), [[1]] * rows, rule, generator)
+    uniforms = torch.rand(rows, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    accepted = accept_chains(logits[None].repeat(rows, 1, 1), [[1]] * rows, rule, uniforms)
     probs = probs_from_logits(logits, rule).double()
 
     def chi_square(tokens: list[int], expected: torch.Tensor) -> float:
@@ -76,10 +76,36 @@ def answers(
     batcher = ContinuousBatcher(
         model, slots=4, max_new_tokens=NEW, eos_token_ids=eos, pad_token_id=0, **options
     )
-    for key, prompt in prompts.items():
-        batcher.submit(key, prompt)
+    for index, (key, prompt) in enumerate(prompts.items()):
+        batcher.submit(key, prompt, seed=index)
     found = {str(c.key): c.tokens for c in batcher.completions()}
     return found, batcher
+
+
+def test_a_sampled_answer_is_its_seeds_with_or_without_lookahead_in_any_slots() -> None:
+    """Sampled (temperature 0.3, drafts kept often), each prompt's answer is what its seed
+    draws: the same with lookahead 0 and 3, through 1, 3 or 8 slots (rows beside it, refills);
+    another seed, another answer."""
+    model = tiny_model("llama")
+    rng = random.Random(5)
+    prompts = {f"p{i}": [rng.randrange(3, 96) for _ in range(rng.randint(2, 12))] for i in range(8)}
+    rule = SamplingParams(temperature=0.3)
+    runs = []
+    for lookahead, slots in [(0, 8), (3, 8), (3, 1), (0, 3)]:
+        batcher = ContinuousBatcher(
+            model, slots=slots, max_new_tokens=NEW, eos_token_ids=[0], pad_token_id=0,
+            rule=rule, lookahead=lookahead,
+        )  # fmt: skip
+        for index, (key, prompt) in enumerate(prompts.items()):
+            batcher.submit(key, prompt, seed=100 + index)
+        runs.append({str(c.key): c.tokens for c in batcher.completions()})
+        if lookahead:
+            assert batcher.tokens_per_row_step > 1.0  # drafts were kept
+    assert all(run == runs[0] for run in runs[1:])
+    greedy = {key: reference(model, prompt, NEW, [0]) for key, prompt in prompts.items()}
+    assert runs[0] != greedy
+    other, _ = answers(model, prompts, [0], rule=rule)  # seeds 0..7
+    assert other != runs[0]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
@@ -165,13 +191,12 @@ def test_sampling_through_the_batcher_with_lookahead_keeps_the_target_distributi
         eos_token_ids=[model.config.vocab_size],  # never drawn: every answer has 3 tokens
         pad_token_id=0,
         rule=rule,
-        generator=torch.Generator().manual_seed(0),
         lookahead=2,
         prefill_tokens=64 * len(prompt),
     )
     samples = 3000
     for key in range(samples):
-        batcher.submit(key, prompt)
+        batcher.submit(key, prompt, seed=key)
     answers = [c.tokens for c in batcher.completions()]
     assert 1.2 < batcher.tokens_per_row_step < 1.95  # drafts were kept, and some rejected
 

@@ -33,10 +33,12 @@ model, no forked modeling code):
 
 Each kept token is the target's own for that row's tokens (up to the rounding of a batched
 forward): greedy keeps the argmax, sampling draws from ``softmax(logits / temperature)``
-restricted to the ``top_p`` nucleus (through speculative sampling's rule when a draft stands
-there). ``tests/test_batched_generation.py`` holds greedy output equal to ``generate`` on each
-prompt alone (fp32) with and without lookahead, and the sampled distribution equal to the
-target's.
+restricted to the ``top_p`` nucleus with the uniform of the row's seed and the token's position
+(:mod:`headway.decode.keyed_noise`; a draft is kept where it is the token drawn), so a sampled
+answer depends on its prompt and seed only: not on lookahead, the slots or the rows beside it.
+``tests/test_batched_generation.py`` holds greedy output equal to ``generate`` on each prompt
+alone (fp32) with and without lookahead, and the sampled distribution equal to the target's;
+``tests/test_lookahead.py`` one seed's answer the same with and without lookahead.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ from headway.decode.gemm import (
     routed_linears,
 )
 from headway.decode.grouped_attention import grouped_attention
+from headway.decode.keyed_noise import uniforms_at
 from headway.decode.kv import cache_argument, recurrent_layer
-from headway.decode.sampling import SamplingParams, pick_tokens
+from headway.decode.sampling import SamplingParams, pick_tokens, probs_from_logits, sample_with
 from headway.drafters.lookup import NgramIndex
 from headway.errors import HeadwayError
 from headway.generation.lookahead import accept_chains
@@ -84,10 +87,11 @@ class Completion:
 
 
 class _Row:
-    """A live request: its answer so far, the token to feed next and its n-gram index."""
+    """A live request: its answer so far, the token to feed next, its n-gram index and its
+    sampling seed."""
 
-    def __init__(self, key: Hashable, prompt: list[int], max_n: int) -> None:
-        self.key, self.prompt = key, prompt
+    def __init__(self, key: Hashable, prompt: list[int], max_n: int, seed: int) -> None:
+        self.key, self.prompt, self.seed = key, prompt, seed
         self.tokens: list[int] = []
         self.last = -1
         self.index = NgramIndex(min_ngram=1, max_ngram=max_n) if max_n else None
@@ -140,7 +144,6 @@ class ContinuousBatcher:
         eos_token_ids: Sequence[int],
         pad_token_id: int,
         rule: SamplingParams | None = None,
-        generator: torch.Generator | None = None,
         refill_fraction: float = 0.5,
         prefill_tokens: int = 8192,
         lookahead: int = 0,
@@ -161,15 +164,15 @@ class ContinuousBatcher:
             )
         self.model, self.slots, self.max_new_tokens = model, slots, max_new_tokens
         self.eos = frozenset(eos_token_ids)
-        self.pad_token_id, self.generator = pad_token_id, generator
+        self.pad_token_id = pad_token_id
         self.rule = rule or SamplingParams()  # greedy
         self.refill_at = max(0, int(slots * refill_fraction))
         self.prefill_tokens = prefill_tokens
         self.lookahead, self.ngram, self.stop_loops = lookahead, ngram, stop_loops
         self.reuse_history = reuse_history
-        self.waiting: deque[tuple[Hashable, list[int]]] = deque()
-        # next turns that continue a finished row: key, prompt ids, the shared prefix's cache
-        self.resuming: deque[tuple[Hashable, list[int], DynamicCache]] = deque()
+        self.waiting: deque[tuple[Hashable, list[int], int]] = deque()  # key, ids, seed
+        # next turns that continue a finished row: key, prompt ids, seed, the prefix's cache
+        self.resuming: deque[tuple[Hashable, list[int], int, DynamicCache]] = deque()
         self.device = next(model.parameters()).device
         self.gemm = gemm_route(model)  # the route applied to the model (auto where none was)
         self.num_layers = int(model.config.get_text_config().num_hidden_layers)
@@ -179,11 +182,12 @@ class ContinuousBatcher:
         self.prefilled = 0  # prompt tokens run through a prefill
         self.reused = 0  # prompt tokens taken from a finished row's cache instead
 
-    def submit(self, key: Hashable, prompt_ids: Sequence[int]) -> None:
-        """Queue one prompt (token ids, chat template applied) under ``key``."""
+    def submit(self, key: Hashable, prompt_ids: Sequence[int], seed: int = 0) -> None:
+        """Queue one prompt (token ids, chat template applied) under ``key``; sampled, its
+        tokens are drawn with the uniforms of ``seed`` (module docstring)."""
         if not prompt_ids:
             raise ValueError(f"prompt {key!r} is empty")
-        self.waiting.append((key, list(prompt_ids)))
+        self.waiting.append((key, list(prompt_ids), seed))
 
     @property
     def tokens_per_row_step(self) -> float:
@@ -274,7 +278,12 @@ class ContinuousBatcher:
             **cache_argument(self.model, cache),
             use_cache=True,
         ).logits
-        accepted = accept_chains(logits, drafts, self.rule, self.generator)
+        uniforms = None
+        if not self.rule.greedy:  # entry j predicts the token at the row's length + j
+            seeds = torch.tensor([row.seed for row in rows])
+            lengths = torch.tensor([len(row.prompt) + len(row.tokens) for row in rows])
+            uniforms = uniforms_at(seeds, lengths[:, None] + torch.arange(step))
+        accepted = accept_chains(logits, drafts, self.rule, uniforms)
         cache.advance([1 + kept for kept in accepted.kept])
         self.steps += 1
         self.row_steps += len(rows)
@@ -286,12 +295,12 @@ class ContinuousBatcher:
         ``row`` holds in ``cache`` (live row ``index``); a prompt sharing nothing waits as any."""
         if not self.reuse_history or not self.waiting or self.waiting[-1][0] != row.key:
             return
-        key, ids = self.waiting[-1]
+        key, ids, seed = self.waiting[-1]
         held = (row.prompt + row.tokens)[: cache.lengths[index]]  # what the row's columns hold
         common = shared_prefix(held, ids)
         if common:
             self.waiting.pop()
-            self.resuming.append((key, ids, cache.row_cache(index, common)))
+            self.resuming.append((key, ids, seed, cache.row_cache(index, common)))
 
     def _resume_all(self, cache: RaggedCache) -> tuple[list[_Row], list[int]]:
         """Every continued turn as a row again (each in the slot its turn before freed, so a
@@ -299,15 +308,23 @@ class ContinuousBatcher:
         rows: list[_Row] = []
         first: list[int] = []
         while self.resuming:
-            key, ids, past = self.resuming.popleft()
-            rows.append(self._row(key, ids))
-            first.append(self._resume(cache, ids, past))
+            key, ids, seed, past = self.resuming.popleft()
+            rows.append(self._row(key, ids, seed))
+            first.append(self._resume(cache, ids, seed, past))
         return rows, first
 
-    def _row(self, key: Hashable, prompt: list[int]) -> _Row:
-        return _Row(key, prompt, self.ngram if self.lookahead else 0)
+    def _row(self, key: Hashable, prompt: list[int], seed: int) -> _Row:
+        return _Row(key, prompt, self.ngram if self.lookahead else 0, seed)
 
-    def _resume(self, cache: RaggedCache, ids: list[int], past: DynamicCache) -> int:
+    def _first_tokens(self, logits: Tensor, seeds: list[int], lengths: list[int]) -> Tensor:
+        """Each prefilled row's first token from its last logits ``[rows, V]``: the argmax,
+        or the draw with the uniform of its seed at its prompt's length."""
+        if self.rule.greedy:
+            return pick_tokens(logits, self.rule, None)
+        uniforms = uniforms_at(torch.tensor(seeds), torch.tensor(lengths))
+        return sample_with(probs_from_logits(logits, self.rule), uniforms)
+
+    def _resume(self, cache: RaggedCache, ids: list[int], seed: int, past: DynamicCache) -> int:
         """Prefill what follows ``past``'s tokens of ``ids`` over ``past`` (batch 1), place the
         row in ``cache``; its first token."""
         start = past.get_seq_length()
@@ -323,7 +340,7 @@ class ContinuousBatcher:
         self.prefilled += len(ids) - start
         self.reused += start
         self._place(cache, past, [len(ids)])
-        return int(pick_tokens(logits, self.rule, self.generator)[0])
+        return int(self._first_tokens(logits, [seed], [len(ids)])[0])
 
     def _place(self, cache: RaggedCache, prefilled: DynamicCache, lengths: list[int]) -> None:
         """Put prefilled rows of ``lengths`` tokens into ``cache``, sized first for their
@@ -334,16 +351,16 @@ class ContinuousBatcher:
     def _prefill(self, cache: RaggedCache, room: int) -> tuple[list[_Row], list[int]]:
         """Prefill up to ``room`` waiting prompts (and at most ``prefill_tokens`` padded
         tokens), left-padded, into free slots of ``cache``; their rows and first tokens."""
-        batch: list[tuple[Hashable, list[int]]] = []
+        batch: list[tuple[Hashable, list[int], int]] = []
         while self.waiting and len(batch) < room:
-            longest = max([len(self.waiting[0][1]), *(len(p) for _, p in batch)])
+            longest = max([len(self.waiting[0][1]), *(len(p) for _, p, _ in batch)])
             if batch and longest * (len(batch) + 1) > self.prefill_tokens:
                 break
             batch.append(self.waiting.popleft())
-        width = max(len(prompt) for _, prompt in batch)
+        width = max(len(prompt) for _, prompt, _ in batch)
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for index, (_, prompt) in enumerate(batch):
+        for index, (_, prompt, _) in enumerate(batch):
             ids[index, width - len(prompt) :] = torch.tensor(prompt)
             mask[index, width - len(prompt) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -356,9 +373,9 @@ class ContinuousBatcher:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        lengths = [len(prompt) for _, prompt in batch]
+        lengths = [len(prompt) for _, prompt, _ in batch]
         self.prefilled += sum(lengths)
         self._place(cache, prefilled, lengths)
-        rows = [self._row(key, prompt) for key, prompt in batch]
-        first: Tensor = pick_tokens(logits, self.rule, self.generator)
+        rows = [self._row(key, prompt, seed) for key, prompt, seed in batch]
+        first = self._first_tokens(logits, [seed for _, _, seed in batch], lengths)
         return rows, first.tolist()

@@ -12,10 +12,12 @@ once.
 Verification (:func:`accept_chains`) keeps what the target's own decoding would produce:
 
 - greedy: the drafts that equal the target's argmax, then the target's token where they part;
-- sampling: a drafted token ``x`` (a deterministic draft, ``q = δ_x``) is kept with probability
-  ``p(x)``; where it is not, the token is drawn from ``p`` with ``x`` removed, renormalised
-  (``max(p - q, 0)``); if every draft is kept, one more token is drawn from the next ``p``. Each
-  kept token is therefore distributed as ``p`` (speculative sampling's rule for ``q = δ_x``).
+- sampling: at each position the target's token is drawn from ``p`` by inverse CDF with the
+  uniform of the row's seed and that position (:mod:`headway.decode.keyed_noise`); drafts are
+  kept while they equal the tokens drawn, then the drawn token where they part. Each kept token
+  is the target's own draw (a draft ``x`` is kept with probability ``p(x)``, speculative
+  sampling's rule for a deterministic draft), and a row's answer depends on its seed alone,
+  not on its drafts or the rows beside it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from headway.decode.sampling import SamplingParams, probs_from_logits, sample
+from headway.decode.sampling import SamplingParams, probs_from_logits, sample_with
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ def accept_chains(
     logits: Tensor,
     drafts: Sequence[Sequence[int]],
     rule: SamplingParams,
-    generator: torch.Generator | None = None,
+    uniforms: Tensor | None = None,
 ) -> Accepted:
     """Verify each row's draft chain against the target.
 
@@ -50,6 +52,9 @@ def accept_chains(
         logits: ``[rows, S, V]``; position ``j`` predicts the token after the row's ``j``-th
             input (its last token, then its drafts); ``S >= 1 + len(drafts[b])``.
         drafts: the drafted tokens of each row (rows may draft fewer than ``S - 1``).
+        rule: greedy, or how the logits are shaped for sampling.
+        uniforms: sampling only: float64 ``[rows, S]``, the uniform of the token each entry
+            predicts (:func:`~headway.decode.keyed_noise.uniforms_at` at its position).
     """
     rows, step, _ = logits.shape
     device = logits.device
@@ -62,42 +67,15 @@ def accept_chains(
     if rule.greedy:
         best = logits.max(dim=-1).indices  # [rows, S]; the first maximum, as argmax
         # (and faster than argmax over a bf16 vocabulary on a CPU)
-        ok = (padded == best[:, :-1]) & drafted
-        kept = ok.long().cumprod(dim=1).sum(dim=1)
-        after = best.gather(1, kept[:, None])[:, 0]
     else:
-        kept, after = _sample(logits, padded, drafted, rule, generator)
+        if uniforms is None or uniforms.shape != (rows, step):
+            raise ValueError(f"sampling needs the uniforms of every entry, [{rows}, {step}]")
+        best = sample_with(probs_from_logits(logits, rule), uniforms)  # the target's draws
+    ok = (padded == best[:, :-1]) & drafted
+    kept = ok.long().cumprod(dim=1).sum(dim=1)
+    after = best.gather(1, kept[:, None])[:, 0]
     kept_list, after_list, draft_rows = kept.tolist(), after.tolist(), padded.tolist()
     return Accepted(
         kept=kept_list,
         tokens=[[*draft_rows[row][: kept_list[row]], after_list[row]] for row in range(rows)],
     )
-
-
-def _sample(
-    logits: Tensor,
-    padded: Tensor,
-    drafted: Tensor,
-    rule: SamplingParams,
-    generator: torch.Generator | None,
-) -> tuple[Tensor, Tensor]:
-    """Speculative sampling with deterministic drafts: ``(kept [rows], next token [rows])``."""
-    rows, step, vocab = logits.shape
-    probs = probs_from_logits(logits.reshape(rows * step, vocab), rule).reshape(rows, step, vocab)
-    draft_probs = probs[:, :-1].gather(2, padded[:, :, None])[:, :, 0]  # [rows, S - 1]
-    chance = torch.rand(
-        draft_probs.shape, generator=generator, device=probs.device, dtype=probs.dtype
-    )
-    ok = (chance < draft_probs) & drafted
-    kept = ok.long().cumprod(dim=1).sum(dim=1)
-    every = torch.arange(rows, device=probs.device)
-    at_kept = probs[every, kept]  # [rows, V]: p where the target's own token is drawn
-    residual = at_kept.clone()
-    rejected = kept < drafted.sum(dim=1)  # a draft stood there and was not kept
-    if bool(rejected.any()):
-        where = rejected.nonzero()[:, 0]
-        residual[where, padded[where, kept[where]]] = 0.0
-        empty = residual.sum(dim=1) <= 0  # p was all on the rejected draft (rounding)
-        residual[empty] = at_kept[empty]
-    after = sample(residual, generator)
-    return kept, after

@@ -11,6 +11,7 @@ self-distillation), and the answers are the target's: greedy, or sampled from it
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -170,6 +171,14 @@ def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def request_seed(seed: int, item_id: str, turn: int) -> int:
+    """The seed of one sampled request: fixed by ``seed``, the item and the turn, so a resumed
+    run asks exactly what an uninterrupted one did, whatever order requests go out in
+    (through a server, or the continuous engine, whose answers then do not depend on the batch,
+    lookahead or slots either)."""
+    return zlib.crc32(f"{seed}/{item_id}/{turn}".encode()) & 0x7FFFFFFF
+
+
 def _answer_continuously(
     target: Target, items: Sequence[PromptItem], options: RegenerateOptions
 ) -> Iterator[tuple[PromptItem, list[Answer]]]:
@@ -191,7 +200,8 @@ def _answer_continuously(
     by_id = {item.id: item for item in items}
     answers: dict[str, list[Answer]] = {item.id: [] for item in items}
     for item in sorted(items, key=lambda item: len(item.user_turns[0])):
-        batcher.submit(item.id, prompt_token_ids(tokenizer, conversation_messages(item, [], 0)))
+        first = prompt_token_ids(tokenizer, conversation_messages(item, [], 0))
+        batcher.submit(item.id, first, request_seed(options.seed, item.id, 0))
     for completion in batcher.completions():
         item = by_id[str(completion.key)]
         text = str(tokenizer.decode(completion.tokens, skip_special_tokens=True)).strip()
@@ -203,7 +213,8 @@ def _answer_continuously(
         if turn < len(item.user_turns):
             texts = [answer.text for answer in answers[item.id]]
             messages = conversation_messages(item, texts, turn)
-            batcher.submit(item.id, prompt_token_ids(tokenizer, messages))
+            seed = request_seed(options.seed, item.id, turn)
+            batcher.submit(item.id, prompt_token_ids(tokenizer, messages), seed)
         else:
             yield item, answers[item.id]
     logger.info(

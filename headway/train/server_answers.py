@@ -10,7 +10,6 @@ target: ``GET /v1/models`` lists the name, and a short greedy answer equals the 
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
@@ -23,6 +22,7 @@ from headway.train.answering import (
     RegenerateOptions,
     answer_batch,
     conversation_messages,
+    request_seed,
 )
 from headway.train.prompts import PromptItem
 
@@ -75,12 +75,6 @@ def check_server(server: ChatServer, target: Target | None) -> None:
             "here, float32 there for identical text), or pass --server-check models to check "
             "only that the server lists the name"
         )
-
-
-def request_seed(seed: int, item_id: str, turn: int) -> int:
-    """The seed of one sampled request: fixed by ``seed``, the item and the turn, so a resumed
-    run asks exactly what an uninterrupted one did, whatever order requests go out in."""
-    return zlib.crc32(f"{seed}/{item_id}/{turn}".encode()) & 0x7FFFFFFF
 
 
 def _converse(server: ChatServer, options: RegenerateOptions, item: PromptItem) -> list[Answer]:
