@@ -136,7 +136,7 @@ def generate(
     At temperature 0 the output equals the target's own greedy decoding (exactly, in fp32); with
     sampling it follows the target's distribution, and one ``seed`` samples one text with any
     drafter, tree and device (up to the rounding of the forward; each token is drawn with a
-    uniform keyed by the seed and its position, :mod:`headway.decode.keyed_noise`). Generation
+    noise keyed by the seed and its position, :mod:`headway.decode.keyed_noise`). Generation
     stops right after the token that
     completes one of the `stop` strings in the decoded text (the match stays in the output).
     `on_text` receives each newly committed piece of text. ``options`` are the

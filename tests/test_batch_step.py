@@ -152,10 +152,10 @@ def test_a_step_reads_the_device_once_and_its_body_is_device_work_only(
     assert counter.counts.graph_faults == {}
 
 
-def test_a_sampled_steps_body_computes_its_uniforms_on_the_device(
+def test_a_sampled_steps_body_computes_its_noise_on_the_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Sampled, each row's uniforms are hashes of its seed and positions computed in the body
+    """Sampled, each row's noise is a hash of its seed and positions computed in the body
     (headway.decode.keyed_noise): no host read or copy there, one read a step."""
     from headway.decode.sampling import SamplingParams
 

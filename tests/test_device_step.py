@@ -302,9 +302,9 @@ def test_medusa_heads_take_the_device_step() -> None:
     assert counts.syncs == counts.steps + 1 and single._verifier is not None
 
 
-def test_device_sampling_commits_the_hosts_tokens_over_the_same_uniforms() -> None:
+def test_device_sampling_commits_the_hosts_tokens_over_the_same_noise() -> None:
     """The device's draw-then-match walk over test_verify.py's tree of fixed candidates commits
-    what the host's :func:`verify_sampling` commits over the same uniforms, every sample: the
+    what the host's :func:`verify_sampling` commits over the same noise, every sample: the
     first token follows the target's root distribution, the second (after an accepted first)
     the target's distribution after it."""
     tree = deterministic_tree(torch.Generator())
@@ -317,10 +317,10 @@ def test_device_sampling_commits_the_hosts_tokens_over_the_same_uniforms() -> No
     second = torch.zeros(SMALL, SMALL)
     samples = 6000
     for _ in range(samples):
-        uniforms = torch.rand(3, generator=generator, dtype=torch.float64)
-        count, _, committed = accept_sampled(ids, tree.parents, logits, hot, uniforms, 3)
+        keys = torch.randint(0, 2**32, (3,), generator=generator)
+        count, _, committed = accept_sampled(ids, tree.parents, logits, hot, keys, 3)
         tokens = committed[: int(count)].tolist()
-        assert tokens == verify_sampling(tree, probs, uniforms).tokens.tolist()
+        assert tokens == verify_sampling(tree, probs, keys).tokens.tolist()
         first[tokens[0]] += 1
         if len(tokens) >= 2:
             second[tokens[0], tokens[1]] += 1

@@ -17,12 +17,8 @@ from torch import Tensor
 from headway.decode.generate import Drafter, generate
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree, ancestor_mask
-from headway.drafters.eagle_drafter import (
-    AUTO_CANDIDATES,
-    EagleDrafter,
-    auto_total_tokens,
-    select_nodes,
-)
+from headway.drafters.eagle_drafter import EagleDrafter, select_nodes
+from headway.drafters.tree_budget import AUTO_CANDIDATES, auto_total_tokens
 from headway.errors import ConfigError
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
 from headway.heads.io import save_heads

@@ -336,7 +336,7 @@ def test_chained_device_steps_equal_single_steps_on_cuda() -> None:
 
 
 def test_sampled_device_steps_follow_the_target_distribution_on_cuda() -> None:
-    """Sampling through the captured device step (uniforms computed in the graph): the first
+    """Sampling through the captured device step (noise computed in the graph): the first
     two tokens follow the target's exact two-token distribution (tests/test_device_step.py's
     test, on CUDA)."""
     sampled_device_steps(CUDA)

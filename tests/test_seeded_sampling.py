@@ -36,7 +36,8 @@ def _sampled(run: Decoder, seed: int, sampling: SamplingParams = WARM) -> tuple[
     "sampling", [WARM, SamplingParams(temperature=1.0, top_k=20, top_p=0.9)], ids=repr
 )
 def test_a_seed_samples_the_same_text_with_any_drafter_and_step(sampling: SamplingParams) -> None:
-    """No drafter, prompt lookup and the static EAGLE drafters of every kind, each through the
+    """No drafter, prompt lookup and the EAGLE drafters of every kind (eager ones coupled to the
+    sampling noise, static ones), each through the
     host step, the device step, chained device steps and cost-sized host steps: one seed, one
     text; another seed, another text."""
     model, greedy = target_and_truth("llama")
@@ -44,9 +45,8 @@ def test_a_seed_samples_the_same_text_with_any_drafter_and_step(sampling: Sampli
     expected, _ = _sampled(plain, 7, sampling)
     assert expected != greedy[:NEW] and _sampled(plain, 8, sampling)[0] != expected
     drafted = 0
-    for drafter in [None, PromptLookupDrafter()] + [
-        _pair(kind, model, SHAPES["tree"])[1] for kind in KINDS
-    ]:
+    pairs = [_pair(kind, model, SHAPES["tree"]) for kind in KINDS]  # (eager, static)
+    for drafter in [None, PromptLookupDrafter(), *(d for pair in pairs for d in pair)]:
         runs = [
             *_decoders(model, drafter),  # the host step and the device step, captured path
             Decoder(model, drafter, DecodeOptions(verify="captured", chain=4)),  # chained runs
@@ -100,7 +100,7 @@ def test_a_sampled_batch_gives_each_prompt_its_seeds_text_whatever_the_batch(
 def test_a_seed_samples_the_host_text_on_cuda_through_captured_steps() -> None:
     """On CUDA (fp32), captured: plain decoding, the static EAGLE drafters' device steps and
     chained runs sample, from one host seed, the text the CPU samples without a drafter (the
-    uniforms computed inside the graphs); a batch's first row too."""
+    noise computed inside the graphs); a batch's first row too."""
     model, _ = target_and_truth("llama")
     expected, _ = _sampled(Decoder(model, None), 7)
     cuda = model.to("cuda")

@@ -194,7 +194,7 @@ def test_a_forward_of_another_batch_is_refused() -> None:
 @pytest.mark.parametrize("nodes", [0, 1, 6, 11])
 def test_batched_tree_layout_and_acceptance_are_each_rows_own(nodes: int) -> None:
     """Five trees of ``nodes`` nodes, each of another shape, laid out and accepted as one
-    batch ``[B, ...]`` (greedy, and sampled over each row's own uniforms): every row's depths,
+    batch ``[B, ...]`` (greedy, and sampled with each row's own noise): every row's depths,
     ancestors, count, path and committed tokens are those the same functions give that tree
     alone (which ``tests/test_device_step.py`` holds to the host's verification)."""
     generator = torch.Generator().manual_seed(nodes)
@@ -215,17 +215,17 @@ def test_batched_tree_layout_and_acceptance_are_each_rows_own(nodes: int) -> Non
     logits = 3 * torch.randn(batch, size, vocab, generator=generator)
     hot = SamplingParams(temperature=1.0)
     rows = nodes + 1
-    uniforms = torch.rand(batch, rows, generator=generator, dtype=torch.float64)
+    keys = torch.randint(0, 2**32, (batch, rows), generator=generator)
     depths, ancestors = tree_layout(parents, nodes)
     greedy = accept_greedy(ids, parents, depths, ancestors, argmax, rows)
-    sampled = accept_sampled(ids, parents, logits, hot, uniforms, rows)
+    sampled = accept_sampled(ids, parents, logits, hot, keys, rows)
     assert greedy[0].shape == (batch,) and sampled[2].shape == greedy[2].shape
     for b in range(batch):
         alone_depths, alone_ancestors = tree_layout(parents[b], nodes)
         assert torch.equal(depths[b], alone_depths) and torch.equal(ancestors[b], alone_ancestors)
         alone = accept_greedy(ids[b], parents[b], alone_depths, alone_ancestors, argmax[b], rows)
         assert all(torch.equal(mine[b], its) for mine, its in zip(greedy, alone, strict=True)), b
-        alone = accept_sampled(ids[b], parents[b], logits[b], hot, uniforms[b], rows)
+        alone = accept_sampled(ids[b], parents[b], logits[b], hot, keys[b], rows)
         assert all(torch.equal(mine[b], its) for mine, its in zip(sampled, alone, strict=True)), b
     if nodes > 1:  # the batch differs between rows: a test of rows, not of one row five times
         assert len({tuple(row.tolist()) for row in greedy[2]}) > 1

@@ -13,11 +13,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from headway.decode.keyed_noise import draw_keyed
 from headway.decode.sampling import (
     SamplingParams,
     probs_from_logits,
     sample,
-    sample_with,
     top_p_drop,
     top_p_drop_reference,
 )
@@ -132,8 +132,9 @@ def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return 0.5 * float((counts / counts.sum() - probs).abs().sum())
 
 
-def uniforms(generator: torch.Generator) -> torch.Tensor:
-    return torch.rand(3, generator=generator, dtype=torch.float64)
+def keys(generator: torch.Generator) -> torch.Tensor:
+    """Noise keys of a tree's three levels (headway.decode.keyed_noise)."""
+    return torch.randint(0, 2**32, (3,), generator=generator)
 
 
 @pytest.mark.parametrize("make_tree", [deterministic_tree, drafted_tree])
@@ -143,7 +144,7 @@ def test_sampling_commits_tokens_distributed_as_the_target(make_tree: object) ->
     second = torch.zeros(SMALL, SMALL)  # [first token, second token] when the first was drafted
     for _ in range(SAMPLES):
         tree = make_tree(generator)  # type: ignore[operator]
-        accepted = verify_sampling(tree, block_probs(tree), uniforms(generator))
+        accepted = verify_sampling(tree, block_probs(tree), keys(generator))
         tokens = accepted.tokens.tolist()
         first[tokens[0]] += 1
         if len(tokens) >= 2:
@@ -155,20 +156,20 @@ def test_sampling_commits_tokens_distributed_as_the_target(make_tree: object) ->
     assert second.sum() > SAMPLES / 3  # drafts were accepted often enough to test depth 2
 
 
-def test_sampling_commits_what_plain_sampling_draws_with_the_same_uniforms() -> None:
+def test_sampling_commits_what_plain_sampling_draws_with_the_same_noise() -> None:
     """Whatever the tree (none, fixed candidates, sampled ones), a step's tokens are plain
-    sampling's over the same uniforms: the first from ROOT_P with u[0], the second (where a
-    drafted first token was accepted) from the distribution after it with u[1]."""
+    sampling's with the same noise: the first from ROOT_P with key 0, the second (where a
+    drafted first token was accepted) from the distribution after it with key 1."""
     generator = torch.Generator().manual_seed(7)
     for _ in range(400):
-        u = uniforms(generator)
-        plain = int(sample_with(ROOT_P, u[0]))
+        u = keys(generator)
+        plain = int(draw_keyed(ROOT_P, u[0]))
         assert verify_sampling(empty_tree(), ROOT_P[None], u).tokens.tolist() == [plain]
         for tree in (deterministic_tree(generator), drafted_tree(generator)):
             tokens = verify_sampling(tree, block_probs(tree), u).tokens.tolist()
             assert tokens[0] == plain
             if len(tokens) >= 2:
-                assert tokens[1] == int(sample_with(AFTER[plain], u[1]))
+                assert tokens[1] == int(draw_keyed(AFTER[plain], u[1]))
 
 
 def test_a_child_is_accepted_as_often_as_the_target_draws_it() -> None:
@@ -177,7 +178,7 @@ def test_a_child_is_accepted_as_often_as_the_target_draws_it() -> None:
     generator = torch.Generator().manual_seed(3)
     tree = deterministic_tree(generator)
     accepted = sum(
-        verify_sampling(tree, block_probs(tree), uniforms(generator)).accept_length > 1
+        verify_sampling(tree, block_probs(tree), keys(generator)).accept_length > 1
         for _ in range(SAMPLES)
     )
     assert abs(accepted / SAMPLES - 0.75) < 0.015
@@ -187,7 +188,7 @@ def test_sampling_step_always_ends_with_one_bonus() -> None:
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
         tree = drafted_tree(generator)
-        accepted = verify_sampling(tree, block_probs(tree), uniforms(generator))
+        accepted = verify_sampling(tree, block_probs(tree), keys(generator))
         assert accepted.accept_length == accepted.path.numel() <= 3
         drafted = tree.tokens[accepted.path[1:] - 1]
         assert torch.equal(accepted.tokens[:-1], drafted)
@@ -201,7 +202,7 @@ def test_typical_acceptance_takes_the_deepest_plausible_path() -> None:
     probs[3, 77] = 0.9  # bonus after b3 is (almost surely) 77
     probs[4, 66] = 0.9
     probs = probs / probs.sum(-1, keepdim=True)
-    u = torch.rand(4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    u = torch.randint(0, 2**32, (4,), generator=torch.Generator().manual_seed(0))
     accepted = verify_typical(TREE, probs, u, TypicalParams())
     assert accepted.path.tolist()[:2] == [0, 1]
     assert accepted.path.numel() == 3  # depth 2: b3 and b4 tie on depth; b5 is rejected
@@ -219,9 +220,9 @@ def test_verify_dispatch() -> None:
     with pytest.raises(ValueError, match="lossless"):
         verify(TREE, logits, greedy, None, "fast")  # type: ignore[arg-type]
     hot_params = SamplingParams(temperature=1.0)
-    hot = verify(TREE, logits, hot_params, torch.rand(4, dtype=torch.float64))
+    hot = verify(TREE, logits, hot_params, torch.randint(0, 2**32, (4,)))
     assert hot.tokens.tolist() == [10, 12, 14, 7]  # logits of 100 make sampling deterministic
-    with pytest.raises(ValueError, match="uniforms"):
+    with pytest.raises(ValueError, match="noise keys"):
         verify(TREE, logits, hot_params, None)
 
 

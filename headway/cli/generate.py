@@ -46,7 +46,7 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         type=SEED,
         default=0,
         help="seed of sampled decoding: the same seed samples the same text with any drafter, "
-        "tree size, --batch or --batch-size (each token drawn with a uniform keyed by the seed "
+        "tree size, --batch or --batch-size (each token drawn with noise keyed by the seed "
         "and its position; fp32: exactly, bf16: up to rounding)",
     )
     parser.add_argument(

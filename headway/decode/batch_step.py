@@ -10,7 +10,7 @@ the same functions over a leading batch dimension (:mod:`headway.decode.device_t
 1. each row's block (its root, then its tree, padded to a power of two) is written at its own
    columns ``lengths[b] ..``, its positions and mask from its own tree and length;
 2. one verify forward of ``[B, S]`` entries;
-3. acceptance per row (greedy, or lossless speculative sampling over the uniforms of the row's
+3. acceptance per row (greedy, or lossless speculative sampling with the noise of the row's
    seed at the step's positions, :mod:`headway.decode.keyed_noise`, computed on the device),
    each row's accepted path moved behind its own prefix, and ``lengths`` advanced by each
    row's count, all on the device;
@@ -38,13 +38,12 @@ from torch import Tensor
 from headway.decode.captured import StaticForward, block_bucket, run_graph
 from headway.decode.device_tree import accept_greedy, accept_sampled, open_columns, tree_layout
 from headway.decode.gemm import routed_linears
-from headway.decode.keyed_noise import uniforms_at
+from headway.decode.keyed_noise import draw_keyed, position_keys
 from headway.decode.sampling import (
     GREEDY,
     SamplingParams,
     pick_tokens,
     probs_from_logits,
-    sample_with,
 )
 from headway.decode.static_cache import StaticCache
 from headway.errors import TargetError
@@ -104,7 +103,7 @@ class BatchVerify:
     ) -> Tensor:
         """Run each row's prompt (``B`` LongTensors ``[L_b]``, L_b >= 1) from column 0 in one
         forward; returns each row's next token ``[B]`` (on the device; greedy, or drawn by
-        ``sampling`` with the uniforms of the rows' ``seeds [B]``, which every later step
+        ``sampling`` with the noise of the rows' ``seeds [B]``, which every later step
         of the row draws with too: :mod:`headway.decode.keyed_noise`), the first root to
         feed :meth:`step`. Shorter prompts are padded with entries that see only themselves
         (their columns are overwritten or never opened later)."""
@@ -142,7 +141,7 @@ class BatchVerify:
         assert seeds is not None
         self.seeds = seeds.to(device)
         probs = probs_from_logits(last_logits, sampling)
-        return sample_with(probs, uniforms_at(self.seeds, sizes))  # the first answer token
+        return draw_keyed(probs, position_keys(self.seeds, sizes))  # the first answer token
 
     @torch.no_grad()
     def step(
@@ -159,7 +158,7 @@ class BatchVerify:
         row's committed tokens (its next root is the last). A row ``active [B]`` (bool,
         default all) leaves False is computed but commits nothing: its length stays, and the
         tokens returned for it are to be ignored (a finished row, until the batch ends).
-        ``sampling``: greedy acceptance, or lossless speculative sampling over the uniforms of
+        ``sampling``: greedy acceptance, or lossless speculative sampling with the noise of
         the rows' seeds (:meth:`prefill`) at the step's positions."""
         nodes = tokens.shape[-1]
         if tokens.shape != (self.batch, nodes) or parents.shape != tokens.shape:
@@ -269,9 +268,9 @@ class BatchVerify:
             )
         else:  # each row's token after its root sits at position lengths + 1
             levels = self.lengths[:, None] + 1 + torch.arange(plan.rows, device=ids.device)
-            uniforms = uniforms_at(self.seeds, levels)  # [B, rows]
+            noise = position_keys(self.seeds, levels)  # [B, rows]
             count, path, committed = accept_sampled(
-                ids, plan.parents, logits, plan.sampling, uniforms, plan.rows
+                ids, plan.parents, logits, plan.sampling, noise, plan.rows
             )
         plan.hidden = tuple(
             states.gather(1, path[..., None].expand(-1, -1, states.shape[-1])) for states in hidden

@@ -5,7 +5,7 @@ tokens were accepted, and the host then commits them and starts the next step: t
 while the host catches up. On an H100 (bf16, the shipped EAGLE-3 drafter, 16-token tree) a step
 took 7.9 ms against ~5.7 ms of drafting and verifying graphs. Nothing in a greedy step needs
 the host, though: the committed count, the next root (the last committed token) and the prefix
-length can stay on the device, where the next step reads them (a sampled step's uniforms, too,
+length can stay on the device, where the next step reads them (a sampled step's noise, too,
 drawn for every step of the run before it). :class:`DeviceChain` runs
 ``steps`` such steps back to back, each one
 
@@ -25,7 +25,7 @@ one graph, before, was launched on an H100 at a host cost growing as the square 
 run against 283 a token a run.) Greedy or lossless sampling; drafters with the ``chain_*``
 methods (the static EAGLE drafters, Medusa heads, and plain decoding's empty drafter, whose
 steps are a token each). The tokens and acceptance lengths are the single steps' (greedy or
-sampled: each step draws with the uniforms of its own positions, :mod:`headway.decode.
+sampled: each step draws with the noise of its own positions, :mod:`headway.decode.
 keyed_noise`; ``tests/test_device_chain.py``, ``tests/test_device_step.py``).
 """
 
@@ -148,7 +148,7 @@ class DeviceChain:
         """Run the chained steps after ``root`` (the last committed token, not yet in the
         cache) over the cache's ``prefix_len`` tokens; returns each step's committed tokens
         (host). The cache then holds them all, less the last step's last token (the next
-        root); cut it back where fewer are kept. Sampled, each step draws with the uniforms of
+        root); cut it back where fewer are kept. Sampled, each step draws with the noise of
         ``seed`` at its own positions, computed in the graph (as one step at a time draws them)."""
         verify, target, drafter = self.verify, self.verify.target, self.drafter
         target.check_prefix(prefix_len)

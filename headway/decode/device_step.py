@@ -11,7 +11,7 @@ setting on CUDA):
 1. the block's layout and mask from the tree (:mod:`headway.decode.device_tree`),
 2. the target's verify forward over its static cache (:class:`~headway.decode.captured.
    StaticForward`'s buffers),
-3. acceptance (greedy; or lossless speculative sampling over the uniforms of the step's
+3. acceptance (greedy; or lossless speculative sampling with the noise of the step's
    positions, :mod:`headway.decode.keyed_noise`, computed in the graph from the sequence's seed
    and the prefix length), the accepted path's keys/values moved behind the prefix, and the
    target states on the path gathered for the drafter,
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from headway.decode.captured import StaticForward, block_bucket, run_graph
 from headway.decode.device_tree import accept_greedy, accept_sampled, tree_layout
-from headway.decode.keyed_noise import uniforms_at
+from headway.decode.keyed_noise import position_keys
 from headway.decode.sampling import GREEDY, SamplingParams
 from headway.decode.static_cache import StaticCache
 
@@ -102,7 +102,7 @@ class DeviceVerify:
         ``prefix_len`` tokens; returns the committed tokens (host), and on the device the same
         tokens padded ``[rows]`` and the target states on the accepted path (``[rows, H]`` per
         hidden layer), which stay valid until the next call. Sampled, the tokens are drawn
-        with the uniforms of ``seed`` (the sequence's, :mod:`headway.decode.keyed_noise`) at
+        with the noise of ``seed`` (the sequence's, :mod:`headway.decode.keyed_noise`) at
         the step's positions."""
         target = self.target
         tokens, parents = tree
@@ -185,9 +185,9 @@ class DeviceVerify:
             )
         else:  # the token after the root sits at position prefix + 1
             levels = torch.arange(plan.rows, device=ids.device) + prefix + 1
-            uniforms = uniforms_at(staged[2], levels)
+            keys = position_keys(staged[2], levels)
             count, path, tokens = accept_sampled(
-                ids, plan.parents, logits, sampling, uniforms, plan.rows
+                ids, plan.parents, logits, sampling, keys, plan.rows
             )
         if nodes:  # the accepted path's columns behind the prefix
             target.cache.move_columns(prefix + path, prefix + target.keys[: plan.rows])

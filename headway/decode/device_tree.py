@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from headway.decode.sampling import SamplingParams, probs_from_logits, sample_with
+from headway.decode.keyed_noise import draw_keyed
+from headway.decode.sampling import SamplingParams, probs_from_logits
 
 __all__ = ["accept_greedy", "accept_sampled", "open_columns", "subtree_on_device", "tree_layout"]
 
@@ -119,18 +120,18 @@ def accept_sampled(
     parents: Tensor,
     logits: Tensor,
     sampling: SamplingParams,
-    uniforms: Tensor,
+    keys: Tensor,
     rows: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Lossless speculative sampling over a tree on the device:
     :func:`headway.decode.verify.verify_sampling`'s draw-then-match in fixed shapes, for one
     tree or a batch of trees of one size (leading dimensions ``*B``, each row its own walk over
-    its own uniforms).
+    its own noise).
 
     At the current node (the root first) the next token is drawn from the target's
-    distribution there (``sampling`` applied to that entry's logits only) by inverse CDF with
-    the uniform of its level; the child carrying it is accepted and the walk moves on, or the
-    drawn token is the bonus. The host step's tokens over the same uniforms
+    distribution there (``sampling`` applied to that entry's logits only) by Gumbel-max with
+    the noise of its level; the child carrying it is accepted and the walk moves on, or the
+    drawn token is the bonus. The host step's tokens over the same noise
     (:mod:`headway.decode.keyed_noise`).
 
     Args:
@@ -139,7 +140,7 @@ def accept_sampled(
         parents: LongTensor ``[*B, n]``.
         logits: ``[*B, S, V]``, the target's after each entry.
         sampling: how the logits are shaped into the target's distribution.
-        uniforms: float64 ``[*B, rows]``: the uniform of the token after a node at each depth.
+        keys: LongTensor ``[*B, rows]``: the noise key of the token after a node at each depth.
         rows: as :func:`accept_greedy`'s ``rows`` (the deepest node + 1).
 
     Returns:
@@ -148,7 +149,7 @@ def accept_sampled(
     batch, nodes = parents.shape[:-1], parents.shape[-1]
     vocab = logits.shape[-1]
     if nodes == 0:  # plain sampling: the root's token alone
-        drawn = sample_with(probs_from_logits(logits[..., 0, :], sampling), uniforms[..., 0])
+        drawn = draw_keyed(probs_from_logits(logits[..., 0, :], sampling), keys[..., 0])
         return ids.new_ones(batch), ids.new_zeros(*batch, 1), drawn[..., None]
     tokens = ids[..., 1 : nodes + 1]
     node = ids.new_zeros(batch)  # block index of each walk's node
@@ -158,7 +159,7 @@ def accept_sampled(
     bonus = ids.new_zeros(batch)
     for level in range(rows):
         here = logits.gather(-2, node[..., None, None].expand(*batch, 1, vocab)).squeeze(-2)
-        drawn = sample_with(probs_from_logits(here, sampling), uniforms[..., level])  # [*B]
+        drawn = draw_keyed(probs_from_logits(here, sampling), keys[..., level])  # [*B]
         match = (parents == (node - 1).unsqueeze(-1)) & (tokens == drawn.unsqueeze(-1))
         moves = match.any(-1) & ~stopped
         if level + 1 == rows:  # no node lies deeper: every walk ends here

@@ -36,10 +36,10 @@ from headway.decode.device_chain import ChainDrafter, DeviceChain, EmptyChain, c
 from headway.decode.device_step import DeviceDrafter, DeviceStep, DeviceVerify
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.gemm import gemm_route
-from headway.decode.keyed_noise import sequence_seeds
+from headway.decode.keyed_noise import Coupling, draw_keyed, sequence_seeds
 from headway.decode.kv import context_limit
 from headway.decode.options import DecodeOptions
-from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits, sample_with
+from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits
 from headway.decode.session import Drafter, Session, StopReason, commit
 from headway.decode.tree import DraftTree, empty_tree, limit_depth
 from headway.decode.verify import verify
@@ -110,7 +110,7 @@ def _first_token(session: Session, logits: Tensor) -> int:
     if session.sampling.greedy:
         return int(logits.argmax())
     probs = probs_from_logits(logits, session.sampling)
-    return int(sample_with(probs, session.uniforms(1)[0]))
+    return int(draw_keyed(probs, session.keys(1)[0]))
 
 
 def prefill_step(session: Session) -> None:
@@ -141,8 +141,8 @@ def draft_step(session: Session) -> None:
         block, tree.parents, prefix_len, session.drafter.hidden_layers
     )
     rule = session.options.acceptance
-    uniforms = None if session.sampling.greedy else session.uniforms(tree.size + 1)
-    accepted = verify(tree, logits, session.sampling, uniforms, rule)
+    keys = None if session.sampling.greedy else session.keys(tree.size + 1)
+    accepted = verify(tree, logits, session.sampling, keys, rule)
     session.target.compact(prefix_len, accepted.path)
     committed = commit(session, accepted.tokens.tolist())
     if sizer is not None:  # the bonus token is not a drafted one
@@ -377,6 +377,11 @@ def _check_request(
 def _run(session: Session, prompt: Tensor) -> None:
     with torch.inference_mode():
         session.drafter.begin(prompt)
+        couple = getattr(session.drafter, "couple", None)
+        if couple is not None:  # a drafter that drafts with the sampling noise (coupled.py)
+            sampled = not session.sampling.greedy and session.options.acceptance == "lossless"
+            temperature = session.sampling.temperature
+            couple(Coupling(session.seed, temperature) if sampled else None)
         prefill_step(session)
         while session.stop_reason is None:
             if session.length >= session.context_limit:

@@ -48,7 +48,7 @@ class DecodeOptions:
         with one seed (False is the reference).
     chain: device steps per run (:mod:`headway.decode.device_chain`; without a drafter a
         step is a token): each step's committed count, next root and prefix length stay on the
-        device for the next (sampled, each step computes its positions' uniforms), so a GPU
+        device for the next (sampled, each step computes its positions' noise), so a GPU
         takes ``chain`` steps back to back and the host reads it once per run instead of once
         a step (the last few steps of a generation one at a time). Default 1: on an H100
         (2026-11-27, bf16, MT-bench x8) runs of 8 captured as one graph ran 0.63x (plain) and

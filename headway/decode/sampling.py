@@ -23,7 +23,6 @@ __all__ = [
     "pick_tokens",
     "probs_from_logits",
     "sample",
-    "sample_with",
     "top_p_drop",
     "top_p_drop_reference",
 ]
@@ -133,25 +132,15 @@ def top_p_drop(
 
 def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """One token id per row of ``probs [..., V]`` (need not sum to 1) → LongTensor ``[...]``,
-    drawn with ``generator`` (``None`` = torch's global generator): :func:`sample_with` over
-    uniforms drawn from it (one per row; float64). Raises on a row with no mass."""
+    drawn with ``generator`` (``None`` = torch's global generator) by inverse CDF in float64:
+    exact like ``torch.multinomial``, one uniform a draw. Raises on a row with no mass.
+    (Decoding draws with position-keyed noise instead: :mod:`headway.decode.keyed_noise`.)"""
     if not bool((probs.sum(-1) > 0).all()):
         raise ValueError("cannot sample from a distribution with no probability mass")
-    uniforms = torch.rand(
-        probs.shape[:-1], generator=generator, dtype=torch.float64, device=probs.device
-    )
-    return sample_with(probs, uniforms)
-
-
-def sample_with(probs: Tensor, uniforms: Tensor) -> Tensor:
-    """Inverse-CDF draws: for each row of ``probs [..., V]`` (need not sum to 1) the token
-    whose cumulative mass first exceeds ``uniforms [...]`` (in ``[0, 1)``) times the row's
-    total → LongTensor ``[...]``. Exact like ``torch.multinomial`` (float64 sums), one uniform
-    a draw, device work only (no host read: a captured graph may hold it); a uniform rounded
-    up to the total takes the last token with mass."""
     cdf = probs.double().cumsum(-1)
-    scaled = uniforms.to(cdf.device, torch.float64)[..., None] * cdf[..., -1:]
-    drawn = torch.searchsorted(cdf, scaled, right=True).squeeze(-1)
-    vocab = probs.shape[-1]
-    last_with_mass = vocab - 1 - (probs.flip(-1) > 0).long().argmax(-1)
-    return torch.minimum(drawn, last_with_mass)
+    uniforms = torch.rand(
+        (*cdf.shape[:-1], 1), generator=generator, dtype=torch.float64, device=cdf.device
+    )
+    drawn = torch.searchsorted(cdf, uniforms * cdf[..., -1:], right=True).squeeze(-1)
+    last_with_mass = probs.shape[-1] - 1 - (probs.flip(-1) > 0).long().argmax(-1)
+    return torch.minimum(drawn, last_with_mass)  # a uniform rounded up to the total

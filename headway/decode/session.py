@@ -20,7 +20,7 @@ from torch import Tensor
 from headway.decode.costs import TreeSizer
 from headway.decode.device_step import DeviceStep
 from headway.decode.forwards import TargetForward
-from headway.decode.keyed_noise import uniforms_at
+from headway.decode.keyed_noise import position_keys
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree
@@ -67,11 +67,12 @@ class Drafter(Protocol):
 class Session:
     """Everything one generation carries between steps (never stored on the model)."""
 
-    def uniforms(self, count: int) -> Tensor:
-        """Sampling's uniforms (float64 ``[count]``, host) of the next ``count`` positions:
-        the token after the last committed one first (:mod:`headway.decode.keyed_noise`)."""
+    def keys(self, count: int) -> Tensor:
+        """Sampling's noise keys (LongTensor ``[count]``, host) of the next ``count``
+        positions: the token after the last committed one first
+        (:mod:`headway.decode.keyed_noise`)."""
         positions = torch.arange(self.length, self.length + count)
-        return uniforms_at(torch.tensor(self.seed), positions)
+        return position_keys(torch.tensor(self.seed), positions)
 
     target: TargetForward
     drafter: Drafter

@@ -7,7 +7,7 @@ entry, ``[n + 1, V]``, from :func:`headway.decode.kv.tree_forward`.
 
 - :func:`verify_greedy` — lossless for greedy decoding (Cai et al. 2024, Medusa).
 - :func:`verify_sampling` — lossless for sampling: the target's token drawn at each position with
-  that position's uniform, a child accepted when it carries it (:mod:`headway.decode.keyed_noise`;
+  that position's noise, a child accepted when it carries it (:mod:`headway.decode.keyed_noise`;
   the acceptance of recursive rejection over deterministic siblings, Miao et al. 2023, SpecInfer).
 - :func:`verify_typical` — Medusa's typical acceptance (Cai et al. 2024). LOSSY: the output no
   longer follows the target distribution. Opt-in only.
@@ -22,7 +22,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from headway.decode.sampling import SamplingParams, probs_from_logits, sample_with
+from headway.decode.keyed_noise import draw_keyed
+from headway.decode.sampling import SamplingParams, probs_from_logits
 from headway.decode.tree import DraftTree
 
 __all__ = [
@@ -99,29 +100,29 @@ def verify_greedy(tree: DraftTree, logits: Tensor) -> Acceptance:
 def verify_sampling(
     tree: DraftTree,
     target_probs: Tensor | Callable[[int], Tensor],
-    uniforms: Tensor,
+    keys: Tensor,
 ) -> Acceptance:
     """Lossless speculative sampling over a tree: draw, then match.
 
     At the current node (the root first) the next token is drawn from the target's
-    probabilities there by inverse CDF with the uniform of its position
-    (:func:`~headway.decode.sampling.sample_with`; ``uniforms[d]`` for the token after a node
-    at depth ``d``, :mod:`headway.decode.keyed_noise`); the child carrying that token, if any,
+    probabilities there by Gumbel-max with the noise of its position
+    (:func:`~headway.decode.keyed_noise.draw_keyed`; ``keys[d]`` for the token after a node
+    at depth ``d``); the child carrying that token, if any,
     is accepted and the walk goes on from it, otherwise the drawn token is the bonus. Every
     committed token is the target's own draw given the tokens before it, so the text follows
-    the target's distribution and equals plain sampling's over the same uniforms. A child
+    the target's distribution and equals plain sampling's over the same noise. A child
     ``c`` is accepted with probability ``p(c)``, as recursive rejection over deterministic
     siblings accepts it (Miao et al. 2023, SpecInfer; Li et al. 2024, EAGLE-2).
 
     ``target_probs`` is ``[n + 1, V]``, or a function from a block index to that row ``[V]`` so
     only the rows on the accepted path are ever computed (top-p needs a sort per row);
-    ``uniforms`` float64 ``[d + 1]`` for a tree ``d`` deep (at least).
+    ``keys`` LongTensor ``[d + 1]`` for a tree ``d`` deep (at least).
     """
     row = target_probs.__getitem__ if isinstance(target_probs, Tensor) else target_probs
     tokens = tree.tokens.tolist()
     node, path = 0, [0]
     while True:
-        drawn = int(sample_with(row(node), uniforms[len(path) - 1]))
+        drawn = int(draw_keyed(row(node), keys[len(path) - 1]))
         child = next((kid for kid in tree.children[node] if tokens[kid - 1] == drawn), None)
         if child is None:
             return _accept(tree, torch.tensor(path), drawn)
@@ -152,7 +153,7 @@ class TypicalParams:
 def verify_typical(
     tree: DraftTree,
     target_probs: Tensor,
-    uniforms: Tensor,
+    keys: Tensor,
     params: TypicalParams | None = None,
 ) -> Acceptance:
     """Typical acceptance (Cai et al. 2024, Medusa). LOSSY: faster, but the committed text no
@@ -160,7 +161,7 @@ def verify_typical(
 
     A node is plausible if ``p_parent(token) > min(ε, δ·exp(-H(p_parent)))``; the deepest fully
     plausible path wins (ties: highest summed log-probability), and the bonus is sampled from the
-    target probs at its end with the uniform of its position (``uniforms`` as
+    target probs at its end with the noise of its position (``keys`` as
     :func:`verify_sampling`'s).
     """
     params = params or TypicalParams()
@@ -176,7 +177,7 @@ def verify_typical(
     path_ok = ~(ancestors & ~plausible).any(-1)
     likelihood = (ancestors * torch.log(token_prob.clamp_min(1e-30))).sum(-1)
     path = _best_node(path_ok, tree, tie_break=likelihood)
-    bonus = sample_with(probs[int(path[-1])], uniforms[path.numel() - 1])
+    bonus = draw_keyed(probs[int(path[-1])], keys[path.numel() - 1])
     return _accept(tree, path, int(bonus))
 
 
@@ -184,18 +185,18 @@ def verify(
     tree: DraftTree,
     logits: Tensor,
     sampling: SamplingParams,
-    uniforms: Tensor | None,
+    keys: Tensor | None,
     acceptance: AcceptanceRule = "lossless",
 ) -> Acceptance:
-    """Dispatch: greedy when ``sampling.greedy`` (for both rules, as Medusa does; ``uniforms``
+    """Dispatch: greedy when ``sampling.greedy`` (for both rules, as Medusa does; ``keys``
     unused), otherwise the lossless sampling rule or, if asked for, the lossy typical rule,
-    over ``uniforms`` (float64 ``[depth + 1]``, :func:`verify_sampling`)."""
+    with the noise ``keys`` of the tree's positions (``[depth + 1]``, :func:`verify_sampling`)."""
     if acceptance not in ("lossless", "typical"):
         raise ValueError(f"acceptance must be 'lossless' or 'typical', got {acceptance!r}")
     if sampling.greedy:
         return verify_greedy(tree, logits)
-    if uniforms is None:
-        raise ValueError("sampled verification needs the uniforms of the tree's positions")
+    if keys is None:
+        raise ValueError("sampled verification needs the noise keys of the tree's positions")
     if acceptance == "typical":
-        return verify_typical(tree, probs_from_logits(logits, sampling), uniforms)
-    return verify_sampling(tree, lambda block: probs_from_logits(logits[block], sampling), uniforms)
+        return verify_typical(tree, probs_from_logits(logits, sampling), keys)
+    return verify_sampling(tree, lambda block: probs_from_logits(logits[block], sampling), keys)

@@ -27,7 +27,7 @@ from headway.drafters.draft_vocab import (
     narrow_medusa,
 )
 from headway.drafters.eagle3_drafter import Eagle3Drafter, eagle3_model
-from headway.drafters.eagle_drafter import EagleDrafter, auto_total_tokens, eagle_model
+from headway.drafters.eagle_drafter import EagleDrafter, eagle_model
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.lookup_medusa import lookup_medusa_drafter
 from headway.drafters.medusa_drafter import MedusaDrafter, medusa_tree
@@ -44,6 +44,7 @@ from headway.drafters.specs import (
     parse_spec,
 )
 from headway.drafters.static_eagle import StaticDrafting, StaticEagle3Drafter, StaticEagleDrafter
+from headway.drafters.tree_budget import auto_total_tokens
 from headway.errors import ConfigError
 from headway.heads.eagle import EagleConfig, TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model

@@ -82,6 +82,12 @@ class Eagle3Drafter(EagleDrafter):
         best = log_probs.topk(k, dim=-1)
         return best.values, self.draft3.vocab.to_target(best.indices)
 
+    def candidate_logits(self, states: Tensor) -> tuple[Tensor, Tensor]:
+        """The draft head's logits over the draft vocabulary and its target ids."""
+        logits = self.draft3.logits(states)
+        ids = torch.arange(logits.shape[-1], device=logits.device)
+        return logits, self.draft3.vocab.to_target(ids)
+
 
 def check_target(config: Eagle3Config, target_model: Any) -> None:
     """Raise ``ValueError`` unless ``target_model`` has the embedding width, vocabulary and

@@ -36,30 +36,27 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
-from headway.decode.costs import time_in_turn, verify_timer
 from headway.decode.gemm import gemm_route, routed_linears
+from headway.decode.keyed_noise import Coupling
 from headway.decode.kv import crop_cache
 from headway.decode.tree import DraftTree, empty_tree, subtree
+from headway.drafters.coupled import coupled_children
 from headway.drafters.specs import EagleSpec
 from headway.heads.eagle import EagleConfig, EagleModel, TargetHead, additive_mask
 
 __all__ = [
-    "AUTO_CANDIDATES",
-    "AUTO_GAIN",
     "DEFAULT_DEPTH",
     "DEFAULT_TOP_K",
     "DEFAULT_TOTAL_TOKENS",
     "EagleDrafter",
     "FeatureDraftModel",
-    "auto_total_tokens",
     "eagle_model",
     "select_nodes",
 ]
@@ -73,46 +70,6 @@ DEFAULT_TOTAL_TOKENS: int = cast(int, EagleSpec.total_tokens)
 sized for a CPU (verify cost grows beyond about ten nodes, and each level costs one ``[V, H]``
 LM-head pass) and the weak drafters tiny data gives (DESIGN.md). The EAGLE-2
 reference uses top_k 10, total_tokens 60 and 6-8 levels on GPUs; re-tune for strong drafters."""
-
-
-AUTO_CANDIDATES = (4, 8, 12, 16, 24, 32)
-AUTO_GAIN = (1.0, 1.12, 1.18, 1.22, 1.27, 1.30)
-"""``total_tokens=auto``: tree budgets tried, and the tau each is *assumed* to reach relative to the
-smallest (a concave curve: the best extra nodes of an EAGLE-2 tree are the likeliest ones). The
-reference does the same with its own table (``[40, 48, 50, 56, 60]`` -> ``[1, 1.05, 1.07, 1.1,
-1.13]``, sized for GPUs where a 60-token forward costs about what one token does)."""
-
-
-def auto_total_tokens(
-    target_model: PreTrainedModel,
-    *,
-    prefix_tokens: int = 128,
-    seconds: Callable[[int], float] | None = None,
-) -> int:
-    """``total_tokens=auto``: choose the tree budget N by timing the target's verify forward on this
-    hardware (EAGLE-2 reference, ``total_token=-1``): the N of :data:`AUTO_CANDIDATES` with the
-    lowest measured ``t_verify(N) / gain(N)``, ``gain`` from :data:`AUTO_GAIN`.
-
-    Args:
-        target_model: the target the trees will be verified on.
-        prefix_tokens: length of the random committed prefix the forwards are timed after.
-        seconds: ``N -> seconds`` of one verify forward over N tree tokens, called for the
-            candidates in turn, a warm-up pass then three, as cost tables are timed
-            (:func:`~headway.decode.costs.time_in_turn`); default: one forward on a one-level
-            tree, multiplied as the loop will (the route applied to the target,
-            :mod:`headway.decode.gemm`).
-    """
-    if seconds is None:
-        seconds = verify_timer(target_model, prefix_tokens)
-    timed = time_in_turn(seconds, list(AUTO_CANDIDATES), 3)
-    costs = [timed[size] / gain for size, gain in zip(AUTO_CANDIDATES, AUTO_GAIN, strict=True)]
-    best = AUTO_CANDIDATES[min(range(len(costs)), key=costs.__getitem__)]
-    logger.info(
-        "total_tokens=auto: %d (verify ms per assumed gain: %s)",
-        best,
-        ", ".join(f"{n}: {c * 1000:.1f}" for n, c in zip(AUTO_CANDIDATES, costs, strict=True)),
-    )
-    return best
 
 
 def select_nodes(scores: Tensor, count: int) -> Tensor:
@@ -169,8 +126,12 @@ class EagleDrafter:
     scored by its cumulative draft probability and the loop sends the best that pay for their
     share of the verify forward; the tree also stops growing once no frontier node reaches the
     floor, which saves draft forwards on unsure steps. On a CPU the drafter times its levels
-    (:attr:`level_seconds`) so that the loop can price one more level into that floor.
+    (:attr:`level_seconds`) so that the loop can price one more level into that floor. A
+    sampled sequence is drafted with the target's noise (:meth:`couple`,
+    :mod:`headway.drafters.coupled`).
     """
+
+    couples = True  # whether it drafts a sampled sequence with its noise (couple)
 
     def __init__(
         self,
@@ -204,6 +165,8 @@ class EagleDrafter:
         weight = model.fc.weight
         self._device, self._dtype = weight.device, weight.dtype
         self.level_seconds = 0.0
+        self.coupling: Coupling | None = None  # sampled: the sequence's noise (couple)
+        self._position = 0  # the sequence position of the last tree's first level
         """Seconds one tree level's draft forward takes (a running mean, measured on a CPU when
         the tree is cost-sized; 0 until then and on a GPU, where timing would need a sync)."""
         self.begin(torch.empty(0, dtype=torch.long))
@@ -224,9 +187,33 @@ class EagleDrafter:
         best = self._log_probs(states).topk(k, dim=-1)
         return best.values, best.indices if self._vocab is None else self._vocab[best.indices]
 
+    def candidate_logits(self, states: Tensor) -> tuple[Tensor, Tensor]:
+        """The draft head's logits ``[n, N]`` after ``states`` ``[n, H]`` and the target ids
+        ``[N]`` of its N candidates (coupled drafting reads them all)."""
+        logits = self.head.logits(states)
+        ids = torch.arange(logits.shape[-1], device=logits.device)
+        return logits, ids if self._vocab is None else self._vocab
+
+    def couple(self, coupling: Coupling | None) -> None:
+        """Draft the coming sequence with its sampling noise (:mod:`headway.drafters.coupled`),
+        or, with ``None``, by the draft's top-k alone (greedy decoding); a drafter whose
+        :attr:`couples` is False (the static ones) always drafts by the top-k."""
+        self.coupling = coupling if self.couples else None
+
+    def _children(self, states: Tensor, k: int, level: int) -> tuple[Tensor, Tensor]:
+        """:meth:`top_children` of nodes whose children sit at tree ``level`` (1: the root's);
+        coupled, ranked with the target's noise at that position."""
+        if self.coupling is None:
+            return self.top_children(states, k)
+        logits, ids = self.candidate_logits(states)
+        key = self.coupling.key(self._position + level - 1, self._device)
+        return coupled_children(logits, ids, k, key, self.coupling.temperature)
+
     def begin(self, prompt_ids: Tensor) -> None:
-        """Forget the previous sequence: empty draft cache, no root feature."""
+        """Forget the previous sequence: empty draft cache, no root feature, no coupling (the
+        loop couples a sampled sequence after this)."""
         self._cache = self.model.new_cache()
+        self.coupling = None
         self._committed = 0  # pairs (f_t, x_{t+1}) in the cache
         self._root_feature: Tensor | None = None  # [H], f̂ at the root's position
 
@@ -305,7 +292,7 @@ class EagleDrafter:
         times each level and stops early once no frontier node's score reaches the floor."""
         self._drop_tree()
         k = self.top_k
-        root_scores, root_tokens = self.top_children(root_feature[None], k)
+        root_scores, root_tokens = self._children(root_feature[None], k, 1)
         tokens, scores = [root_tokens[0]], [root_scores[0]]
         parents = [torch.full((k,), -1, dtype=torch.long, device=self._device)]
         expanded = k  # nodes so far; the next level's first node index
@@ -325,7 +312,7 @@ class EagleDrafter:
                 break  # no descendant can pay
             started = time.perf_counter() if timed else 0.0  # no clock read to trace when compiled
             predicted = self._forward_frontier(features, frontier_tokens, ancestors, level - 1)
-            child_logp, child_tokens = self.top_children(predicted, k)  # [F, k] each
+            child_logp, child_tokens = self._children(predicted, k, level + 1)  # [F, k] each
             if timed:  # on a CPU the work is done when the call returns
                 self._time_level(time.perf_counter() - started)
             child_scores = (frontier_scores[:, None] + child_logp).flatten()
@@ -359,6 +346,7 @@ class EagleDrafter:
         probability."""
         if self._root_feature is None:
             return empty_tree()
+        self._position = sequence.numel()  # where the root's children sit
         with self.routed():
             tokens, parents, scores = self._expand(self._root_feature, floor)
         best = select_nodes(scores, self.total_tokens - 1)

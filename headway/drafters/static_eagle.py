@@ -74,6 +74,7 @@ class StaticDrafting(EagleDrafter):
 
     capture: bool | None = None
     compiled: bool = False  # drafting="compiled": the whole step through torch.compile
+    couples = False  # not yet coupled: the noise key would come from the graph's positions
     _kept: tuple[Tensor, Tensor]  # the last step's tree on the device: tokens, parents
     # Which proposal a step makes: the device step's subtree (:attr:`_kept`) or the host tree
     # (:attr:`_out`); a graph holds one of them, so a switch drops it.

@@ -27,7 +27,7 @@ them where no GPU is (views, which launch nothing, are not counted):
   zero-dimensional ones pass as the Python constants they are, except as the values of an
   indexed assignment or a copy, which CUDA copies to the device: ``mask[rows, cols] = True``
   cannot be captured), a host-only op (it runs once,
-  at capture, never on replay), a random op (sampling's uniforms are hashes of the sequence's
+  at capture, never on replay), a random op (sampling's noise is a hash of the sequence's
   seed and positions, :mod:`headway.decode.keyed_noise`, computed in the graph).
 
 Limits: a tensor the code places on the device with ``.to(device)`` stays "host" here (on a CPU

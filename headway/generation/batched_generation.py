@@ -33,7 +33,7 @@ model, no forked modeling code):
 
 Each kept token is the target's own for that row's tokens (up to the rounding of a batched
 forward): greedy keeps the argmax, sampling draws from ``softmax(logits / temperature)``
-restricted to the ``top_p`` nucleus with the uniform of the row's seed and the token's position
+restricted to the ``top_p`` nucleus with the noise of the row's seed and the token's position
 (:mod:`headway.decode.keyed_noise`; a draft is kept where it is the token drawn), so a sampled
 answer depends on its prompt and seed only: not on lookahead, the slots or the rows beside it.
 ``tests/test_batched_generation.py`` holds greedy output equal to ``generate`` on each prompt
@@ -60,9 +60,9 @@ from headway.decode.gemm import (
     routed_linears,
 )
 from headway.decode.grouped_attention import grouped_attention
-from headway.decode.keyed_noise import uniforms_at
+from headway.decode.keyed_noise import draw_keyed, position_keys
 from headway.decode.kv import cache_argument, recurrent_layer
-from headway.decode.sampling import SamplingParams, pick_tokens, probs_from_logits, sample_with
+from headway.decode.sampling import SamplingParams, pick_tokens, probs_from_logits
 from headway.drafters.lookup import NgramIndex
 from headway.errors import HeadwayError
 from headway.generation.lookahead import accept_chains
@@ -184,7 +184,7 @@ class ContinuousBatcher:
 
     def submit(self, key: Hashable, prompt_ids: Sequence[int], seed: int = 0) -> None:
         """Queue one prompt (token ids, chat template applied) under ``key``; sampled, its
-        tokens are drawn with the uniforms of ``seed`` (module docstring)."""
+        tokens are drawn with the noise of ``seed`` (module docstring)."""
         if not prompt_ids:
             raise ValueError(f"prompt {key!r} is empty")
         self.waiting.append((key, list(prompt_ids), seed))
@@ -278,12 +278,12 @@ class ContinuousBatcher:
             **cache_argument(self.model, cache),
             use_cache=True,
         ).logits
-        uniforms = None
+        keys = None
         if not self.rule.greedy:  # entry j predicts the token at the row's length + j
             seeds = torch.tensor([row.seed for row in rows])
             lengths = torch.tensor([len(row.prompt) + len(row.tokens) for row in rows])
-            uniforms = uniforms_at(seeds, lengths[:, None] + torch.arange(step))
-        accepted = accept_chains(logits, drafts, self.rule, uniforms)
+            keys = position_keys(seeds, lengths[:, None] + torch.arange(step))
+        accepted = accept_chains(logits, drafts, self.rule, keys)
         cache.advance([1 + kept for kept in accepted.kept])
         self.steps += 1
         self.row_steps += len(rows)
@@ -318,11 +318,11 @@ class ContinuousBatcher:
 
     def _first_tokens(self, logits: Tensor, seeds: list[int], lengths: list[int]) -> Tensor:
         """Each prefilled row's first token from its last logits ``[rows, V]``: the argmax,
-        or the draw with the uniform of its seed at its prompt's length."""
+        or the draw with the noise of its seed at its prompt's length."""
         if self.rule.greedy:
             return pick_tokens(logits, self.rule, None)
-        uniforms = uniforms_at(torch.tensor(seeds), torch.tensor(lengths))
-        return sample_with(probs_from_logits(logits, self.rule), uniforms)
+        keys = position_keys(torch.tensor(seeds), torch.tensor(lengths))
+        return draw_keyed(probs_from_logits(logits, self.rule), keys)
 
     def _resume(self, cache: RaggedCache, ids: list[int], seed: int, past: DynamicCache) -> int:
         """Prefill what follows ``past``'s tokens of ``ids`` over ``past`` (batch 1), place the

@@ -12,8 +12,8 @@ once.
 Verification (:func:`accept_chains`) keeps what the target's own decoding would produce:
 
 - greedy: the drafts that equal the target's argmax, then the target's token where they part;
-- sampling: at each position the target's token is drawn from ``p`` by inverse CDF with the
-  uniform of the row's seed and that position (:mod:`headway.decode.keyed_noise`); drafts are
+- sampling: at each position the target's token is drawn from ``p`` by Gumbel-max with the
+  noise of the row's seed and that position (:mod:`headway.decode.keyed_noise`); drafts are
   kept while they equal the tokens drawn, then the drawn token where they part. Each kept token
   is the target's own draw (a draft ``x`` is kept with probability ``p(x)``, speculative
   sampling's rule for a deterministic draft), and a row's answer depends on its seed alone,
@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from headway.decode.sampling import SamplingParams, probs_from_logits, sample_with
+from headway.decode.keyed_noise import draw_keyed
+from headway.decode.sampling import SamplingParams, probs_from_logits
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def accept_chains(
     logits: Tensor,
     drafts: Sequence[Sequence[int]],
     rule: SamplingParams,
-    uniforms: Tensor | None = None,
+    keys: Tensor | None = None,
 ) -> Accepted:
     """Verify each row's draft chain against the target.
 
@@ -53,8 +54,8 @@ def accept_chains(
             input (its last token, then its drafts); ``S >= 1 + len(drafts[b])``.
         drafts: the drafted tokens of each row (rows may draft fewer than ``S - 1``).
         rule: greedy, or how the logits are shaped for sampling.
-        uniforms: sampling only: float64 ``[rows, S]``, the uniform of the token each entry
-            predicts (:func:`~headway.decode.keyed_noise.uniforms_at` at its position).
+        keys: sampling only: LongTensor ``[rows, S]``, the noise key of the token each entry
+            predicts (:func:`~headway.decode.keyed_noise.position_keys` at its position).
     """
     rows, step, _ = logits.shape
     device = logits.device
@@ -68,9 +69,9 @@ def accept_chains(
         best = logits.max(dim=-1).indices  # [rows, S]; the first maximum, as argmax
         # (and faster than argmax over a bf16 vocabulary on a CPU)
     else:
-        if uniforms is None or uniforms.shape != (rows, step):
-            raise ValueError(f"sampling needs the uniforms of every entry, [{rows}, {step}]")
-        best = sample_with(probs_from_logits(logits, rule), uniforms)  # the target's draws
+        if keys is None or keys.shape != (rows, step):
+            raise ValueError(f"sampling needs the noise keys of every entry, [{rows}, {step}]")
+        best = draw_keyed(probs_from_logits(logits, rule), keys)  # the target's draws
     ok = (padded == best[:, :-1]) & drafted
     kept = ok.long().cumprod(dim=1).sum(dim=1)
     after = best.gather(1, kept[:, None])[:, 0]
