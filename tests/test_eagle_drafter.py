@@ -252,6 +252,12 @@ class Recorder:
     def begin(self, prompt_ids: Tensor) -> None:
         self.inner.begin(prompt_ids)
 
+    def couple(self, coupling: Any) -> None:
+        """Hand a sampled sequence's noise on (coupled drafting), where the drafter takes it."""
+        couple = getattr(self.inner, "couple", None)
+        if couple is not None:
+            couple(coupling)
+
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         self.inner.observe(new_tokens, hidden)
 

@@ -14,8 +14,10 @@ import torch
 from headway.decode.captured import COMPILED_CAPACITY
 from headway.decode.gemm import apply_gemm
 from headway.decode.generate import Decoder, generate
+from headway.decode.keyed_noise import Coupling
 from headway.decode.options import DecodeOptions
 from headway.decode.packed import packing_available
+from headway.decode.sampling import SamplingParams
 from headway.drafters import static_eagle
 from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.eagle_drafter import EagleDrafter
@@ -73,6 +75,16 @@ def test_static_drafting_proposes_the_eager_trees(kind: str, shape: str) -> None
         results = [run.generate(PROMPT, max_new_tokens=32, eos_token_ids=()) for run in runs]
         assert results[0].tokens == results[1].tokens == truth
         assert results[0].accept_lengths == results[1].accept_lengths
+    warm = SamplingParams(temperature=0.8)  # both coupled to the same noise: the same trees
+    sampled = [
+        Decoder(model, recorder).generate(
+            PROMPT, max_new_tokens=24, eos_token_ids=(), sampling=warm,
+            generator=torch.Generator().manual_seed(2),
+        )
+        for recorder in (eager, static)
+    ]  # fmt: skip
+    assert sampled[0].tokens == sampled[1].tokens != truth[:24]
+    assert sampled[0].accept_lengths == sampled[1].accept_lengths
     assert len(eager.proposals) == len(static.proposals) > 0
     for (_, mine), (_, theirs) in zip(static.proposals, eager.proposals, strict=True):
         assert torch.equal(mine.tokens, theirs.tokens)
@@ -94,15 +106,19 @@ def test_a_long_sequence_grows_the_cache_and_keeps_the_output(
     assert static._cache.capacity == 128
 
 
-def test_a_drafting_step_reads_nothing_on_the_host() -> None:
-    """The step a CUDA graph captures dispatches no op whose result the host must wait for."""
+@pytest.mark.parametrize("coupled", [False, True])
+def test_a_drafting_step_reads_nothing_on_the_host(coupled: bool) -> None:
+    """The step a CUDA graph captures dispatches no op whose result the host must wait for
+    (coupled too: the noise keys come from the staged seed and the device's pair count)."""
     model, _ = target_and_truth("llama")
     _, static = _pair("random", model, SHAPES["tree"])
     generate(model, PROMPT, drafter=static, max_new_tokens=4, eos_token_ids=())
+    static.couple(Coupling(seed=11, temperature=0.7) if coupled else None)
     counter = DispatchCounter(*seeds_of(static))
     with counter, torch.inference_mode():
         static._step()
     assert counter.counts.syncs == 0 and counter.counts.launches > 0
+    assert counter.counts.graph_faults == {}
 
 
 def test_capture_is_refused_off_cuda() -> None:

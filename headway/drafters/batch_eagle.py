@@ -49,8 +49,8 @@ from headway.decode.batch_drafting import Tree, check_rows, last_of_rows
 from headway.decode.captured import MIN_CAPACITY, block_bucket, record_graph
 from headway.decode.static_cache import StaticCache
 from headway.decode.tree import subtree
+from headway.drafters.draft_forward import draft_forward
 from headway.drafters.eagle_drafter import EagleDrafter
-from headway.drafters.static_eagle import draft_forward
 
 __all__ = ["BatchEagle"]
 

@@ -206,8 +206,13 @@ class EagleDrafter:
         if self.coupling is None:
             return self.top_children(states, k)
         logits, ids = self.candidate_logits(states)
-        key = self.coupling.key(self._position + level - 1, self._device)
+        key = self._noise_key(level)
         return coupled_children(logits, ids, k, key, self.coupling.temperature)
+
+    def _noise_key(self, level: int) -> Tensor:
+        """The noise key of tree ``level``'s position (the root's children at level 1)."""
+        assert self.coupling is not None
+        return self.coupling.key(self._position + level - 1, self._device)
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget the previous sequence: empty draft cache, no root feature, no coupling (the

@@ -55,13 +55,14 @@ from headway.decode.captured import (
 )
 from headway.decode.device_chain import kept_copy
 from headway.decode.device_tree import subtree_on_device
+from headway.decode.keyed_noise import Coupling, position_keys
 from headway.decode.static_cache import StaticCache
 from headway.decode.tree import DraftTree, empty_tree, subtree
+from headway.drafters.draft_forward import draft_forward
 from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.eagle_drafter import EagleDrafter, select_nodes
-from headway.heads.eagle import additive_mask
 
-__all__ = ["StaticDrafting", "StaticEagle3Drafter", "StaticEagleDrafter", "draft_forward"]
+__all__ = ["StaticDrafting", "StaticEagle3Drafter", "StaticEagleDrafter"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,6 @@ class StaticDrafting(EagleDrafter):
 
     capture: bool | None = None
     compiled: bool = False  # drafting="compiled": the whole step through torch.compile
-    couples = False  # not yet coupled: the noise key would come from the graph's positions
     _kept: tuple[Tensor, Tensor]  # the last step's tree on the device: tokens, parents
     # Which proposal a step makes: the device step's subtree (:attr:`_kept`) or the host tree
     # (:attr:`_out`); a graph holds one of them, so a switch drops it.
@@ -123,10 +123,29 @@ class StaticDrafting(EagleDrafter):
         self._n = torch.ones((), dtype=torch.long, device=device)  # pairs in the step's buffers
         self._before = torch.zeros((), dtype=torch.long, device=device)  # committed before them
         self._base = torch.zeros((), dtype=torch.long, device=device)  # committed after: the tree
+        self._seed = torch.zeros((), dtype=torch.long, device=device)  # coupled: the sequence's
+        self._coupled_at: float | None = None  # the temperature the graph drafts coupled at
         self._out: Tensor | None = None  # float64 [2n + 2m]: tokens, parents; kept, their scores
         self._graph: Any = None
         self._pool: Any = None
         self._rebind = False  # a chained run's step rebound the outputs: capture again
+
+    def couple(self, coupling: Coupling | None) -> None:
+        """:meth:`EagleDrafter.couple`: the seed staged on the device, where the step computes
+        each level's noise key from it and the committed count; a graph captured for another
+        temperature (or uncoupled) is captured again."""
+        super().couple(coupling)
+        if coupling is not None:
+            self._seed.fill_(coupling.seed)
+        temperature = None if coupling is None else coupling.temperature
+        if temperature != self._coupled_at:
+            self._coupled_at = temperature
+            self._drop_graph()
+
+    def _noise_key(self, level: int) -> Tensor:
+        """The noise key of tree ``level``'s position on the device: the root's children sit
+        one past the committed pairs."""
+        return position_keys(self._seed, self._base + level)
 
     def _reserve(self, columns: int) -> None:
         """Hold at least ``columns`` columns (see :meth:`StaticForward.reserve`)."""
@@ -363,30 +382,6 @@ class StaticDrafting(EagleDrafter):
             self._pool = torch.cuda.graph_pool_handle()
         self._graph = record_graph(self._run_step, self._device, self._pool)
         logger.info("captured EAGLE drafting: top_k %d, depth %d", self.top_k, self.depth)
-
-
-def draft_forward(
-    drafter: EagleDrafter,
-    cache: StaticCache,
-    features: Tensor,
-    tokens: Tensor,
-    positions: Tensor,
-    columns: Tensor,
-    visible: Tensor,
-) -> Tensor:
-    """One forward of ``drafter``'s draft model over a static ``cache`` of ``B`` rows: pairs
-    (``features [B, m, H]``, ``tokens [B, m]``) at ``positions [B, m]``, their keys written at
-    ``columns [B, m]``, row ``b``'s entry ``i`` attending to the columns ``visible[b, i]``
-    marks (``[B, m, capacity]``); returns the predicted states ``[B, m, H]``."""
-    cache.columns[:, : columns.shape[-1]].copy_(columns)
-    dtype = drafter.model.fc.weight.dtype
-    return drafter.model(
-        features,
-        drafter.head.embed_tokens(tokens, dtype),
-        position_ids=positions,
-        attention_mask=additive_mask(visible, dtype)[:, None],
-        cache=cache,
-    )
 
 
 class StaticEagleDrafter(StaticDrafting):

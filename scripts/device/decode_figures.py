@@ -22,7 +22,8 @@ captures again and again is slow for it). Sections, each printed and written to
    tree 8 steps a run (on 2026-11-27 the chained rows gave 3/8 and 7/8 of HF's answers: a run
    and a single step shared their outputs; ``tests/test_device_chain.py``);
 3. bfloat16, temperature 1.0: plain captured sampling against the sampled device step (the
-   first and the last tree, and :data:`SAMPLED_WIDE`'s wider root);
+   first tree uncoupled, then coupled to the target's noise as decoding runs it; the last tree,
+   and :data:`SAMPLED_WIDE`'s wider root);
 4. bfloat16, ``--verify compiled`` (``torch.compile`` first: a minute or more per block size;
    the drafter's step forwards compiled too, as ``headway generate`` runs them), the default
    tree a read a step and 8 steps a run;
@@ -222,18 +223,23 @@ def eagle_row(
     verify: str = "captured",
     temperature: float = 0.0,
     chain: int = 1,
+    coupled: bool = True,
 ) -> Row:
     """The drafter with tree ``shape`` as ``headway generate`` runs it on a GPU: static drafting,
     sized by the drafter, so each step runs on the device (``DecodeOptions.device_trees``),
-    ``chain`` steps to a run (``headway/decode/device_chain.py``)."""
+    ``chain`` steps to a run (``headway/decode/device_chain.py``); sampled, drafting with the
+    target's noise unless not ``coupled`` (``headway/drafters/coupled.py``)."""
     top_k, depth, total = shape
     drafting: Literal["compiled", "static"] = "compiled" if verify == "compiled" else "static"
     spec = EagleSpec(heads=heads, top_k=top_k, depth=depth, total_tokens=total, drafting=drafting)
     options = DecodeOptions(verify=verify, chain=chain)  # type: ignore[arg-type]
-    decoder = Decoder(target.model, build_drafter(spec, target), options)
+    drafter: Any = build_drafter(spec, target)
+    drafter.couples = coupled
+    decoder = Decoder(target.model, drafter, options)
     name = f"EAGLE-3, top_k {top_k}, depth {depth}, {total} tokens, device step"
     name += "" if verify == "captured" else f", {verify}"
     name += "" if chain == 1 else f", {chain} steps a run"
+    name += "" if coupled or not temperature else ", uncoupled"
     return Row(name, runner(decoder, name, temperature))
 
 
@@ -271,7 +277,9 @@ def section_rows(args: argparse.Namespace, section: str, target: Target) -> list
         rows += [eagle_row(target, heads, shape) for shape in ends]
         return [*rows, eagle_row(target, heads, shapes[0], chain=8)]
     if section == "sampled":
-        return [plain_row(target, temperature=1.0)] + [
+        rows = [plain_row(target, temperature=1.0)]  # the same texts row by row (one seed each)
+        rows.append(eagle_row(target, heads, shapes[0], temperature=1.0, coupled=False))
+        return rows + [
             eagle_row(target, heads, shape, temperature=1.0)
             for shape in dict.fromkeys((shapes[0], shapes[-1], SAMPLED_WIDE))
         ]
