@@ -12,7 +12,8 @@ drafter observing every step), at each step the target's p at the root and the d
 its first level, then the two acceptance figures (Monte Carlo over ``--draws`` Gumbel draws
 per step) for k = 1, 2, 4, 8.
 
-Then it decodes the same prompts both ways, coupled and not (cost-sized, the default tree),
+Then it decodes the same prompts both ways, coupled and not (``--sizing``: cost-sized or the
+default tree),
 and prints tau and tokens/s: the texts are the same (the target's draws do not depend on the
 drafts), so the two rows differ only in how much of each text the drafts covered.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -47,6 +48,16 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     parser.add_argument("--draws", type=int, default=400, help="Gumbel draws per step")
+    parser.add_argument(
+        "--sizing",
+        choices=("cost", "drafter"),
+        default="cost",
+        help="how the decoded trees are sized: by cost (a CPU's default) or by the drafter "
+        "(the default 16-token tree, as a GPU drafts it)",
+    )
+    parser.add_argument(
+        "--prompts", default="mt-bench", help="mt-bench (default), humaneval or a .jsonl file"
+    )
     parser.add_argument(
         "--flatten",
         type=float,
@@ -78,7 +89,7 @@ def main() -> None:
     decoder = Decoder(target.model, drafter)
     prompts = [
         prompt_ids(target, prompt.text, chat=True)
-        for prompt in load_prompts("mt-bench", limit=args.num_prompts)
+        for prompt in load_prompts(args.prompts, limit=args.num_prompts)
     ]
     drafter.couple = lambda coupling: None  # the first table compares q's top-k to coupling
     for index, prompt in enumerate(prompts):
@@ -125,21 +136,26 @@ def main() -> None:
         cells = " | ".join(f"{coupled[(k, f)] / steps:.3f}" for f in args.flatten)
         print(f"{k} | {today[k] / steps:.3f} | {inverse[k] / steps:.3f} | {cells}")
 
-    decode_both_ways(target, heads, prompts, sampling, args.max_new_tokens)
+    decode_both_ways(target, heads, prompts, sampling, args.max_new_tokens, args.sizing)
 
 
 def decode_both_ways(
-    target: Any, heads: Any, prompts: list[Any], sampling: SamplingParams, new: int
+    target: Any,
+    heads: Any,
+    prompts: list[Any],
+    sampling: SamplingParams,
+    new: int,
+    sizing: Literal["cost", "drafter"],
 ) -> None:
-    """The prompts decoded coupled and uncoupled (cost-sized), each prompt with the same seed
-    both ways: one text, two acceptance figures."""
+    """The prompts decoded coupled and uncoupled (trees sized by ``sizing``), each prompt with
+    the same seed both ways: one text, two acceptance figures."""
     print("drafting | tau | tokens/s | same text")
     texts = []
     for coupled in (False, True, False, True):  # each twice, alternating
         drafter: Any = build_drafter(EagleSpec(heads=str(heads)), target)
         if not coupled:
             drafter.couple = lambda coupling: None
-        decoder = Decoder(target.model, drafter, DecodeOptions(sizing="cost"))
+        decoder = Decoder(target.model, drafter, DecodeOptions(sizing=sizing))
         accepted = steps = tokens = 0
         seconds = 0.0
         found = []
