@@ -209,14 +209,22 @@ def test_recording_drafter_keeps_proposed_depths() -> None:
     assert recording.proposed_depths() == [3, 1]
 
 
-def test_sampling_reports_no_identical_fraction(tmp_path: Path) -> None:
+def test_sampling_against_headway_checks_the_text_and_against_hf_does_not(
+    tmp_path: Path,
+) -> None:
+    """Sampled, headway's plain decoding draws what the drafter's does with one seed (keyed
+    noise): the report holds them identical; HF's sampling draws other numbers: no figure."""
     target, prompts, out = _tiny_target(tmp_path), _prompt_file(tmp_path), tmp_path / "out"
     command = ["eval", "--target", str(target), "--device", "cpu", "--drafter", "prompt-lookup"]
-    command += ["--prompts", str(prompts), "--num-prompts", "1", "--max-new-tokens", "8"]
-    command += ["--temperature", "0.8", "--baseline", "headway", "--out", str(out)]
-    assert main(command) == 0
+    command += ["--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "12"]
+    command += ["--temperature", "0.8", "--out", str(out)]
+    assert main([*command, "--baseline", "headway"]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["identical_fraction"] is None and report["settings"]["baseline"] == "headway"
+    assert report["identical_fraction"] == 1.0 and report["settings"]["baseline"] == "headway"
+    assert all(prompt["identical"] for prompt in report["per_prompt"])
+    assert main([*command, "--baseline", "hf"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["identical_fraction"] is None
 
 
 def test_typical_acceptance_is_recorded_and_headlined_lossy(

@@ -99,7 +99,8 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         default="hf",
         choices=["hf", "headway"],
         help="plain decoding to compare with: hf = model.generate (default), headway = the "
-        "same decoding loop without a drafter",
+        "same decoding loop without a drafter (sampled, with the same seed: the same text "
+        "token for token, which the report's identical figure then checks)",
     )
     parser.add_argument(
         "--out",

@@ -19,7 +19,7 @@ generation wall time, speedups are ratios measured in the same run::
       "per_position_acceptance": [vLLM's per-position acceptance rate, positions 1..k],
       "tokens_per_s": {"drafter": float, "plain": float},
       "speedup": float,                          # drafter / plain
-      "identical_fraction": float | null,        # temperature 0 only
+      "identical_fraction": float | null,        # greedy, or sampled against headway
       "identical_prompts": int | null,
       "per_category": {category: {"prompts", "tau", "drafter_tokens_per_s",
                                   "plain_tokens_per_s", "speedup"}},
@@ -84,7 +84,8 @@ DEFINITIONS = {
     "tokens_per_s": "generated tokens / generation wall time (prefill included, batch 1)",
     "speedup": "drafter tokens/s / plain tokens/s, measured in the same run, interleaved",
     "identical_fraction": "fraction of prompts whose drafter output equals plain decoding token "
-    "for token (temperature 0 only; must be 1.0 in float32)",
+    "for token (temperature 0, or sampled against --baseline headway, whose draws are the "
+    "drafter's with one seed; must be 1.0 in float32)",
     "overhead_fraction": "eval's own time (encoding, bookkeeping, reporting, plotting) over the "
     "whole run after model loading; report.json's own write is not included",
 }
@@ -119,7 +120,7 @@ def _per_category(records: Sequence[PromptRecord]) -> dict[str, dict[str, Any]]:
     return {name: _figures(group) for name, group in sorted(categories.items())}
 
 
-def _per_prompt(record: PromptRecord, greedy: bool) -> dict[str, Any]:
+def _per_prompt(record: PromptRecord, comparable: bool) -> dict[str, Any]:
     steps = record.accept_lengths[1:]
     return {
         "id": record.id,
@@ -131,7 +132,7 @@ def _per_prompt(record: PromptRecord, greedy: bool) -> dict[str, Any]:
         "plain_seconds": record.plain_seconds,
         "tau": sum(steps) / len(steps) if steps else None,
         "stop_reason": record.stop_reason,
-        "identical": record.identical if greedy else None,
+        "identical": record.identical if comparable else None,
     }
 
 
@@ -161,7 +162,9 @@ def build_report(
         [r.accept_lengths for r in records], [r.proposed_depths for r in records]
     )
     overall = _figures(records)
-    greedy = run.settings.greedy
+    # comparable token for token: greedy, or sampled against headway's own sampling (one seed,
+    # one text: headway.decode.keyed_noise); HF's sampling draws other numbers
+    comparable = run.settings.greedy or run.settings.baseline == "headway"
     identical = sum(r.identical for r in records)
     return {
         "schema": SCHEMA,
@@ -183,10 +186,10 @@ def build_report(
             "plain": overall["plain_tokens_per_s"],
         },
         "speedup": overall["speedup"],
-        "identical_fraction": identical / len(records) if greedy and records else None,
-        "identical_prompts": identical if greedy else None,
+        "identical_fraction": identical / len(records) if comparable and records else None,
+        "identical_prompts": identical if comparable else None,
         "per_category": _per_category(records),
-        "per_prompt": [_per_prompt(record, greedy) for record in records],
+        "per_prompt": [_per_prompt(record, comparable) for record in records],
         "verify_ms_by_block_size": (
             None if run.verify_seconds is None else [1000 * s for s in run.verify_seconds]
         ),
