@@ -330,3 +330,40 @@ def api_drafting(target: Any, batch: int) -> Any:
     drafting, give_back = api._batch_drafting(target, "prompt-lookup", None, None, batch)
     give_back()
     return drafting
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "trained"])
+def test_a_sampled_batch_drafts_each_row_with_its_own_noise(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sampled (temperature 0.8), the batch drafter couples each row to its prompt's noise:
+    every row accepts what it accepts with its own coupled eager drafter in the batch, and the
+    first row what it accepts decoded alone with the same seed (its text too); uncoupled, the
+    acceptance differs."""
+    from headway.decode.sampling import SamplingParams
+
+    _whole_trees(monkeypatch)
+    model, _ = target_and_truth("llama")
+    warm = SamplingParams(temperature=0.8)
+    rows, one = _drafters(kind, model, "tree", 3)
+
+    def run(drafting: Any) -> list[GenerationResult]:
+        return decode_batch(
+            model, PROMPTS, drafting, max_new_tokens=NEW_TOKENS, sampling=warm,
+            generator=torch.Generator().manual_seed(6),
+        )  # fmt: skip
+
+    together, alone = run(BatchEagle(one, 3)), run(RowDrafters(rows))
+    assert [row.tokens for row in together] == [row.tokens for row in alone]
+    assert [row.accept_lengths for row in together] == [row.accept_lengths for row in alone]
+    single = generate(
+        model, PROMPTS[0], drafter=rows[0], max_new_tokens=NEW_TOKENS, eos_token_ids=(),
+        sampling=warm, generator=torch.Generator().manual_seed(6),
+    )  # fmt: skip
+    assert single.tokens == together[0].tokens
+    assert single.accept_lengths == together[0].accept_lengths
+    uncoupled = BatchEagle(one, 3)
+    uncoupled.couple = lambda seeds, temperature: None  # type: ignore[method-assign]
+    plain = run(uncoupled)
+    assert [row.tokens for row in plain] == [row.tokens for row in together]
+    assert [row.accept_lengths for row in plain] != [row.accept_lengths for row in together]

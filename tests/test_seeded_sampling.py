@@ -12,7 +12,11 @@ from headway.decode.batch_decode import decode_batch
 from headway.decode.generate import Decoder
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
+from headway.drafters.batch_eagle import BatchEagle
+from headway.drafters.eagle3_drafter import Eagle3Drafter
 from headway.drafters.lookup import PromptLookupDrafter
+from headway.drafters.static_eagle import StaticEagle3Drafter
+from headway.heads.eagle import TargetHead
 from tests.test_device_step import KINDS, _decoders
 from tests.test_eagle3 import PROMPT, target_and_truth
 from tests.test_static_eagle import SHAPES, _pair
@@ -98,14 +102,18 @@ def test_a_sampled_batch_gives_each_prompt_its_seeds_text_whatever_the_batch(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_seed_samples_the_host_text_on_cuda_through_captured_steps() -> None:
-    """On CUDA (fp32), captured: plain decoding, the static EAGLE drafters' device steps and
-    chained runs sample, from one host seed, the text the CPU samples without a drafter (the
-    noise computed inside the graphs); a batch's first row too."""
+    """On CUDA (fp32), captured: plain decoding, a static EAGLE-3 drafter's coupled device
+    steps and chained runs sample, from one host seed, the text the CPU samples without a
+    drafter (the noise computed inside the graphs); a batch's first row too, drafted (coupled,
+    captured) or not."""
+    from tests.test_gpu import EAGLE3_TREE, cuda_eagle3
+
     model, _ = target_and_truth("llama")
     expected, _ = _sampled(Decoder(model, None), 7)
     cuda = model.to("cuda")
     prompt = PROMPT.to("cuda")
-    for drafter in [None] + [_pair(kind, cuda, SHAPES["tree"])[1] for kind in KINDS]:
+    draft, head = cuda_eagle3(cuda), TargetHead.of(cuda)
+    for drafter in [None, StaticEagle3Drafter(draft, head, **EAGLE3_TREE)]:
         for chain in (1, 4):
             run = Decoder(cuda, drafter, DecodeOptions(verify="captured", chain=chain))
             result = run.generate(
@@ -116,12 +124,14 @@ def test_a_seed_samples_the_host_text_on_cuda_through_captured_steps() -> None:
                 generator=torch.Generator().manual_seed(7),
             )
             assert result.tokens == expected, (type(drafter).__name__, chain)
-    rows = decode_batch(
-        cuda,
-        [prompt, prompt[:5]],
-        [None, None],
-        max_new_tokens=NEW,
-        sampling=WARM,
-        generator=torch.Generator().manual_seed(7),
-    )
-    assert rows[0].tokens == expected
+    eager = Eagle3Drafter(draft, head, **EAGLE3_TREE)
+    for drafting in ([None, None], BatchEagle(eager, 2)):
+        rows = decode_batch(
+            cuda,
+            [prompt, prompt[:5]],
+            drafting,
+            max_new_tokens=NEW,
+            sampling=WARM,
+            generator=torch.Generator().manual_seed(7),
+        )
+        assert rows[0].tokens == expected

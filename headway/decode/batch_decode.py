@@ -173,7 +173,16 @@ class _Rows:
             # each prompt entry's state predicted the token after it, as in the loop
             kept.append(sequence[1:] if row.stop_reason is None else [])
         self.order += prompts
+        self.couple()
         self.drafting.observe(kept, steps.hidden)
+
+    def couple(self) -> None:
+        """Sampled, the drafting (where it takes it) drafts each row with the row's noise
+        (its prompt's seed: :mod:`headway.drafters.coupled`); greedy, by its top-k."""
+        couple = getattr(self.drafting, "couple", None)
+        if couple is not None:
+            seeds = None if self.seeds is None else self.seeds[self.order]
+            couple(seeds, self.sampling.temperature)
 
     def reshaped(self) -> bool:
         """Drop finished rows (once a quarter of the batch has finished, half where its steps
@@ -200,6 +209,8 @@ class _Rows:
         added, self.queue = self.queue[:done], self.queue[done:]
         if added:
             self.start(added)
+        else:
+            self.couple()
         return True
 
 

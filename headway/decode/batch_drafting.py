@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from headway.decode.keyed_noise import Coupling
 from headway.decode.session import Drafter
 from headway.errors import HeadwayError
 
@@ -110,6 +111,14 @@ class RowDrafters:
             if drafter is not None and tokens:
                 row = tuple(layer[index, : len(tokens)] for layer in states)  # [k, H] each
                 drafter.observe(torch.tensor(tokens), row)
+
+    def couple(self, seeds: Tensor | None, temperature: float) -> None:
+        """Each row's drafter drafts with its sequence's noise (``seeds [B]``, in row order;
+        :class:`~headway.decode.keyed_noise.Coupling`), where it takes it; ``None``: not."""
+        for row, drafter in enumerate(self.rows):
+            couple = getattr(drafter, "couple", None)
+            if couple is not None:
+                couple(None if seeds is None else Coupling(int(seeds[row]), temperature))
 
     def keep_rows(self, rows: Sequence[int]) -> None:
         left = set(range(len(self.rows))) - set(rows)

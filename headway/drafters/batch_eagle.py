@@ -47,8 +47,10 @@ from torch import Tensor
 
 from headway.decode.batch_drafting import Tree, check_rows, last_of_rows
 from headway.decode.captured import MIN_CAPACITY, block_bucket, record_graph
+from headway.decode.keyed_noise import position_keys
 from headway.decode.static_cache import StaticCache
 from headway.decode.tree import subtree
+from headway.drafters.coupled import coupled_children
 from headway.drafters.draft_forward import draft_forward
 from headway.drafters.eagle_drafter import EagleDrafter
 
@@ -83,17 +85,28 @@ class BatchEagle:
         self._known = [0] * batch  # pairs each row has in the cache, on the host
         self._committed = torch.zeros(batch, dtype=torch.long, device=self._device)
         self._roots: Tensor | None = None  # [B, H]: each row's predicted state at its root
+        # sampled: each row's seed and the temperature, drafting with the target's noise
+        self._coupled: tuple[Tensor, float] | None = None
 
     @property
     def drafts(self) -> bool:
         return True
 
     def begin(self, prompts: Sequence[Tensor]) -> None:
-        """Forget every row's pairs (the buffers are kept)."""
+        """Forget every row's pairs (the buffers are kept) and any coupling."""
         check_rows(prompts, self.batch)
         self._known = [0] * self.batch
         self._committed.zero_()
         self._roots = None
+        self._coupled = None
+
+    def couple(self, seeds: Tensor | None, temperature: float) -> None:
+        """Draft each row with its sampled sequence's noise (``seeds [B]``, the rows' in
+        order; :mod:`headway.drafters.coupled`), or by the draft's top-k (``None``)."""
+        if seeds is None:
+            self._coupled = None
+        elif self._coupled is None or not torch.equal(self._coupled[0].cpu(), seeds.cpu()):
+            self._coupled = (seeds.to(self._device), temperature)  # a new tensor: recaptured
 
     @torch.inference_mode()
     def observe(self, kept: Sequence[list[int]], states: tuple[Tensor, ...]) -> None:
@@ -167,7 +180,8 @@ class BatchEagle:
         self._committed += count
 
     def keep_rows(self, rows: Sequence[int]) -> None:
-        """Go on with the rows ``rows`` (indices, in their order) alone."""
+        """Go on with the rows ``rows`` (indices, in their order) alone (coupled: their
+        caller couples them again, :meth:`couple`)."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self._device)
         self._cache = self._cache.kept_rows(index)
         self.batch = len(rows)
@@ -175,6 +189,8 @@ class BatchEagle:
         self._committed = self._committed.index_select(0, index)
         if self._roots is not None:
             self._roots = self._roots.index_select(0, index)
+        if self._coupled is not None:
+            self._coupled = (self._coupled[0].index_select(0, index), self._coupled[1])
 
     def add_rows(self, prompts: Sequence[Tensor]) -> None:
         """Rows for ``prompts`` after the batch's, with no pairs yet."""
@@ -227,7 +243,8 @@ class BatchEagle:
         def body() -> None:
             self._out = self.trees_on_device(roots)
 
-        self._drafting.run(body, (self._cache, roots, self._committed, self._columns), self._device)
+        bound = (self._cache, roots, self._committed, self._columns, self._coupled)
+        self._drafting.run(body, bound, self._device)
         assert self._out is not None
         return self._out
 
@@ -245,7 +262,7 @@ class BatchEagle:
         :meth:`EagleDrafter._expand`, rows side by side): tokens, parents and cumulative scores
         ``[B, n]`` of every expanded node, parents listed before their children."""
         k, batch, device = self.top_k, self.batch, self._device
-        scores, tokens = self.drafter.top_children(roots, k)  # [B, k] each
+        scores, tokens = self._children(roots, k, 1)  # [B, k] each
         all_tokens, all_scores = [tokens], [scores]
         all_parents = [torch.full((batch, k), -1, dtype=torch.long, device=device)]
         frontier = torch.arange(k, device=device).expand(batch, k)  # node index per row
@@ -256,7 +273,7 @@ class BatchEagle:
         for level in range(1, self.depth):
             predicted = self._frontier(features, tokens, ancestors, level - 1)  # [B, k, H]
             flat = predicted.reshape(batch * k, -1)
-            child_logp, child_tokens = self.drafter.top_children(flat, k)  # [B k, k]
+            child_logp, child_tokens = self._children(flat, k, level + 1)  # [B k, k]
             child_scores = (scores[:, :, None] + child_logp.view(batch, k, k)).flatten(1)
             all_tokens.append(child_tokens.view(batch, k * k))
             all_scores.append(child_scores)
@@ -273,6 +290,18 @@ class BatchEagle:
             )
             ancestors = torch.cat([inherited, eye[parent_row]], dim=2)
         return torch.cat(all_tokens, 1), torch.cat(all_parents, 1), torch.cat(all_scores, 1)
+
+    def _children(self, states: Tensor, k: int, level: int) -> tuple[Tensor, Tensor]:
+        """The drafter's top ``k`` children of ``states`` (``[B * F, H]``, row by row) at tree
+        ``level``; coupled, ranked with each row's noise at that position (one past the
+        row's committed pairs for level 1), on the device."""
+        if self._coupled is None:
+            return self.drafter.top_children(states, k)
+        seeds, temperature = self._coupled
+        keys = position_keys(seeds, self._committed + level)  # [B]
+        keys = keys.repeat_interleave(states.shape[0] // self.batch)  # each row's nodes
+        logits, ids = self.drafter.candidate_logits(states)
+        return coupled_children(logits, ids, k, keys, temperature)
 
     def _frontier(self, features: Tensor, tokens: Tensor, ancestors: Tensor, level: int) -> Tensor:
         """One draft forward of every row's frontier (``features [B, F, H]``, ``tokens [B, F]``,

@@ -40,7 +40,7 @@ def coupled_children(
         ids: LongTensor ``[N]``, the candidates' target token ids.
         k: children per node.
         key: the position's noise key (:meth:`~headway.decode.keyed_noise.Coupling.key`),
-            shared by the ``n`` nodes.
+            0-dim, shared by the ``n`` nodes; or one per node ``[n]`` (a batch's rows).
         temperature: the target's sampling temperature.
 
     Returns:
