@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from headway.cli import main
 from headway.decode.options import DecodeOptions
+from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.oracle import OracleDrafter
 from headway.eval.acceptance import acceptance_stats, draft_steps
 from headway.eval.plots import PLOT_NAMES
@@ -207,6 +209,27 @@ def test_recording_drafter_keeps_proposed_depths() -> None:
     recording.propose(torch.tensor([1, 2]))
     recording.propose(torch.tensor([1, 2, 5, 6, 7]))
     assert recording.proposed_depths() == [3, 1]
+
+
+def test_the_recording_drafter_hands_the_sampling_noise_on() -> None:
+    """Evaluated sampled, an EAGLE drafter drafts coupled as it decodes (the eval's wrapper
+    forwards the coupling; without it the figures were the uncoupled drafter's)."""
+    from headway.decode.keyed_noise import Coupling
+
+    seen: list[Any] = []
+
+    class Coupled:
+        hidden_layers: tuple[int, ...] = ()
+        max_nodes = 4
+
+        def couple(self, coupling: Any) -> None:
+            seen.append(coupling)
+
+    recording = RecordingDrafter(Coupled())  # type: ignore[arg-type]
+    recording.couple(Coupling(seed=3, temperature=1.0))
+    recording.couple(None)
+    assert seen == [Coupling(seed=3, temperature=1.0), None]
+    RecordingDrafter(PromptLookupDrafter()).couple(None)  # a drafter without it: nothing
 
 
 def test_sampling_against_headway_checks_the_text_and_against_hf_does_not(

@@ -35,7 +35,12 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
         "--max-new-tokens", type=POSITIVE, default=128, help="stop after this many generated tokens"
     )
     parser.add_argument(
-        "--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy (default); > 0 samples"
+        "--temperature",
+        type=TEMPERATURE,
+        default=0.0,
+        help="0 = greedy (default); > 0 samples the target's distribution exactly (EAGLE "
+        "drafters then draft with the same noise the target draws with: coupled drafting, "
+        "docs/usage.md)",
     )
     parser.add_argument("--top-p", type=TOP_P, default=1.0, help="nucleus sampling threshold")
     parser.add_argument(

@@ -32,6 +32,7 @@ from transformers import GenerationConfig
 from headway.api import prompt_ids
 from headway.decode.bench import timed
 from headway.decode.generate import Decoder, Drafter, GenerationResult, generate
+from headway.decode.keyed_noise import Coupling
 from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree
@@ -138,6 +139,13 @@ class RecordingDrafter:
     def begin(self, prompt_ids: Tensor) -> None:
         self.trees = []
         self.inner.begin(prompt_ids)
+
+    def couple(self, coupling: Coupling | None) -> None:
+        """Hand a sampled sequence's noise to the inner drafter where it drafts with it
+        (coupled drafting: an EAGLE drafter evaluated sampled is evaluated as it decodes)."""
+        couple = getattr(self.inner, "couple", None)
+        if couple is not None:
+            couple(coupling)
 
     def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
         tree = self.inner.propose(sequence, floor)
