@@ -104,8 +104,8 @@ def test_a_sampled_batch_gives_each_prompt_its_seeds_text_whatever_the_batch(
 def test_a_seed_samples_the_host_text_on_cuda_through_captured_steps() -> None:
     """On CUDA (fp32), captured: plain decoding, a static EAGLE-3 drafter's coupled device
     steps and chained runs sample, from one host seed, the text the CPU samples without a
-    drafter (the noise computed inside the graphs); a batch's first row too, drafted (coupled,
-    captured) or not."""
+    drafter (the noise computed inside the graphs); the host step too (no drafter, a coupled
+    eager one); a batch's first row, drafted (coupled, captured) or not."""
     from tests.test_gpu import EAGLE3_TREE, cuda_eagle3
 
     model, _ = target_and_truth("llama")
@@ -125,6 +125,15 @@ def test_a_seed_samples_the_host_text_on_cuda_through_captured_steps() -> None:
             )
             assert result.tokens == expected, (type(drafter).__name__, chain)
     eager = Eagle3Drafter(draft, head, **EAGLE3_TREE)
+    for host in (None, eager):  # the host step on CUDA: host keys, device distributions
+        result = Decoder(cuda, host).generate(
+            prompt,
+            max_new_tokens=NEW,
+            eos_token_ids=(),
+            sampling=WARM,
+            generator=torch.Generator().manual_seed(7),
+        )
+        assert result.tokens == expected, ("host step", type(host).__name__)
     for drafting in ([None, None], BatchEagle(eager, 2)):
         rows = decode_batch(
             cuda,

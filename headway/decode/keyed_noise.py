@@ -109,8 +109,8 @@ def draw_keyed(probs: Tensor, keys: Tensor) -> Tensor:
     maximising ``log p + g`` with ``g = gumbels(keys, 0 .. V - 1)`` → LongTensor ``[...]``, one
     key per row (``keys [...]``). Exactly a draw from ``p`` (up to the noise's 23 bits), never
     a token without mass; device work only (no host read: a captured graph may hold it)."""
-    vocab = probs.shape[-1]
-    noise = gumbels(keys, torch.arange(vocab, device=probs.device))
+    vocab = probs.shape[-1]  # the noise on the distribution's device (keys may be the host's)
+    noise = gumbels(keys.to(probs.device), torch.arange(vocab, device=probs.device))
     return (probs.float().log() + noise).argmax(-1)
 
 
