@@ -197,7 +197,7 @@ class EagleDrafter:
     def couple(self, coupling: Coupling | None) -> None:
         """Draft the coming sequence with its sampling noise (:mod:`headway.drafters.coupled`),
         or, with ``None``, by the draft's top-k alone (greedy decoding); a drafter whose
-        :attr:`couples` is False (the static ones) always drafts by the top-k."""
+        :attr:`couples` is False always drafts by the top-k."""
         self.coupling = coupling if self.couples else None
 
     def _children(self, states: Tensor, k: int, level: int) -> tuple[Tensor, Tensor]:
