@@ -67,3 +67,35 @@ def test_the_loop_couples_an_eagle_drafter_to_sampled_sequences_only(temperature
         assert seen[0] is None
     else:
         assert seen[0].temperature == temperature and seen[0].seed >= 0
+
+
+@pytest.mark.parametrize("coupled", [True, False])
+def test_the_coupled_option_decides_whether_a_built_drafter_couples(
+    coupled: bool, tmp_path: Any
+) -> None:
+    """``--draft-option coupled=false`` builds an EAGLE drafter that drafts a sampled
+    sequence by its top-k (to measure what coupling adds); the text is the same either way."""
+    from headway.heads.eagle import EagleConfig, EagleModel
+    from tests.drafting import heads_drafter
+    from tests.test_eagle_drafter import save_run
+
+    model, _ = target_and_truth("llama")
+    run = save_run(tmp_path / "eagle", model, EagleModel(EagleConfig.from_target(model)))
+    drafter: Any = heads_drafter(run, model, coupled=str(coupled).lower())
+    assert drafter.couples is coupled
+    result = Decoder(model, drafter).generate(
+        PROMPT,
+        max_new_tokens=8,
+        eos_token_ids=(),
+        sampling=SamplingParams(temperature=0.8),
+        generator=torch.Generator().manual_seed(3),
+    )
+    assert (drafter.coupling is not None) is coupled
+    plain = Decoder(model, None).generate(
+        PROMPT,
+        max_new_tokens=8,
+        eos_token_ids=(),
+        sampling=SamplingParams(temperature=0.8),
+        generator=torch.Generator().manual_seed(3),
+    )
+    assert result.tokens == plain.tokens

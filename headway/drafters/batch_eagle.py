@@ -103,7 +103,7 @@ class BatchEagle:
     def couple(self, seeds: Tensor | None, temperature: float) -> None:
         """Draft each row with its sampled sequence's noise (``seeds [B]``, the rows' in
         order; :mod:`headway.drafters.coupled`), or by the draft's top-k (``None``)."""
-        if seeds is None:
+        if seeds is None or not self.drafter.couples:  # the spec's coupled=false
             self._coupled = None
         elif self._coupled is None or not torch.equal(self._coupled[0].cpu(), seeds.cpu()):
             self._coupled = (seeds.to(self._device), temperature)  # a new tensor: recaptured

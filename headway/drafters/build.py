@@ -199,7 +199,9 @@ def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:
 
 
 def _compiled(drafter: EagleDrafter, spec: EagleSpec) -> EagleDrafter:
-    """``drafter``, its static steps' forwards compiled where ``spec.drafting`` says so."""
+    """``drafter``, its static steps' forwards compiled where ``spec.drafting`` says so, and
+    coupled to a sampled sequence's noise where ``spec.coupled`` says so."""
+    drafter.couples = spec.coupled
     if spec.drafting == "compiled":
         assert isinstance(drafter, StaticDrafting)
         drafter.compile_steps()

@@ -197,6 +197,14 @@ class EagleSpec:
         ),
     )
     draft_vocab_size: int = field(default=4096, metadata=_help("size of that vocabulary"))
+    coupled: bool = field(
+        default=True,
+        metadata=_help(
+            "sampled: draft with the noise the target draws with (coupled drafting: more of "
+            "each text accepted, the same text either way; false drafts by the draft's top-k, "
+            "to measure what coupling adds)"
+        ),
+    )
     force: bool = field(default=False, metadata=_help("accept a drafter for another target"))
 
     def __post_init__(self) -> None:
