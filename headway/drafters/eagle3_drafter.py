@@ -76,12 +76,6 @@ class Eagle3Drafter(EagleDrafter):
         joined = torch.cat([layer.to(self._device, self._dtype) for layer in hidden], dim=-1)
         return self.draft3.fuse(joined)
 
-    def top_children(self, states: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """Top-k of the draft head over the draft vocabulary, mapped to target ids."""
-        log_probs = torch.log_softmax(self.draft3.logits(states).float(), dim=-1)
-        best = log_probs.topk(k, dim=-1)
-        return best.values, self.draft3.vocab.to_target(best.indices)
-
     def candidate_logits(self, states: Tensor) -> tuple[Tensor, Tensor]:
         """The draft head's logits over the draft vocabulary and its target ids."""
         logits = self.draft3.logits(states)

@@ -106,8 +106,8 @@ class EagleDrafter:
 
     EAGLE-1 as it stands; EAGLE-3 (:class:`~headway.drafters.eagle3_drafter.Eagle3Drafter`) reuses
     all of it and overrides three small hooks: :meth:`pair_features` (what the committed pairs
-    read from the target's hidden states), :meth:`top_children` (the draft head) and
-    :meth:`_vocabulary_size`.
+    read from the target's hidden states), :meth:`candidate_logits` (the draft head and its
+    candidates' target ids, which :meth:`top_children` ranks) and :meth:`_vocabulary_size`.
 
     Args:
         model: the trained draft model (:class:`~headway.heads.eagle.EagleModel` for EAGLE-1), on
@@ -184,12 +184,14 @@ class EagleDrafter:
     def top_children(self, states: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The ``k`` best next tokens after each of ``states`` ``[n, H]``: (fp32 draft
         log-probabilities, target token ids), each ``[n, k]``, best first."""
-        best = self._log_probs(states).topk(k, dim=-1)
-        return best.values, best.indices if self._vocab is None else self._vocab[best.indices]
+        logits, ids = self.candidate_logits(states)
+        best = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        return best.values, ids[best.indices]
 
     def candidate_logits(self, states: Tensor) -> tuple[Tensor, Tensor]:
         """The draft head's logits ``[n, N]`` after ``states`` ``[n, H]`` and the target ids
-        ``[N]`` of its N candidates (coupled drafting reads them all)."""
+        ``[N]`` of its N candidates (:meth:`top_children` ranks them; coupled drafting adds
+        the target's noise first)."""
         logits = self.head.logits(states)
         ids = torch.arange(logits.shape[-1], device=logits.device)
         return logits, ids if self._vocab is None else self._vocab
@@ -247,11 +249,6 @@ class EagleDrafter:
         predicted = self.model(features, embeddings, cache=self._cache)
         self._committed += count
         self._root_feature = predicted[0, -1]
-
-    def _log_probs(self, features: Tensor) -> Tensor:
-        """Draft log-probabilities ``[n, V]`` (fp32; ``[n, N]`` over a narrowed vocabulary) of
-        features ``[n, H]``."""
-        return torch.log_softmax(self.head.logits(features).float(), dim=-1)
 
     def _forward_frontier(
         self, features: Tensor, tokens: Tensor, ancestors: Tensor, level: int
