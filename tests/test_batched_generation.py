@@ -154,17 +154,19 @@ def test_bad_arguments_are_refused() -> None:
 
 
 def test_sampled_tokens_follow_the_distribution() -> None:
-    """Chi-square goodness of fit of 20,000 draws (the engine's pick) against the target's
-    probabilities; greedy picks the first maximum."""
+    """Chi-square goodness of fit of 20,000 draws (the engine's pick, each with its own noise
+    key) against the target's probabilities; greedy picks the first maximum."""
     logits = torch.tensor([[1.5, 1.0, 0.2, -0.5, -3.0]]).repeat(20_000, 1)
     params = SamplingParams(temperature=0.8)
-    generator = torch.Generator().manual_seed(0)
-    draws = pick_tokens(logits, params, generator)
+    keys = torch.randint(0, 2**32, (20_000,), generator=torch.Generator().manual_seed(0))
+    draws = pick_tokens(logits, params, keys)
     counts = torch.bincount(draws, minlength=5).double()
     expected = probs_from_logits(logits[:1], params)[0].double() * len(draws)
     chi_square = float(((counts - expected) ** 2 / expected).sum())
     assert chi_square < 18.47  # the 0.999 quantile of chi-square with 4 degrees of freedom
     assert pick_tokens(logits[:1], SamplingParams(), None).tolist() == [0]  # greedy
+    with pytest.raises(ValueError, match="noise keys"):
+        pick_tokens(logits[:1], params, None)
 
 
 def test_grouped_attention_restores_the_model_and_changes_no_logits() -> None:

@@ -38,12 +38,11 @@ from torch import Tensor
 from headway.decode.captured import StaticForward, block_bucket, run_graph
 from headway.decode.device_tree import accept_greedy, accept_sampled, open_columns, tree_layout
 from headway.decode.gemm import routed_linears
-from headway.decode.keyed_noise import draw_keyed, position_keys
+from headway.decode.keyed_noise import position_keys
 from headway.decode.sampling import (
     GREEDY,
     SamplingParams,
     pick_tokens,
-    probs_from_logits,
 )
 from headway.decode.static_cache import StaticCache
 from headway.errors import TargetError
@@ -139,9 +138,8 @@ class BatchVerify:
         if sampling.greedy:
             return pick_tokens(last_logits, sampling, None)
         assert seeds is not None
-        self.seeds = seeds.to(device)
-        probs = probs_from_logits(last_logits, sampling)
-        return draw_keyed(probs, position_keys(self.seeds, sizes))  # the first answer token
+        self.seeds = seeds.to(device)  # the first answer token's noise: at each prompt's end
+        return pick_tokens(last_logits, sampling, position_keys(self.seeds, sizes))
 
     @torch.no_grad()
     def step(

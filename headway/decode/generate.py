@@ -36,10 +36,10 @@ from headway.decode.device_chain import ChainDrafter, DeviceChain, EmptyChain, c
 from headway.decode.device_step import DeviceDrafter, DeviceStep, DeviceVerify
 from headway.decode.forwards import EagerForward, TargetForward
 from headway.decode.gemm import gemm_route
-from headway.decode.keyed_noise import Coupling, draw_keyed, sequence_seeds
+from headway.decode.keyed_noise import Coupling, sequence_seeds
 from headway.decode.kv import context_limit
 from headway.decode.options import DecodeOptions
-from headway.decode.sampling import GREEDY, SamplingParams, probs_from_logits
+from headway.decode.sampling import GREEDY, SamplingParams, pick_tokens
 from headway.decode.session import Drafter, Session, StopReason, commit
 from headway.decode.tree import DraftTree, empty_tree, limit_depth
 from headway.decode.verify import verify
@@ -107,10 +107,8 @@ class GenerationResult:
 
 
 def _first_token(session: Session, logits: Tensor) -> int:
-    if session.sampling.greedy:
-        return int(logits.argmax())
-    probs = probs_from_logits(logits, session.sampling)
-    return int(draw_keyed(probs, session.keys(1)[0]))
+    keys = None if session.sampling.greedy else session.keys(1)[0]
+    return int(pick_tokens(logits, session.sampling, keys))
 
 
 def prefill_step(session: Session) -> None:

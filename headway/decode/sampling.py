@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from headway.decode.keyed_noise import draw_keyed
+
 __all__ = [
     "GREEDY",
     "SamplingParams",
     "pick_tokens",
     "probs_from_logits",
-    "sample",
     "top_p_drop",
     "top_p_drop_reference",
 ]
@@ -82,15 +83,16 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     return scores.softmax(-1)
 
 
-def pick_tokens(
-    logits: Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> Tensor:
-    """Next tokens ``[batch]`` from logits ``[batch, V]``: the first maximum when greedy (as
-    argmax, and faster than argmax over a bf16 vocabulary on a CPU), else one draw per row
-    from :func:`probs_from_logits` (:func:`sample`)."""
+def pick_tokens(logits: Tensor, params: SamplingParams, keys: Tensor | None) -> Tensor:
+    """The target's next tokens ``[...]`` from logits ``[..., V]``: the first maximum when
+    greedy (as argmax, and faster than argmax over a bf16 vocabulary on a CPU; ``keys``
+    unused), else each row's Gumbel-max draw from :func:`probs_from_logits` with the noise of
+    its position key (``keys [...]``, :func:`~headway.decode.keyed_noise.draw_keyed`)."""
     if params.greedy:
         return logits.max(dim=-1).indices
-    return sample(probs_from_logits(logits, params), generator)
+    if keys is None:
+        raise ValueError("sampling needs the noise keys of the positions drawn")
+    return draw_keyed(probs_from_logits(logits, params), keys)
 
 
 def top_p_drop_reference(scores: Tensor, top_p: float) -> Tensor:
@@ -128,19 +130,3 @@ def top_p_drop(
         drop = torch.ones_like(scores, dtype=torch.bool)
         return drop.scatter(-1, ascending_ids, drop_candidates)
     return top_p_drop_reference(scores, top_p)
-
-
-def sample(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token id per row of ``probs [..., V]`` (need not sum to 1) → LongTensor ``[...]``,
-    drawn with ``generator`` (``None`` = torch's global generator) by inverse CDF in float64:
-    exact like ``torch.multinomial``, one uniform a draw. Raises on a row with no mass.
-    (Decoding draws with position-keyed noise instead: :mod:`headway.decode.keyed_noise`.)"""
-    if not bool((probs.sum(-1) > 0).all()):
-        raise ValueError("cannot sample from a distribution with no probability mass")
-    cdf = probs.double().cumsum(-1)
-    uniforms = torch.rand(
-        (*cdf.shape[:-1], 1), generator=generator, dtype=torch.float64, device=cdf.device
-    )
-    drawn = torch.searchsorted(cdf, uniforms * cdf[..., -1:], right=True).squeeze(-1)
-    last_with_mass = probs.shape[-1] - 1 - (probs.flip(-1) > 0).long().argmax(-1)
-    return torch.minimum(drawn, last_with_mass)  # a uniform rounded up to the total

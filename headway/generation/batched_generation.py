@@ -60,9 +60,9 @@ from headway.decode.gemm import (
     routed_linears,
 )
 from headway.decode.grouped_attention import grouped_attention
-from headway.decode.keyed_noise import draw_keyed, position_keys
+from headway.decode.keyed_noise import position_keys
 from headway.decode.kv import cache_argument, recurrent_layer
-from headway.decode.sampling import SamplingParams, pick_tokens, probs_from_logits
+from headway.decode.sampling import SamplingParams, pick_tokens
 from headway.drafters.lookup import NgramIndex
 from headway.errors import HeadwayError
 from headway.generation.lookahead import accept_chains
@@ -319,10 +319,10 @@ class ContinuousBatcher:
     def _first_tokens(self, logits: Tensor, seeds: list[int], lengths: list[int]) -> Tensor:
         """Each prefilled row's first token from its last logits ``[rows, V]``: the argmax,
         or the draw with the noise of its seed at its prompt's length."""
-        if self.rule.greedy:
-            return pick_tokens(logits, self.rule, None)
-        keys = position_keys(torch.tensor(seeds), torch.tensor(lengths))
-        return draw_keyed(probs_from_logits(logits, self.rule), keys)
+        keys = None
+        if not self.rule.greedy:
+            keys = position_keys(torch.tensor(seeds), torch.tensor(lengths))
+        return pick_tokens(logits, self.rule, keys)
 
     def _resume(self, cache: RaggedCache, ids: list[int], seed: int, past: DynamicCache) -> int:
         """Prefill what follows ``past``'s tokens of ``ids`` over ``past`` (batch 1), place the

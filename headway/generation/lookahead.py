@@ -28,8 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from headway.decode.keyed_noise import draw_keyed
-from headway.decode.sampling import SamplingParams, probs_from_logits
+from headway.decode.sampling import SamplingParams, pick_tokens
 
 
 @dataclass(frozen=True)
@@ -65,13 +64,9 @@ def accept_chains(
         padded[row, : len(draft)] = torch.tensor(draft, dtype=torch.long)
     padded = padded.to(device)
     drafted = torch.arange(step - 1, device=device)[None, :] < counts[:, None]  # [rows, S - 1]
-    if rule.greedy:
-        best = logits.max(dim=-1).indices  # [rows, S]; the first maximum, as argmax
-        # (and faster than argmax over a bf16 vocabulary on a CPU)
-    else:
-        if keys is None or keys.shape != (rows, step):
-            raise ValueError(f"sampling needs the noise keys of every entry, [{rows}, {step}]")
-        best = draw_keyed(probs_from_logits(logits, rule), keys)  # the target's draws
+    if not rule.greedy and (keys is None or keys.shape != (rows, step)):
+        raise ValueError(f"sampling needs the noise keys of every entry, [{rows}, {step}]")
+    best = pick_tokens(logits, rule, keys)  # [rows, S]: the target's own tokens
     ok = (padded == best[:, :-1]) & drafted
     kept = ok.long().cumprod(dim=1).sum(dim=1)
     after = best.gather(1, kept[:, None])[:, 0]
