@@ -18,6 +18,7 @@ from headway.errors import DataError
 from headway.target import Target
 from headway.train import answering
 from headway.train.answering import ENGINES
+from headway.train.prior_folders import frozen_prompt_ids
 from headway.train.prompts import (
     TASK_TYPES,
     PromptItem,
@@ -28,7 +29,6 @@ from headway.train.prompts import (
 )
 from headway.train.regenerate import (
     RegenerateOptions,
-    frozen_prompt_ids,
     prompts_from_self_instruct,
     prompts_path,
     regenerate,

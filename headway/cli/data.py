@@ -42,13 +42,9 @@ DEFAULT_MAX_PROMPT_CHARS = 4000
 
 
 def run_regenerate(args: argparse.Namespace) -> int:
+    from headway.train.prior_folders import earlier_turns, frozen_prompt_ids
     from headway.train.prompts import build_mix, parse_mix
-    from headway.train.regenerate import (
-        RegenerateOptions,
-        frozen_prompt_ids,
-        prompts_path,
-        regenerate,
-    )
+    from headway.train.regenerate import RegenerateOptions, prompts_path, regenerate
 
     mix = parse_mix(args.mix)
     options = RegenerateOptions(
@@ -80,8 +76,19 @@ def run_regenerate(args: argparse.Namespace) -> int:
             min_turns=args.min_turns,
             max_prompt_chars=args.max_prompt_chars,
             exclude=exclude,
+            earlier=earlier_turns([Path(f) for f in args.continue_from])
+            if args.continue_from
+            else None,
         )
-    manifest = regenerate(target, items, Path(args.out), options, mix=mix, server=server)
+    manifest = regenerate(
+        target,
+        items,
+        Path(args.out),
+        options,
+        mix=mix,
+        server=server,
+        continued_from=args.continue_from,
+    )
     print(
         f"{manifest['rows']} conversations, {manifest['answer_tokens']:,} answer tokens "
         f"({manifest['truncated_answers']} hit max-new-tokens) in {args.out}/data; "
@@ -185,6 +192,17 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         help="leave out the chat conversations these regeneration folders answer (their frozen "
         "prompt lists), e.g. to answer the rest of ShareGPT in a second folder; read only when "
         "the folder is started, not on a resume",
+    )
+    parser.add_argument(
+        "--continue-from",
+        nargs="+",
+        default=[],
+        metavar="FOLDER",
+        help="answer the later user turns of the chat conversations these regeneration folders "
+        "answered, after the answers they wrote (e.g. turns 4-6 with --max-turns 6 after a "
+        "--max-turns 3 folder): only conversations that go on are asked; the earlier answers "
+        "are written as context ('weight': 0) and not trained again; read only when the "
+        "folder is started, not on a resume",
     )
     add_server_flags(parser)
     parser.set_defaults(handler=run_regenerate)

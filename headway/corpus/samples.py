@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal, TypedDict
+from typing import Literal, NotRequired, TypedDict
 
 from headway.errors import DataError
 
@@ -18,10 +18,19 @@ ROLES: tuple[Role, ...] = ("system", "user", "assistant")
 
 
 class Message(TypedDict):
-    """One chat message, as chat templates expect it."""
+    """One chat message, as chat templates expect it. ``weight`` (OpenAI's fine-tuning key, on
+    assistant messages only): 0 keeps the turn as context, not trained; absent or 1 trains it."""
 
     role: Role
     content: str
+    weight: NotRequired[int]
+
+
+def is_trained_turn(message: Message, index: int) -> bool:
+    """Whether message ``index`` of a conversation is an assistant turn a drafter learns: not
+    one with ``weight`` 0 (``None``, which Arrow gives a row without the key, trains), nor one
+    that opens the conversation (there is no prompt it answers)."""
+    return message["role"] == "assistant" and index > 0 and message.get("weight") != 0
 
 
 @dataclass

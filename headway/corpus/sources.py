@@ -235,7 +235,18 @@ def _parse_message(
             "its text parts into one string (tool calls and images are not supported)",
         )
     _check_encodable(content, location, f"message {number} '{content_key}'")
-    return Message(role=roles[role], content=content)
+    message = Message(role=roles[role], content=content)
+    weight = item.get("weight")
+    if weight is not None:
+        if message["role"] != "assistant" or type(weight) is not int or weight not in (0, 1):
+            raise BadRowError(
+                location,
+                "bad weight",
+                f"message {number} has 'weight' {weight!r}; it is 0 (context, not trained) or "
+                "1 (trained), on assistant messages only",
+            )
+        message["weight"] = weight
+    return message
 
 
 def _json_type(value: object) -> str:

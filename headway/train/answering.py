@@ -95,13 +95,20 @@ class Answer:
 def conversation_messages(
     item: PromptItem, answers: Sequence[str], turn: int
 ) -> list[dict[str, str]]:
-    """Messages up to user turn `turn`, with the already regenerated answers in between."""
+    """Messages up to user turn `turn`, with the target's answers in between: the ones given
+    (:attr:`PromptItem.answered`), then the regenerated ones, `answers`."""
+    given = [*item.answered, *answers]
     messages = [{"role": "system", "content": item.system}] if item.system else []
     for index in range(turn + 1):
         messages.append({"role": "user", "content": item.user_turns[index]})
         if index < turn:
-            messages.append({"role": "assistant", "content": answers[index]})
+            messages.append({"role": "assistant", "content": given[index]})
     return messages
+
+
+def first_turn(item: PromptItem) -> int:
+    """The first user turn of `item` to answer: the one after those answered before."""
+    return len(item.answered)
 
 
 def answer_batch(
@@ -199,9 +206,10 @@ def _answer_continuously(
     )
     by_id = {item.id: item for item in items}
     answers: dict[str, list[Answer]] = {item.id: [] for item in items}
-    for item in sorted(items, key=lambda item: len(item.user_turns[0])):
-        first = prompt_token_ids(tokenizer, conversation_messages(item, [], 0))
-        batcher.submit(item.id, first, request_seed(options.seed, item.id, 0))
+    for item in sorted(items, key=lambda item: len(item.user_turns[first_turn(item)])):
+        turn = first_turn(item)
+        first = prompt_token_ids(tokenizer, conversation_messages(item, [], turn))
+        batcher.submit(item.id, first, request_seed(options.seed, item.id, turn))
     for completion in batcher.completions():
         item = by_id[str(completion.key)]
         text = str(tokenizer.decode(completion.tokens, skip_special_tokens=True)).strip()
@@ -209,7 +217,7 @@ def _answer_continuously(
         answers[item.id].append(
             Answer(text, len(completion.tokens) + ended, completion.finish_reason)
         )
-        turn = len(answers[item.id])
+        turn = first_turn(item) + len(answers[item.id])
         if turn < len(item.user_turns):
             texts = [answer.text for answer in answers[item.id]]
             messages = conversation_messages(item, texts, turn)
@@ -237,7 +245,9 @@ def _answer_in_padded_batches(
         group = order[start : start + options.batch_size]
         answers: dict[str, list[Answer]] = {item.id: [] for item in group}
         for turn in range(max(len(item.user_turns) for item in group)):
-            live = [item for item in group if turn < len(item.user_turns)]
+            live = [item for item in group if first_turn(item) <= turn < len(item.user_turns)]
+            if not live:  # every item answered this turn before (--continue-from)
+                continue
             texts = [[a.text for a in answers[item.id]] for item in live]
             conversations = [
                 conversation_messages(i, t, turn) for i, t in zip(live, texts, strict=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import jinja2
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
-from headway.corpus.samples import BadRowError, Message, Sample
+from headway.corpus.samples import BadRowError, Message, Sample, is_trained_turn
 from headway.errors import DataError
 from headway.generation.repetition import remove_loops
 
@@ -63,7 +63,8 @@ def tokenize_sample(
     every token is trained. Conversations need a chat template and a fast tokenizer; messages after
     the last assistant turn are dropped first (no token of theirs is trained, and causal attention
     means they cannot change earlier positions). An assistant message that opens the conversation
-    (before any other message) is context, not trained: there is no prompt it answers.
+    (before any other message) is context, not trained: there is no prompt it answers; so is one
+    with ``"weight": 0`` (an earlier answer a later turn continues from).
 
     Raises :class:`BadRowError` (a DataError naming ``sample.origin``) if the template rejects the
     conversation or renders it inconsistently, DataError if the tokenizer cannot do chats.
@@ -112,15 +113,22 @@ def _tokenize_conversation(
             f"{origin}: locating assistant tokens needs the character offsets of a fast "
             "(tokenizers-backed) tokenizer; load the tokenizer with use_fast=True"
         )
-    assistant_turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
-    if not assistant_turns:
+    if not any(message["role"] == "assistant" for message in messages):
         raise BadRowError(
             origin, "no assistant turn", "conversation has no assistant turn; nothing to train"
         )
-    trained_part = list(messages[: assistant_turns[-1] + 1])
+    trained_turns = [i for i, message in enumerate(messages) if is_trained_turn(message, i)]
+    if not trained_turns:
+        raise BadRowError(
+            origin,
+            "no trained turn",
+            "every assistant turn is context ('weight' 0, or it opens the conversation); "
+            "nothing to train",
+        )
+    trained_part = list(messages[: trained_turns[-1] + 1])
     try:
         if uses_generation_markers(template):
-            return _tokenize_with_markers(tokenizer, trained_part)
+            return _tokenize_with_markers(tokenizer, trained_part, origin)
         return _tokenize_by_prefixes(tokenizer, trained_part, origin)
     except jinja2.TemplateError as error:
         raise BadRowError(
@@ -132,8 +140,10 @@ def _tokenize_conversation(
 
 
 def _tokenize_with_markers(
-    tokenizer: PreTrainedTokenizerBase, messages: list[Message]
+    tokenizer: PreTrainedTokenizerBase, messages: list[Message], origin: str
 ) -> tuple[list[int], list[int]]:
+    """The template's ``{% generation %}`` spans are trained, but those of context turns
+    (:func:`is_trained_turn`): each assistant message is one span, in order."""
     encoding = tokenizer.apply_chat_template(
         _as_dicts(messages),
         tokenize=True,
@@ -146,8 +156,38 @@ def _tokenize_with_markers(
     # transformers (5.23) ends a generation span at the *first* token of its last character, so
     # the other byte tokens of a multi-byte final character (an emoji, "é") stay unmasked. A token
     # sharing a character with a marked token carries assistant text too: widen to those.
-    marked = [offsets[t] for t, flag in enumerate(encoding["assistant_masks"]) if flag]
+    flags = list(encoding["assistant_masks"])
+    assistants = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    if any(not is_trained_turn(messages[i], i) for i in assistants):
+        spans = _runs(flags)
+        if len(spans) != len(assistants):
+            raise BadRowError(
+                origin,
+                "context turns not located",
+                f"the chat template marks {len(spans)} generation spans for {len(assistants)} "
+                "assistant messages, so the context turns cannot be left out; drop their "
+                "'weight' or the row",
+            )
+        for (start, end), index in zip(spans, assistants, strict=True):
+            if not is_trained_turn(messages[index], index):
+                flags[start:end] = [0] * (end - start)
+    marked = [offsets[t] for t, flag in enumerate(flags) if flag]
     return list(encoding["input_ids"]), mask_from_char_spans(offsets, marked)
+
+
+def _runs(flags: Sequence[int]) -> list[tuple[int, int]]:
+    """Half-open ``(start, end)`` of each maximal run of set flags.
+
+    >>> _runs([0, 1, 1, 0, 1])
+    [(1, 3), (4, 5)]
+    """
+    runs: list[tuple[int, int]] = []
+    for position, flag in enumerate(flags):
+        if flag and (position == 0 or not flags[position - 1]):
+            runs.append((position, position + 1))
+        elif flag:
+            runs[-1] = (runs[-1][0], position + 1)
+    return runs
 
 
 def _tokenize_by_prefixes(
@@ -157,7 +197,7 @@ def _tokenize_by_prefixes(
     specials = _special_token_texts(tokenizer)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i == 0:
+        if not is_trained_turn(message, i):
             continue
         start = len(_render_prefix(tokenizer, messages[:i], full, origin, generation_prompt=True))
         end = len(_render_prefix(tokenizer, messages[: i + 1], full, origin))

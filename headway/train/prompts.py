@@ -27,8 +27,8 @@ import logging
 import random
 import sysconfig
 import textwrap
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from headway.corpus.embedded import EVAL_OVERLAP
@@ -122,6 +122,8 @@ class PromptItem:
     """One conversation to regenerate: the user turns, in order, and an optional system prompt.
 
     ``meta`` marks a self-instruct item: the target's answer becomes a new prompt, not data.
+    ``answered`` holds the target's answers to the first user turns when another folder wrote
+    them (``--continue-from``): the later turns are answered after them, and they stay context.
     """
 
     id: str
@@ -130,6 +132,16 @@ class PromptItem:
     system: str | None = None
     meta: bool = False
     extra: dict[str, str] = field(default_factory=dict)
+    answered: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EarlierTurns:
+    """What a regeneration folder holds of one conversation: its user turns and the target's
+    answers to them, in order (``--continue-from``)."""
+
+    user_turns: tuple[str, ...]
+    answers: tuple[str, ...]
 
 
 def parse_mix(spec: str) -> dict[str, int]:
@@ -162,11 +174,16 @@ def chat_prompts(
     min_turns: int = 1,
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
     exclude: frozenset[str] = frozenset(),
+    earlier: Mapping[str, EarlierTurns] | None = None,
 ) -> list[PromptItem]:
     """Up to `count` conversations' user turns (at most `max_turns` each) from a chat source,
     none whose id is in `exclude` (the shuffle is the same with or without it) and none with
     fewer than `min_turns` usable user turns (e.g. 2: only conversations that go on, for a
     turn-by-turn run beside a folder that answered the first turns).
+
+    With `earlier` (id -> the turns another folder answered), only those conversations whose
+    usable user turns go on past the ones answered there, and begin with them, are kept, each
+    with those answers as :attr:`PromptItem.answered`.
 
     Conversations whose first user turn is longer than `max_prompt_chars` (pasted documents;
     a long prefill costs more than its answer teaches) or empty are left out; later turns stop
@@ -188,12 +205,36 @@ def chat_prompts(
         system = next((m["content"] for m in sample.messages if m["role"] == "system"), None)
         if users and len(users) >= min_turns:
             items.append(PromptItem(f"{Path(source).name}/{index}", source, users, system))
+    if earlier is not None:
+        items = _continued(items, earlier, source)
     rng.shuffle(items)
     if exclude:
         kept = [item for item in items if item.id not in exclude]
         logger.info("%s: %d conversations left out (--exclude)", source, len(items) - len(kept))
         items = kept
     return items[:count]
+
+
+def _continued(
+    items: Sequence[PromptItem], earlier: Mapping[str, EarlierTurns], source: str
+) -> list[PromptItem]:
+    """The items that go on past the turns `earlier` answered, those answers attached."""
+    kept, changed = [], 0
+    for item in items:
+        turns = earlier.get(item.id)
+        if turns is None or len(item.user_turns) <= len(turns.answers):
+            continue
+        if tuple(item.user_turns[: len(turns.user_turns)]) != turns.user_turns:
+            changed += 1  # the corpus differs from the one the folder answered
+            continue
+        kept.append(replace(item, answered=list(turns.answers)))
+    logger.info(
+        "%s: %d conversations go on past the turns answered before (--continue-from)%s",
+        source,
+        len(kept),
+        f"; {changed} left out whose earlier user turns differ" if changed else "",
+    )
+    return kept
 
 
 def instruct_prompts(count: int, *, rng: random.Random) -> list[PromptItem]:
@@ -300,10 +341,12 @@ def build_mix(
     min_turns: int = 1,
     max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
     exclude: frozenset[str] = frozenset(),
+    earlier: Mapping[str, EarlierTurns] | None = None,
 ) -> list[PromptItem]:
     """The prompt items of `mix` (source -> count), deterministic in `seed`; chat conversations
     whose id is in `exclude` are skipped (e.g. those another folder answered), and so are those
-    with fewer than `min_turns` usable user turns.
+    with fewer than `min_turns` usable user turns; with `earlier`, only the chat conversations
+    that go on past those turns (:func:`chat_prompts`).
 
     Raises:
         DataError: when a source yields fewer items than asked and none at all.
@@ -326,6 +369,7 @@ def build_mix(
                 min_turns=min_turns,
                 max_prompt_chars=max_prompt_chars,
                 exclude=exclude,
+                earlier=earlier,
             )
         if not chunk:
             raise DataError(f"prompt source {source!r} produced no prompts")

@@ -85,9 +85,17 @@ def shard_path(shard_dir: Path, index: int) -> Path:
 
 
 def _row(item: PromptItem, answers: Sequence[Answer]) -> dict[str, Any]:
+    """The training row of `item`: its whole conversation; the answers given before
+    (:attr:`PromptItem.answered`) are context (``"weight": 0``), `answers` are trained."""
     texts = [answer.text for answer in answers]
-    messages = conversation_messages(item, texts, len(item.user_turns) - 1)
+    messages: list[dict[str, Any]] = list(
+        conversation_messages(item, texts, len(item.user_turns) - 1)
+    )
     messages.append({"role": "assistant", "content": texts[-1]})
+    context = len(item.answered)
+    for message in messages:
+        if message["role"] == "assistant" and context > 0:
+            message["weight"], context = 0, context - 1
     return {
         "id": item.id,
         "source": item.source,
@@ -198,20 +206,6 @@ def prompts_path(out_dir: Path) -> Path:
     return plain if plain.is_file() else out_dir / "prompts.jsonl.gz"
 
 
-def frozen_prompt_ids(out_dir: Path) -> frozenset[str]:
-    """The ids of the prompts a regeneration folder answers (its frozen prompt list).
-
-    Raises:
-        DataError: ``out_dir`` holds no prompt list.
-    """
-    path = prompts_path(out_dir)
-    if not path.is_file():
-        raise DataError(
-            f"{out_dir}: not a regeneration folder (no {path.name}); name one to exclude"
-        )
-    return frozenset(str(row.get("id")) for row in read_jsonl(path))
-
-
 def _load_or_write_prompts(out_dir: Path, items: Sequence[PromptItem]) -> list[PromptItem]:
     path = prompts_path(out_dir)
     if path.is_file():
@@ -225,13 +219,13 @@ def _load_or_write_prompts(out_dir: Path, items: Sequence[PromptItem]) -> list[P
     return list(items)
 
 
-def _check_manifest(path: Path, settings: dict[str, Any], dtype: str | None) -> None:
+def _check_manifest(path: Path, settings: dict[str, Any], dtype: str | None) -> dict[str, Any]:
     """Refuse to resume a folder written with other `settings`, or answered in-process in
     another `dtype` (greedy answers differ between float32 and bfloat16). A folder from before
     the dtype was recorded (it then records this run's), or answered by a server, resumes in
-    any dtype."""
+    any dtype. Returns the folder's manifest so far (empty for a new folder)."""
     if not path.is_file():
-        return
+        return {}
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         previous = manifest["settings"]
@@ -257,6 +251,7 @@ def _check_manifest(path: Path, settings: dict[str, Any], dtype: str | None) -> 
             f"{path.parent} was regenerated in {before}, this run answers in {dtype}; resume "
             f"with --dtype {before}, or write to a new --out folder"
         )
+    return dict(manifest)
 
 
 def regenerate(
@@ -267,8 +262,10 @@ def regenerate(
     *,
     mix: dict[str, int],
     server: ServerOptions | None = None,
+    continued_from: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Regenerate the assistant turns of `items` with `target` into `out_dir`; resumable.
+    The manifest names `continued_from`, the folders whose answers items continue from.
 
     Self-instruct meta items are answered first and their answers become prompts. Under
     ``accelerate launch`` with W processes, each answers every W-th shard (a disjoint slice of the
@@ -292,7 +289,16 @@ def regenerate(
     ranks = Ranks.from_accelerate()
     out_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_folder(out_dir, what="--out", name=rank_lock_name()):
-        return _regenerate(target, items, out_dir, options, mix=mix, ranks=ranks, server=server)
+        return _regenerate(
+            target,
+            items,
+            out_dir,
+            options,
+            mix=mix,
+            ranks=ranks,
+            server=server,
+            continued_from=[str(folder) for folder in continued_from],
+        )
 
 
 def _answerer(
@@ -317,6 +323,7 @@ def _regenerate(
     mix: dict[str, int],
     ranks: Ranks,
     server: ServerOptions | None,
+    continued_from: list[str],
 ) -> dict[str, Any]:
     # What decides the answers; the speed options may change on a resume, and so may the
     # engine: the server's answers are the target's (check_server).
@@ -331,10 +338,15 @@ def _regenerate(
     dtype = None  # what in-process answers are computed in (a server's is not known)
     if target is not None and server is None:
         dtype = str(target.model.dtype).removeprefix("torch.")
-    _check_manifest(manifest_path, settings, dtype)
+    previous = _check_manifest(manifest_path, settings, dtype)
     answer, answered_by = _answerer(target, options, server)
     if dtype is not None:
         answered_by = {**answered_by, "dtype": dtype}
+    before = previous.get("continued_from")
+    if not continued_from and isinstance(before, list):
+        continued_from = [str(folder) for folder in before]
+    if continued_from:  # a resume needs not name them again: its prompts hold their answers
+        answered_by = {**answered_by, "continued_from": continued_from}
     ranks.wait()  # every rank has read the old manifest before rank 0 rewrites it
     if ranks.rank == 0:
         started_manifest = {"settings": settings, **answered_by, "complete": False}

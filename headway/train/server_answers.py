@@ -22,6 +22,7 @@ from headway.train.answering import (
     RegenerateOptions,
     answer_batch,
     conversation_messages,
+    first_turn,
     request_seed,
 )
 from headway.train.prompts import PromptItem
@@ -80,7 +81,7 @@ def check_server(server: ChatServer, target: Target | None) -> None:
 def _converse(server: ChatServer, options: RegenerateOptions, item: PromptItem) -> list[Answer]:
     """Every user turn of `item`, each sent after the server's own earlier answers."""
     answers: list[Answer] = []
-    for turn in range(len(item.user_turns)):
+    for turn in range(first_turn(item), len(item.user_turns)):
         messages = conversation_messages(item, [answer.text for answer in answers], turn)
         sampled = options.temperature > 0
         reply = server.chat(
