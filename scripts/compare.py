@@ -60,6 +60,7 @@ from headway.eval.dispatch_decoding import count_decoding, dispatch_table
 from headway.eval.paired import Row, measure, table
 from headway.eval.speed import EvalSettings, drafter_runner
 from headway.eval.timed_drafter import timed_drafter as timed
+from headway.eval.turns import asked_turns
 from headway.evalsets import load_prompts
 from headway.target import Target, eos_token_ids, load_target
 
@@ -79,7 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "time what it runs there)",
     )
     parser.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda:0'")
-    parser.add_argument("--prompts", default="mt-bench", help="mt-bench, humaneval or a .jsonl")
+    parser.add_argument(
+        "--prompts",
+        default="mt-bench",
+        help="mt-bench (first turns), mt-bench-turns (both turns, the second after the "
+        "target's own greedy answer), humaneval or a .jsonl",
+    )
     parser.add_argument(
         "--num-prompts", type=int, default=8, help="prompts, spread over categories"
     )
@@ -325,8 +331,10 @@ def main() -> None:
     args = parse_args()
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     apply_gemm(target.model, args.gemm)  # headway's rows; HF's rows run outside decoding: stock
-    prompts = load_prompts(args.prompts, limit=args.num_prompts)
-    encoded = [prompt_ids(target, p.text, chat=p.chat) for p in prompts]
+    prompts = asked_turns(
+        target, load_prompts(args.prompts, limit=args.num_prompts), args.max_new_tokens
+    )
+    encoded = [prompt_ids(target, p.chat_input(), chat=p.chat) for p in prompts]
     rows = configurations(args, target)
     measure(rows, target, encoded, args.max_new_tokens)
     results = table(rows)

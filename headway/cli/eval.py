@@ -77,7 +77,12 @@ def add_eval_flags(parser: argparse.ArgumentParser) -> None:
         "are), or the run's own dtype with --heads-only",
     )
     parser.add_argument(
-        "--prompts", default="mt-bench", help="mt-bench (default), humaneval, or a .jsonl file"
+        "--prompts",
+        default="mt-bench",
+        help="mt-bench (default: first turns), mt-bench-turns (each question's two "
+        "turns, the second asked after the target's own greedy answer to the first, as EAGLE "
+        "and SpecForge measure MT-bench; --num-prompts counts questions), humaneval, or a "
+        ".jsonl file",
     )
     parser.add_argument(
         "--num-prompts",
@@ -183,6 +188,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from headway.eval.report import format_positions
     from headway.eval.run import describe_drafter, evaluate
     from headway.eval.speed import EvalSettings
+    from headway.eval.turns import asked_turns
     from headway.evalsets import load_prompts
     from headway.target import load_target
 
@@ -203,6 +209,7 @@ def run_eval(args: argparse.Namespace) -> int:
     )
     check_tree_mask(target.model)  # a model that ignores the 4-D tree mask is refused here
     apply_gemm(target.model, args.gemm)  # before the drafter: its layers take the same choice
+    prompts = asked_turns(target, prompts, args.max_new_tokens)  # mt-bench-turns' second turns
     drafter, choice = drafter_from_flags(args, target, default=None)
     assert drafter is not None and choice.spec is not None  # eval has no --drafter none
     options = decode_options(args, target.model, choice)

@@ -288,7 +288,7 @@ def measure_gates(gates: AcceptanceGates, target: Target, drafter: Drafter) -> G
     decoder = Decoder(target.model, recording, DecodeOptions(**_decode_options(gates.decode)))
     run = GateRun([], [], [], [])
     for prompt in gate_prompts(gates):
-        ids = prompt_ids(target, prompt.text, chat=prompt.chat)
+        ids = prompt_ids(target, prompt.chat_input(), chat=prompt.chat)
         result = decoder.generate(
             ids, max_new_tokens=gates.max_new_tokens, eos_token_ids=eos_token_ids(target)
         )

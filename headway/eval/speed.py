@@ -311,7 +311,7 @@ def run_speed_eval(
     """
     if not prompts:
         raise HeadwayError("no prompts to evaluate")
-    encoded = [prompt_ids(target, prompt.text, chat=prompt.chat) for prompt in prompts]
+    encoded = [prompt_ids(target, prompt.chat_input(), chat=prompt.chat) for prompt in prompts]
     recording = RecordingDrafter(drafter)
     decoder = Decoder(target.model, recording, options or DecodeOptions())
     run = SpeedRun(settings)
