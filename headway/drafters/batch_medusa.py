@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 
 from headway.decode.batch_drafting import Tree, check_rows, last_of_rows
+from headway.decode.keyed_noise import position_keys
+from headway.drafters.coupled import coupled_children
 from headway.drafters.medusa_drafter import MedusaDrafter
 
 __all__ = ["BatchMedusa"]
@@ -33,6 +35,13 @@ class BatchMedusa:
         self.hidden_layers = drafter.hidden_layers
         self.max_nodes = drafter.max_nodes
         self._states: Tensor | None = None  # [B, H]: the state that predicted each row's root
+        self._coupled: tuple[Tensor, float] | None = None  # each row's seed [B], temperature
+
+    def couple(self, seeds: Tensor | None, temperature: float) -> None:
+        """Draft each row with its sampled sequence's noise (``seeds [B]``, the rows' in
+        order; :meth:`MedusaDrafter.couple`), or by the heads' top-k (``None``)."""
+        couples = seeds is not None and self.drafter.couples  # the spec's coupled=false
+        self._coupled = (seeds, temperature) if couples and seeds is not None else None
 
     @property
     def drafts(self) -> bool:
@@ -51,7 +60,8 @@ class BatchMedusa:
         self._states = last_of_rows(states[0], counts, self._states)  # [B, H]
 
     def keep_rows(self, rows: Sequence[int]) -> None:
-        """Go on with the rows ``rows`` (indices, in their order) alone."""
+        """Go on with the rows ``rows`` (indices, in their order) alone (coupled: their
+        caller couples them again, :meth:`couple`)."""
         self.batch = len(rows)
         if self._states is not None:
             index = torch.tensor(list(rows), dtype=torch.long, device=self._states.device)
@@ -72,8 +82,11 @@ class BatchMedusa:
             return [([], []) for _ in live]
         drafter, tree = self.drafter, self.drafter.tree
         logits = drafter.head_logits(self._states)  # [depth, B, V]
-        top = logits.topk(tree.width, dim=-1).indices.transpose(0, 1)  # [B, depth, width]
-        candidates = drafter.to_target(top).cpu()  # the step's one read
+        if self._coupled is None:
+            top = logits.topk(tree.width, dim=-1).indices.transpose(0, 1)  # [B, depth, width]
+            candidates = drafter.to_target(top).cpu()  # the step's one read
+        else:
+            candidates = self._coupled_candidates(logits, sequences).cpu()
         trees: list[Tree] = []
         for row, on in enumerate(live):
             if not on:
@@ -82,3 +95,19 @@ class BatchMedusa:
             filled = tree.instantiate(candidates[row])
             trees.append((filled.tokens.tolist(), filled.parents.tolist()))
         return trees
+
+    def _coupled_candidates(self, logits: Tensor, sequences: Sequence[list[int]]) -> Tensor:
+        """Each row's candidates ``[B, depth, width]`` (target ids) ranked with its noise at
+        the positions its heads predict (row ``b``'s head ``d``: ``len(sequences[b]) + d``)."""
+        assert self._coupled is not None
+        seeds, temperature = self._coupled
+        depth, rows, count = logits.shape
+        ids = self.drafter.to_target(torch.arange(count, device=logits.device))
+        lengths = torch.tensor([len(sequence) for sequence in sequences], device=logits.device)
+        positions = lengths[:, None] + torch.arange(depth, device=logits.device)  # [B, depth]
+        keys = position_keys(seeds.to(logits.device), positions)
+        flat = logits.transpose(0, 1).reshape(rows * depth, count)
+        _, tokens = coupled_children(
+            flat, ids, self.drafter.tree.width, keys.reshape(-1), temperature
+        )
+        return tokens.reshape(rows, depth, -1)

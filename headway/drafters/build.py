@@ -155,7 +155,9 @@ def _medusa(found: FoundHeads, target: Target, spec: MedusaSpec) -> Drafter:
         count = to_int8(heads, int8_layers(heads) or ())
         logger.info("drafting with %d int8 LM heads (dtype=%s)", count, spec.dtype)
     apply_gemm(heads, gemm_choice(model))  # the target's choice, for the layers left
-    return MedusaDrafter(heads, hidden_layer=layer, choices=tree.choices, vocab=vocab)
+    drafter = MedusaDrafter(heads, hidden_layer=layer, choices=tree.choices, vocab=vocab)
+    drafter.couples = spec.coupled
+    return drafter
 
 
 def _eagle(found: FoundHeads, target: Target, spec: EagleSpec) -> Drafter:

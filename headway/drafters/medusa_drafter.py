@@ -40,7 +40,9 @@ from torch import Tensor
 
 from headway.decode.device_chain import kept_copy
 from headway.decode.gemm import gemm_route, routed_linears
+from headway.decode.keyed_noise import Coupling
 from headway.decode.tree import DraftTree, StaticTree, empty_tree, static_tree
+from headway.drafters.coupled import coupled_children
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 
 __all__ = [
@@ -130,6 +132,8 @@ class MedusaDrafter:
     (:func:`~headway.decode.gemm.apply_gemm`; ``"auto"`` where none was), decided here.
     """
 
+    couples = True  # whether it drafts a sampled sequence with its noise (couple)
+
     def __init__(
         self,
         heads: MedusaHeads,
@@ -147,6 +151,17 @@ class MedusaDrafter:
         self._last_hidden: Tensor | None = None  # [H], the state that predicted the root
         self._on_device: tuple[Tensor, Tensor, Tensor] | None = None  # see _device_index
         self._chain: tuple[Tensor, ...] = ()  # a chained run's live and start states [H]
+        self.coupling: Coupling | None = None  # the sampled sequence's noise (couple)
+        self._ids: Tensor | None = None  # [V] the heads' outputs as target ids (coupled)
+
+    def couple(self, coupling: Coupling | None) -> None:
+        """Draft the coming sequence with its sampling noise (:mod:`headway.drafters.coupled`):
+        each head's candidates ranked by ``log q / (T * SHARPEN) + g`` with the target's noise
+        at the position that head predicts, so where ``q`` ranks like the target its first
+        candidate is the target's draw; ``None`` (greedy), or :attr:`couples` False, ranks by
+        the top-k. The host step only: the device step and chained runs, whose position
+        lives on the device, draft by the top-k (the text is the target's either way)."""
+        self.coupling = coupling if self.couples else None
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget the previous generation."""
@@ -259,16 +274,39 @@ class MedusaDrafter:
 
     @torch.inference_mode()
     def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
-        """The static tree filled with the heads' top-k tokens (empty before any observation);
-        when the loop sizes it (``floor`` given), each node scored by the product of the heads'
-        probabilities along its path."""
+        """The static tree filled with the heads' top-k tokens, or coupled (:meth:`couple`)
+        their candidates ranked with the noise at ``sequence``'s next positions (empty before
+        any observation); when the loop sizes it (``floor`` given), each node scored by the
+        product along its path of the heads' probabilities (coupled: of each candidate's share
+        of the perturbed scores)."""
         if self._last_hidden is None:
             return empty_tree()
-        if floor is None:
+        if floor is None and self.coupling is None:
             return self.tree.instantiate(self.candidates())
-        logits = self.head_logits(self._last_hidden)
-        candidates = logits.topk(self.tree.width, dim=-1).indices  # as candidates(), unmapped
-        probabilities = torch.softmax(logits.float(), dim=-1).gather(-1, candidates)
-        full = self.tree.instantiate(self.to_target(candidates))
+        logits = self.head_logits(self._last_hidden)  # [depth, V]
+        if self.coupling is None:
+            candidates = logits.topk(self.tree.width, dim=-1).indices  # as candidates()
+            probabilities = torch.softmax(logits.float(), dim=-1).gather(-1, candidates)
+            tokens = self.to_target(candidates)
+        else:
+            shares, tokens = self._coupled(logits, sequence.numel())
+            probabilities = shares.exp()
+        full = self.tree.instantiate(tokens)
+        if floor is None:
+            return full
         scores = self.tree.path_products(probabilities)  # [n], never above the parent's
         return DraftTree(full.tokens, full.parents, scores=scores)
+
+    def _coupled(self, logits: Tensor, position: int) -> tuple[Tensor, Tensor]:
+        """Each head's ``width`` candidates ranked with the noise at the position it predicts
+        (head ``d`` the ``d``-th after the root at ``position - 1``): (log shares, target ids),
+        each ``[depth, width]``."""
+        assert self.coupling is not None
+        if self._ids is None or self._ids.device != logits.device:
+            count = logits.shape[-1]
+            every = torch.arange(count, device=logits.device)
+            self._ids = every if self._vocab is None else self.to_target(every)
+        keys = torch.stack(
+            [self.coupling.key(position + d, logits.device) for d in range(logits.shape[0])]
+        )
+        return coupled_children(logits, self._ids, self.tree.width, keys, self.coupling.temperature)

@@ -140,6 +140,13 @@ class MedusaSpec:
             "SmolLM2's own LM head in int8 picks its fp32 argmax at 87% of positions)"
         ),
     )
+    coupled: bool = field(
+        default=True,
+        metadata=_help(
+            "sampled: each head's candidates ranked with the noise the target draws with (the "
+            "host step; the same text either way); false ranks by the heads' top-k"
+        ),
+    )
     force: bool = field(default=False, metadata=_help("accept heads trained for another target"))
 
     def __post_init__(self) -> None:
