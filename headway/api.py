@@ -187,11 +187,16 @@ def generate(
     return _generation(target, result, seconds, decoder.options.acceptance)
 
 
+BATCH_DRAFTER = "prompt-lookup"
+"""What :func:`generate_batch` drafts with unless told otherwise (a trained drafter in a batch
+pays less on a CPU, whose batched steps are bound by arithmetic: docs/usage.md)."""
+
+
 def generate_batch(
     target: Target,
     prompts: Sequence[str],
     *,
-    drafter: str | None = "prompt-lookup",
+    drafter: str | None = BATCH_DRAFTER,
     heads: str | Path | None = None,
     draft_options: Mapping[str, object] | None = None,
     max_new_tokens: int = 128,
@@ -218,7 +223,8 @@ def generate_batch(
     ``drafter``: a
     name (``"prompt-lookup"``, the default here, ``"retrieval"``, ``"lookup-medusa"``),
     ``"default"`` (what :func:`generate` takes: the drafter shipped for the target, ...) or
-    None; ``heads``: a trained drafter's folder; ``draft_options`` as ``--draft-option``'s.
+    None; ``heads``: a trained drafter's folder, which drafts instead of prompt lookup when
+    ``drafter`` is left at its default; ``draft_options`` as ``--draft-option``'s.
     An EAGLE drafter drafts every prompt's tree at once, one draft forward per tree level for
     all of them (:class:`~headway.drafters.batch_eagle.BatchEagle`), and Medusa heads run once
     on every prompt's state (:class:`~headway.drafters.batch_medusa.BatchMedusa`); other
@@ -236,6 +242,8 @@ def generate_batch(
     check_tree_mask(model)
     ids = [prompt_ids(target, prompt, chat=chat) for prompt in prompts]
     rows = min(len(prompts), batch_size or rows_that_fit(model, ids, max_new_tokens))
+    if heads is not None and drafter == BATCH_DRAFTER:  # heads given: they draft
+        drafter = DEFAULT_DRAFTER
     drafters, give_back = _batch_drafting(target, drafter, heads, draft_options, rows)
     start = time.perf_counter()
     results = decode_batch(

@@ -309,9 +309,9 @@ def test_generate_batch_keeps_one_eagle_model_between_calls(
 
     monkeypatch.setattr(BatchEagle, "propose", counted)
     prompts = ["one two three", "four", "five six"]
-    for _ in range(2):
+    for drafter in (None, headway.api.BATCH_DRAFTER):  # heads alone draft (the default)
         rows = headway.generate_batch(
-            target, prompts, drafter=None, heads=run, max_new_tokens=10, chat=False
+            target, prompts, drafter=drafter, heads=run, max_new_tokens=10, chat=False
         )
         alone = [
             headway.generate(target, text, drafter=str(run), max_new_tokens=10, chat=False)
