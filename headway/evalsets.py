@@ -42,6 +42,11 @@ class EvalPrompt:
     history: tuple[str, ...] = ()
     later_turns: tuple[str, ...] = ()
 
+    @property
+    def turn(self) -> int:
+        """Which user turn of its conversation this is (1 for the first)."""
+        return len(self.history) // 2 + 1
+
     def chat_input(self) -> str | list[dict[str, str]]:
         """What :func:`headway.api.prompt_ids` encodes: the text, or the conversation."""
         if not self.history:

@@ -119,6 +119,7 @@ def test_eval_cli_writes_the_report_plots_and_summary(
     assert report["num_prompts"] == 3 and report["drafter"]["name"] == "prompt-lookup"
     assert report["identical_fraction"] == 1.0
     assert set(report["per_category"]) == {"chat", "math", "writing"}
+    assert report["per_turn"] is None  # first turns only
     assert report["tokens_per_s"]["drafter"] > 0 and report["tokens_per_s"]["plain"] > 0
     assert report["speedup"] == pytest.approx(
         report["tokens_per_s"]["drafter"] / report["tokens_per_s"]["plain"]

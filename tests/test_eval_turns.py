@@ -77,6 +77,9 @@ def test_eval_decodes_both_turns_of_mt_bench(
     assert main([*command, "--out", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["num_prompts"] == 4 and report["identical_fraction"] == 1.0
+    assert {turn: row["prompts"] for turn, row in report["per_turn"].items()} == {"1": 2, "2": 2}
+    assert "| turn 2 | 2 |" in (out / "summary.md").read_text()
+    assert "turn 2: tau" in capsys.readouterr().out
     ids = [p["id"] for p in report["per_prompt"]]
     assert ids[1] == f"{ids[0]}/turn-2" and ids[3] == f"{ids[2]}/turn-2"
     # A second turn's prompt is the whole conversation: the first turn, its answer, the second.

@@ -226,6 +226,10 @@ def run_eval(args: argparse.Namespace) -> int:
         options=options,
     )
     print(format_headline(report))
+    for turn, row in (report["per_turn"] or {}).items():
+        print(
+            f"turn {turn}: tau {row['tau']:.2f}, {row['speedup']:.2f}x ({row['prompts']} prompts)"
+        )
     if report["per_position_acceptance"]:
         rates = format_positions(report["per_position_acceptance"])
         print(f"per-position acceptance (vLLM's definition), position: rate: {rates}")

@@ -23,6 +23,7 @@ generation wall time, speedups are ratios measured in the same run::
       "identical_prompts": int | null,
       "per_category": {category: {"prompts", "tau", "drafter_tokens_per_s",
                                   "plain_tokens_per_s", "speedup"}},
+      "per_turn": {turn: (as per_category)} | null,   # null when every prompt is a first turn
       "per_prompt": [{"id", "category", "prompt_tokens", "tokens", "plain_tokens", "seconds",
                       "plain_seconds", "tau", "stop_reason", "identical"}],
       "timing": {"run_seconds", "decode_seconds", "warmup_seconds", "overhead_seconds"},
@@ -120,6 +121,16 @@ def _per_category(records: Sequence[PromptRecord]) -> dict[str, dict[str, Any]]:
     return {name: _figures(group) for name, group in sorted(categories.items())}
 
 
+def _per_turn(records: Sequence[PromptRecord]) -> dict[str, dict[str, Any]] | None:
+    """The figures of each user turn (``"1"``, ``"2"``, ...); None when all are first turns."""
+    turns: dict[int, list[PromptRecord]] = {}
+    for record in records:
+        turns.setdefault(record.turn, []).append(record)
+    if set(turns) == {1}:
+        return None
+    return {str(turn): _figures(group) for turn, group in sorted(turns.items())}
+
+
 def _per_prompt(record: PromptRecord, comparable: bool) -> dict[str, Any]:
     steps = record.accept_lengths[1:]
     return {
@@ -189,6 +200,7 @@ def build_report(
         "identical_fraction": identical / len(records) if comparable and records else None,
         "identical_prompts": identical if comparable else None,
         "per_category": _per_category(records),
+        "per_turn": _per_turn(records),
         "per_prompt": [_per_prompt(record, comparable) for record in records],
         "verify_ms_by_block_size": (
             None if run.verify_seconds is None else [1000 * s for s in run.verify_seconds]
@@ -246,6 +258,12 @@ def summary_markdown(report: dict[str, Any]) -> str:
     for name, row in report["per_category"].items():
         lines.append(
             f"| {name} | {row['prompts']} | {_fmt(row['tau'])} | "
+            f"{row['drafter_tokens_per_s']:.1f} | {row['plain_tokens_per_s']:.1f} | "
+            f"{_fmt(row['speedup'], '.2f', 'x')} |"
+        )
+    for turn, row in (report.get("per_turn") or {}).items():
+        lines.append(
+            f"| turn {turn} | {row['prompts']} | {_fmt(row['tau'])} | "
             f"{row['drafter_tokens_per_s']:.1f} | {row['plain_tokens_per_s']:.1f} | "
             f"{_fmt(row['speedup'], '.2f', 'x')} |"
         )

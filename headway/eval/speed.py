@@ -101,6 +101,7 @@ class PromptRecord:
     stop_reason: str
     plain_tokens: list[int]
     plain_seconds: float
+    turn: int = 1  # which user turn of its conversation the prompt is
 
     @property
     def identical(self) -> bool:
@@ -290,6 +291,7 @@ def _decode_prompt(
         stop_reason=result.stop_reason,
         plain_tokens=plain_tokens,
         plain_seconds=plain_seconds,
+        turn=prompt.turn,
     )
 
 
