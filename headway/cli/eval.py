@@ -227,9 +227,8 @@ def run_eval(args: argparse.Namespace) -> int:
     )
     print(format_headline(report))
     for turn, row in (report["per_turn"] or {}).items():
-        print(
-            f"turn {turn}: tau {row['tau']:.2f}, {row['speedup']:.2f}x ({row['prompts']} prompts)"
-        )
+        tau, speedup = row["tau"] or float("nan"), row["speedup"] or float("nan")
+        print(f"turn {turn}: tau {tau:.2f}, {speedup:.2f}x ({row['prompts']} prompts)")
     if report["per_position_acceptance"]:
         rates = format_positions(report["per_position_acceptance"])
         print(f"per-position acceptance (vLLM's definition), position: rate: {rates}")
