@@ -71,7 +71,10 @@ def messages(draw: st.DrawFn, key: str) -> list[Any]:
     reached, and some with random roles, contents, shapes or the other format's keys."""
     role_key, content_key = ROLES[key]
     roles = ["user", "assistant", "system"] + (["human", "gpt"] if key == "conversations" else [])
-    usable = st.fixed_dictionaries({role_key: st.sampled_from(roles), content_key: TEXT})
+    usable = st.fixed_dictionaries(
+        {role_key: st.sampled_from(roles), content_key: TEXT},
+        optional={"weight": st.one_of(st.sampled_from([0, 1, None]), JSON_VALUE)},  # 0: context
+    )
     other_role, other_content = ROLES["conversations" if key == "messages" else "messages"]
     junk = st.one_of(
         st.fixed_dictionaries(
