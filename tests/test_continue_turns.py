@@ -233,3 +233,17 @@ def test_a_bad_weight_is_a_one_line_error(message: dict[str, object]) -> None:
     with pytest.raises(BadRowError, match=r"row: message 2 has 'weight'") as error:
         row_to_sample(row, "row")
     assert error.value.reason == "bad weight"
+
+
+def test_a_prompt_list_whose_answers_are_not_text_is_refused_in_one_line(
+    tiny_chat_target: Target, tmp_path: Path
+) -> None:
+    import gzip
+
+    from headway.train.regenerate import regenerate
+
+    row = {"id": "c/0", "source": "test", "user_turns": ["q1", "q2"], "answered": [5]}
+    (tmp_path / "prompts.jsonl.gz").write_bytes(gzip.compress((json.dumps(row) + "\n").encode()))
+    options = RegenerateOptions(max_new_tokens=4, batch_size=2, shard_size=2)
+    with pytest.raises(DataError, match=r"prompts.jsonl.gz:1: user_turns and answered are not"):
+        regenerate(tiny_chat_target, [], tmp_path, options, mix={"test": 1})

@@ -210,10 +210,17 @@ def _load_or_write_prompts(out_dir: Path, items: Sequence[PromptItem]) -> list[P
     path = prompts_path(out_dir)
     if path.is_file():
         try:
-            return [PromptItem(**row) for row in read_jsonl(path)]
+            prompts = [PromptItem(**row) for row in read_jsonl(path)]
         except TypeError as error:  # a key PromptItem does not take, or one it needs missing
             reason = str(error).encode("unicode_escape").decode("ascii")  # a key may hold "\n"
             raise DataError(f"{path}: a row is not a prompt ({reason}); {_DAMAGED}") from None
+        for number, prompt in enumerate(prompts, start=1):
+            texts = (prompt.user_turns, prompt.answered)
+            if not all(isinstance(t, list) and all(isinstance(x, str) for x in t) for t in texts):
+                raise DataError(
+                    f"{path}:{number}: user_turns and answered are not lists of text; {_DAMAGED}"
+                )
+        return prompts
     text = _jsonl([asdict(item) for item in items])
     write_bytes_atomic(path, gzip.compress(text.encode(), mtime=0))
     return list(items)
