@@ -11,7 +11,8 @@ from torch import Tensor
 
 from headway.decode.batch_decode import decode_batch
 from headway.decode.batch_drafting import RowDrafters
-from headway.decode.generate import GenerationResult, generate
+from headway.decode.generate import Decoder, GenerationResult, generate
+from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
 from headway.drafters.batch_medusa import BatchMedusa
 from headway.drafters.medusa_drafter import MedusaDrafter
@@ -73,6 +74,30 @@ def test_the_first_head_coupled_at_its_position_drafts_the_targets_draw() -> Non
         steps = [n for run in runs for n in run.accept_lengths[1:]]
         accepted[coupled] = sum(n >= 2 for n in steps) / len(steps)
     assert accepted[True] > 0.9 and accepted[True] > accepted[False] + 0.2, accepted
+
+
+@pytest.mark.parametrize("chain", [1, 4])
+def test_device_steps_couple_as_the_host_step_does(chain: int) -> None:
+    """Sampled through the device step (the captured path's, uncaptured on a CPU), one step
+    a run or four, coupled random Medusa heads draft what the host step drafts (the same
+    acceptance lengths: the sequence length they count themselves, moved on the device in a
+    chained run)."""
+    model, _ = target_and_truth("llama")
+    drafter = _drafters(model, "default", 1)[0]
+    results = []
+    for options in (DecodeOptions(), DecodeOptions(verify="captured", chain=chain)):
+        decoder = Decoder(model, drafter, options)
+        results.append(
+            decoder.generate(
+                PROMPT,
+                max_new_tokens=40,
+                eos_token_ids=(),
+                sampling=WARM,
+                generator=torch.Generator().manual_seed(4),
+            )
+        )
+    assert results[0].tokens == results[1].tokens
+    assert results[0].accept_lengths == results[1].accept_lengths
 
 
 def test_greedy_medusa_drafts_by_the_top_k() -> None:

@@ -102,18 +102,21 @@ def test_a_sampled_batch_gives_each_prompt_its_seeds_text_whatever_the_batch(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_seed_samples_the_host_text_on_cuda_through_captured_steps() -> None:
-    """On CUDA (fp32), captured: plain decoding, a static EAGLE-3 drafter's coupled device
-    steps and chained runs sample, from one host seed, the text the CPU samples without a
-    drafter (the noise computed inside the graphs); the host step too (no drafter, a coupled
-    eager one); a batch's first row, drafted (coupled, captured) or not."""
+    """On CUDA (fp32), captured: plain decoding, a static EAGLE-3 drafter's and Medusa
+    heads' coupled device steps and chained runs sample, from one host seed, the text the CPU
+    samples without a drafter (the noise computed inside the graphs); the host step too (no
+    drafter, a coupled eager one); a batch's first row, drafted (coupled, captured) or not."""
+    from tests.test_device_step import random_medusa
     from tests.test_gpu import EAGLE3_TREE, cuda_eagle3
 
     model, _ = target_and_truth("llama")
     expected, _ = _sampled(Decoder(model, None), 7)
+    medusa = random_medusa(model)  # coupled heads: keys of the live length inside a run
     cuda = model.to("cuda")
+    medusa.heads.to("cuda")
     prompt = PROMPT.to("cuda")
     draft, head = cuda_eagle3(cuda), TargetHead.of(cuda)
-    for drafter in [None, StaticEagle3Drafter(draft, head, **EAGLE3_TREE)]:
+    for drafter in [None, StaticEagle3Drafter(draft, head, **EAGLE3_TREE), medusa]:
         for chain in (1, 4):
             run = Decoder(cuda, drafter, DecodeOptions(verify="captured", chain=chain))
             result = run.generate(

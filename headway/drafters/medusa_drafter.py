@@ -40,7 +40,7 @@ from torch import Tensor
 
 from headway.decode.device_chain import kept_copy
 from headway.decode.gemm import gemm_route, routed_linears
-from headway.decode.keyed_noise import Coupling
+from headway.decode.keyed_noise import Coupling, position_keys
 from headway.decode.tree import DraftTree, StaticTree, empty_tree, static_tree
 from headway.drafters.coupled import coupled_children
 from headway.heads.medusa import MedusaConfig, MedusaHeads
@@ -151,6 +151,9 @@ class MedusaDrafter:
         self._last_hidden: Tensor | None = None  # [H], the state that predicted the root
         self._on_device: tuple[Tensor, Tensor, Tensor] | None = None  # see _device_index
         self._chain: tuple[Tensor, ...] = ()  # a chained run's live and start states [H]
+        self._length = 0  # the sequence's length as observed (begin, observe)
+        self._lengths: tuple[Tensor, ...] = ()  # coupled chained runs: live, start, seed
+        self._chained_at: float | None = None  # the temperature their graph was staged at
         self.coupling: Coupling | None = None  # the sampled sequence's noise (couple)
         self._ids: Tensor | None = None  # [V] the heads' outputs as target ids (coupled)
 
@@ -159,19 +162,21 @@ class MedusaDrafter:
         each head's candidates ranked by ``log q / (T * SHARPEN) + g`` with the target's noise
         at the position that head predicts, so where ``q`` ranks like the target its first
         candidate is the target's draw; ``None`` (greedy), or :attr:`couples` False, ranks by
-        the top-k. The host step only: the device step and chained runs, whose position
-        lives on the device, draft by the top-k (the text is the target's either way)."""
+        the top-k. The host and device steps, and chained runs (their positions moved on
+        the device); the text is the target's either way."""
         self.coupling = coupling if self.couples else None
 
     def begin(self, prompt_ids: Tensor) -> None:
         """Forget the previous generation."""
         self._last_hidden = None
+        self._length = 1  # the sequence's length: the first token, then what is observed
 
     def observe(self, new_tokens: Tensor, hidden: tuple[Tensor, ...]) -> None:
         """Keep ``hidden[0][-1]`` ``[H]``: its LM-head output was the last committed token (the
         next tree's root), so head k on it predicts the token k + 1 places after that state,
         i.e. depth k of the next tree."""
         self._last_hidden = hidden[0][-1]
+        self._length += new_tokens.numel()
 
     def head_logits(self, hidden: Tensor) -> Tensor:
         """Logits ``[depth, V]`` of the heads the tree uses, on the state ``hidden`` ``[H]``
@@ -205,7 +210,11 @@ class MedusaDrafter:
         observation."""
         if self._last_hidden is None:
             return None
-        candidates = self.candidates()
+        if self.coupling is None:
+            candidates = self.candidates()
+        else:  # the sequence's length as observed: the device step has no sequence to give
+            logits = self.head_logits(self._last_hidden)
+            candidates = self._coupled(logits, self._length)[1]
         index = self._device_index(candidates.device)
         return candidates[index[0], index[1]], index[2]
 
@@ -223,6 +232,7 @@ class MedusaDrafter:
         """Keep the state at the last committed token (``hidden[0][count - 1]``, a view: no
         host read); the device step's :meth:`observe`."""
         self._last_hidden = hidden[0][count - 1]
+        self._length += count
 
     # ------------------------------------ chained device steps (headway.decode.device_chain)
 
@@ -239,8 +249,9 @@ class MedusaDrafter:
 
     def chain_buffers(self) -> tuple[object, ...]:
         """The device buffers a chained run's graph reads and writes: the live state, the state
-        a run starts from (:meth:`chain_stage`) and the tree's index."""
-        return (*self._chain, *(self._on_device or ()))
+        a run starts from (:meth:`chain_stage`), the tree's index and, coupled, the live and
+        starting sequence lengths and the seed."""
+        return (*self._chain, *(self._on_device or ()), *self._lengths)
 
     def chain_stage(self) -> None:
         """Before a run (outside its graph): copy the state that predicted the root into the
@@ -250,27 +261,51 @@ class MedusaDrafter:
         last = self._last_hidden
         self._chain = kept_copy(self._chain, (last, last))  # the live one is set by chain_begin
         self._device_index(last.device)  # made here, not in the run's graph
+        if self.coupling is None:
+            self._lengths = ()
+            return
+        if self.coupling.temperature != self._chained_at:  # a graph holds the temperature
+            self._lengths, self._chained_at = (), self.coupling.temperature
+        length = torch.tensor(self._length, device=last.device)
+        seed = torch.tensor(self.coupling.seed, device=last.device)
+        self._lengths = kept_copy(self._lengths, (length, length, seed))
+        self._ids_on(last.device, self.heads.config.vocab_size)
 
     def chain_begin(self) -> None:
-        """The first work of a run's body: the live state from the staged one."""
+        """The first work of a run's body: the live state (and length) from the staged one."""
         live, start = self._chain
         live.copy_(start)
         self._last_hidden = live
+        if self._lengths:
+            self._lengths[0].copy_(self._lengths[1])
 
     def chain_propose(self) -> tuple[Tensor, Tensor]:
-        """:meth:`propose_on_device` inside a chained run: the heads on the live state."""
-        proposed = self.propose_on_device()
-        assert proposed is not None
-        return proposed
+        """:meth:`propose_on_device` inside a chained run: the heads on the live state,
+        coupled with the noise at the live length's positions, computed on the device."""
+        if not self._lengths:
+            candidates = self.candidates()
+        else:
+            assert self.coupling is not None and self._ids is not None
+            logits = self.head_logits(self._chain[0])  # [depth, V]
+            live, _, seed = self._lengths
+            positions = live + torch.arange(logits.shape[0], device=live.device)
+            keys = position_keys(seed, positions)
+            width, temperature = self.tree.width, self.coupling.temperature
+            candidates = coupled_children(logits, self._ids, width, keys, temperature)[1]
+        index = self._device_index(candidates.device)
+        return candidates[index[0], index[1]], index[2]
 
     def chain_observe(self, tokens: Tensor, hidden: tuple[Tensor, ...], count: Tensor) -> None:
         """:meth:`observe_on_device` inside a chained run, ``count`` a device scalar: the state
-        at the last committed token copied into the live buffer."""
+        at the last committed token copied into the live buffer (and the length moved on)."""
         self._chain[0].copy_(hidden[0].index_select(0, count.reshape(1) - 1)[0])
+        if self._lengths:
+            self._lengths[0].add_(count.reshape(()))
 
     def chain_done(self, committed: int) -> None:
         """After a chained run: the live buffer holds the state that predicted the next root."""
         self._last_hidden = self._chain[0]
+        self._length += committed
 
     @torch.inference_mode()
     def propose(self, sequence: Tensor, floor: float | None = None) -> DraftTree:
@@ -302,11 +337,15 @@ class MedusaDrafter:
         (head ``d`` the ``d``-th after the root at ``position - 1``): (log shares, target ids),
         each ``[depth, width]``."""
         assert self.coupling is not None
-        if self._ids is None or self._ids.device != logits.device:
-            count = logits.shape[-1]
-            every = torch.arange(count, device=logits.device)
-            self._ids = every if self._vocab is None else self.to_target(every)
+        ids = self._ids_on(logits.device, logits.shape[-1])
         keys = torch.stack(
             [self.coupling.key(position + d, logits.device) for d in range(logits.shape[0])]
         )
-        return coupled_children(logits, self._ids, self.tree.width, keys, self.coupling.temperature)
+        return coupled_children(logits, ids, self.tree.width, keys, self.coupling.temperature)
+
+    def _ids_on(self, device: torch.device, count: int) -> Tensor:
+        """The heads' ``count`` outputs as target ids ``[count]`` on ``device`` (made once)."""
+        if self._ids is None or self._ids.device != device:
+            every = torch.arange(count, device=device)
+            self._ids = every if self._vocab is None else self.to_target(every)
+        return self._ids
