@@ -102,7 +102,7 @@ class BatchMedusa:
         assert self._coupled is not None
         seeds, temperature = self._coupled
         depth, rows, count = logits.shape
-        ids = self.drafter.to_target(torch.arange(count, device=logits.device))
+        ids = self.drafter.output_ids(logits.device, count)
         lengths = torch.tensor([len(sequence) for sequence in sequences], device=logits.device)
         positions = lengths[:, None] + torch.arange(depth, device=logits.device)  # [B, depth]
         keys = position_keys(seeds.to(logits.device), positions)

@@ -269,7 +269,7 @@ class MedusaDrafter:
         length = torch.tensor(self._length, device=last.device)
         seed = torch.tensor(self.coupling.seed, device=last.device)
         self._lengths = kept_copy(self._lengths, (length, length, seed))
-        self._ids_on(last.device, self.heads.config.vocab_size)
+        self.output_ids(last.device, self.heads.config.vocab_size)
 
     def chain_begin(self) -> None:
         """The first work of a run's body: the live state (and length) from the staged one."""
@@ -337,13 +337,13 @@ class MedusaDrafter:
         (head ``d`` the ``d``-th after the root at ``position - 1``): (log shares, target ids),
         each ``[depth, width]``."""
         assert self.coupling is not None
-        ids = self._ids_on(logits.device, logits.shape[-1])
+        ids = self.output_ids(logits.device, logits.shape[-1])
         keys = torch.stack(
             [self.coupling.key(position + d, logits.device) for d in range(logits.shape[0])]
         )
         return coupled_children(logits, ids, self.tree.width, keys, self.coupling.temperature)
 
-    def _ids_on(self, device: torch.device, count: int) -> Tensor:
+    def output_ids(self, device: torch.device, count: int) -> Tensor:
         """The heads' ``count`` outputs as target ids ``[count]`` on ``device`` (made once)."""
         if self._ids is None or self._ids.device != device:
             every = torch.arange(count, device=device)
