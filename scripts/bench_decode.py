@@ -48,6 +48,7 @@ from headway.decode.kv import new_cache, prefill
 from headway.decode.options import DecodeOptions
 from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.oracle import OracleDrafter
+from headway.eval.turns import asked_turns
 from headway.evalsets import load_prompts
 from headway.target import Target, eos_token_ids, load_target
 
@@ -55,7 +56,9 @@ from headway.target import Target, eos_token_ids, load_target
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m", help="target model (default embedded)")
-    parser.add_argument("--prompts", default="mt-bench", help="mt-bench, humaneval or a .jsonl")
+    parser.add_argument(
+        "--prompts", default="mt-bench", help="mt-bench, mt-bench-turns, humaneval or a .jsonl"
+    )
     parser.add_argument(
         "--num-prompts", type=int, default=10, help="prompts, spread over categories"
     )
@@ -127,8 +130,10 @@ def headway_runner(
 def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     target = load_target(args.target, dtype=dtype, device="auto")
     device = target.model.device
-    prompts = load_prompts(args.prompts, limit=args.num_prompts)
-    encoded = [prompt_ids(target, p.text, chat=p.chat).to(device) for p in prompts]
+    prompts = asked_turns(
+        target, load_prompts(args.prompts, limit=args.num_prompts), args.max_new_tokens
+    )
+    encoded = [prompt_ids(target, p.chat_input(), chat=p.chat).to(device) for p in prompts]
     eos = eos_token_ids(target)
     apply_gemm(target.model, "stock")
     routed = apply_gemm(target.model, "auto")  # decided once, before anything is timed

@@ -36,6 +36,7 @@ from headway.decode.sampling import SamplingParams, probs_from_logits
 from headway.drafters.build import build_drafter
 from headway.drafters.shipped import shipped_heads
 from headway.drafters.specs import EagleSpec
+from headway.eval.turns import asked_turns
 from headway.evalsets import load_prompts
 from headway.target import eos_token_ids, load_target
 
@@ -56,7 +57,9 @@ def main() -> None:
         "(the default 16-token tree, as a GPU drafts it)",
     )
     parser.add_argument(
-        "--prompts", default="mt-bench", help="mt-bench (default), humaneval or a .jsonl file"
+        "--prompts",
+        default="mt-bench",
+        help="mt-bench (default), mt-bench-turns, humaneval or a .jsonl file",
     )
     parser.add_argument(
         "--flatten",
@@ -88,8 +91,10 @@ def main() -> None:
     loop.verify = recording
     decoder = Decoder(target.model, drafter)
     prompts = [
-        prompt_ids(target, prompt.text, chat=True)
-        for prompt in load_prompts(args.prompts, limit=args.num_prompts)
+        prompt_ids(target, prompt.chat_input(), chat=True)
+        for prompt in asked_turns(
+            target, load_prompts(args.prompts, limit=args.num_prompts), args.max_new_tokens
+        )
     ]
     drafter.couple = lambda coupling: None  # the first table compares q's top-k to coupling
     for index, prompt in enumerate(prompts):

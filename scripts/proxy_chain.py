@@ -24,6 +24,7 @@ from headway.drafters.shipped import default_heads
 from headway.drafters.specs import DrafterSpec, EagleSpec
 from headway.eval.dispatch import DispatchCounts
 from headway.eval.dispatch_decoding import count_decoding, dispatch_table
+from headway.eval.turns import asked_turns
 from headway.evalsets import load_prompts
 from headway.target import Target, load_target
 
@@ -31,7 +32,9 @@ from headway.target import Target, load_target
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m", help="target model (default embedded)")
-    parser.add_argument("--prompts", default="mt-bench", help="mt-bench, humaneval or a .jsonl")
+    parser.add_argument(
+        "--prompts", default="mt-bench", help="mt-bench, mt-bench-turns, humaneval or a .jsonl"
+    )
     parser.add_argument("--num-prompts", type=int, default=2, help="prompts, spread over the set")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--chains", default="1,8", help="steps a run of each row, comma-separated")
@@ -66,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     target = load_target(args.target, dtype="float32", device="cpu")
     chosen = load_prompts(args.prompts, limit=args.num_prompts)
-    prompts = [prompt_ids(target, prompt.text, chat=prompt.chat) for prompt in chosen]
+    chosen = asked_turns(target, chosen, args.max_new_tokens)
+    prompts = [prompt_ids(target, prompt.chat_input(), chat=prompt.chat) for prompt in chosen]
     eos = [int(target.tokenizer.eos_token_id)] if target.tokenizer.eos_token_id is not None else []
     counts: dict[str, DispatchCounts] = {}
     for name, spec in drafters(args, target).items():

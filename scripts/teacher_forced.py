@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from headway.api import prompt_ids
 from headway.config import load_config
+from headway.eval.turns import asked_turns
 from headway.evalsets import load_prompts
 from headway.heads.loading import find_heads
 from headway.run_config import RunConfig
@@ -37,7 +38,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("heads", help="a run folder or an export (Medusa-1, EAGLE-1 or EAGLE-3)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target model (default embedded)")
-    parser.add_argument("--prompts", default="mt-bench", help="mt-bench, humaneval or a .jsonl")
+    parser.add_argument(
+        "--prompts", default="mt-bench", help="mt-bench, mt-bench-turns, humaneval or a .jsonl"
+    )
     parser.add_argument("--num-prompts", type=int, help="an even spread of this many (default all)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="greedy answer length")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch")
@@ -53,15 +56,20 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype="float32", device="cpu")
-    method_name = find_heads(args.heads, target.model).method
-    overrides = [f"train.method={method_name}", f"train.init_from={args.heads}"]
+    found = find_heads(args.heads, target.model)
+    overrides = [f"train.method={found.method}", f"train.init_from={args.heads}"]
+    vocab = getattr(found.config, "draft_vocab_size", None)
+    if found.method == "eagle3" and vocab:  # the run's vocabulary is the drafter's
+        overrides.append(f"eagle3.draft_vocab_size={vocab}")
     method = build_method(load_config(RunConfig, None, overrides), target).eval()
     layers = feature_layers(method)
     features = OnlineFeatures(target.model, layers)
     by_category: dict[str, list[dict[str, float]]] = defaultdict(list)
-    prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    prompts = asked_turns(
+        target, load_prompts(args.prompts, limit=args.num_prompts), args.max_new_tokens
+    )
     for prompt in tqdm(prompts, desc="teacher-forced", unit="prompt"):
-        ids = prompt_ids(target, prompt.text, chat=prompt.chat)
+        ids = prompt_ids(target, prompt.chat_input(), chat=prompt.chat)
         with torch.no_grad():
             answer = target.model.generate(  # type: ignore[operator]
                 ids[None], max_new_tokens=args.max_new_tokens, do_sample=False

@@ -188,7 +188,6 @@ def run_eval(args: argparse.Namespace) -> int:
     from headway.eval.report import format_positions
     from headway.eval.run import describe_drafter, evaluate
     from headway.eval.speed import EvalSettings
-    from headway.eval.turns import asked_turns
     from headway.evalsets import load_prompts
     from headway.target import load_target
 
@@ -209,7 +208,6 @@ def run_eval(args: argparse.Namespace) -> int:
     )
     check_tree_mask(target.model)  # a model that ignores the 4-D tree mask is refused here
     apply_gemm(target.model, args.gemm)  # before the drafter: its layers take the same choice
-    prompts = asked_turns(target, prompts, args.max_new_tokens)  # mt-bench-turns' second turns
     drafter, choice = drafter_from_flags(args, target, default=None)
     assert drafter is not None and choice.spec is not None  # eval has no --drafter none
     options = decode_options(args, target.model, choice)

@@ -37,6 +37,7 @@ from headway.decode.options import DecodeOptions
 from headway.decode.sampling import SamplingParams
 from headway.decode.tree import DraftTree
 from headway.errors import HeadwayError
+from headway.eval.turns import asked_turns
 from headway.evalsets import EvalPrompt
 from headway.target import Target, eos_token_ids
 
@@ -306,13 +307,15 @@ def run_speed_eval(
 ) -> SpeedRun:
     """Decode every prompt with ``drafter`` (under ``options``, through one
     :class:`~headway.decode.generate.Decoder`) and plainly, interleaved (see the module
-    docstring).
+    docstring); a prompt's later turns (``mt-bench-turns``) are prompts of their own, each
+    asked after the target's greedy answer (:func:`~headway.eval.turns.asked_turns`).
 
     Raises:
         HeadwayError: for an empty prompt list.
     """
     if not prompts:
         raise HeadwayError("no prompts to evaluate")
+    prompts = asked_turns(target, prompts, settings.max_new_tokens)  # later turns: after answers
     encoded = [prompt_ids(target, prompt.chat_input(), chat=prompt.chat) for prompt in prompts]
     recording = RecordingDrafter(drafter)
     decoder = Decoder(target.model, recording, options or DecodeOptions())
