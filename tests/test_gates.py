@@ -222,6 +222,8 @@ def test_eval_writes_gates_that_decoding_again_reproduces(
     # Settings whose acceptance does not reproduce are refused before anything is decoded.
     assert main([*command, "--sizing", "cost", "--write-gates", str(path)]) == 2
     assert "--sizing drafter" in capsys.readouterr().err
+    assert main([*command, "--prompts", "mt-bench-turns", "--write-gates", str(path)]) == 2
+    assert "use --prompts mt-bench" in capsys.readouterr().err
 
 
 # --- slow: the shipped drafter against its own gates ----------------------------------------

@@ -249,6 +249,10 @@ def _check_gates_flags(
         dtype=dtype.removeprefix("torch."),
         spec=spec,
     )
+    if args.prompts == "mt-bench-turns":  # a gate decodes its prompts alone, by id
+        raise HeadwayError(
+            "--write-gates: gates are measured on single prompts; use --prompts mt-bench"
+        )
     heads = getattr(spec, "heads", "")
     if heads and Path(args.write_gates).resolve().parent != Path(heads).resolve():
         raise HeadwayError(
