@@ -19,10 +19,10 @@ rm -rf .gpu/A .gpu/B && mkdir -p .gpu/A/whl .gpu/B
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     -d .gpu/A/whl gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
-# each call under 64 MiB: figures, 37 MB of the GGUF + the 24.5 MB drafter in A beside the
-# 2.3 MB tree, the other 61 MB in B; train, 58 MB in A beside the tree without data, 40 MB in
+# each call under 64 MiB: figures, 36 MB of the GGUF + the 24.5 MB drafter in A beside the
+# 3.1 MB tree, the other 62 MB in B; train, 58 MB in A beside the tree without data, 40 MB in
 # B beside the 19.2 MB tree of the six ShareGPT folders the GPU turns recipe reads (2026-11-29)
-SPLIT=37000000; [ "$MODE" = train ] && SPLIT=58000000
+SPLIT=36000000; [ "$MODE" = train ] && SPLIT=58000000
 head -c "$SPLIT" "$G" > .gpu/A/part-00 && tail -c +$((SPLIT + 1)) "$G" > .gpu/B/part-01
 sha256sum "$G" | sed 's#  .*#  SmolLM2-135M-Instruct.Q4_1.gguf#' > .gpu/A/gguf.sha256
 if [ "$MODE" = figures ]; then mkdir -p .gpu/A/drafter && cp "$DRAFTER"/* .gpu/A/drafter/; fi
