@@ -17,8 +17,6 @@ import torch
 from torch import Tensor
 
 from headway.decode.batch_drafting import Tree, check_rows, last_of_rows
-from headway.decode.keyed_noise import position_keys
-from headway.drafters.coupled import coupled_children
 from headway.drafters.medusa_drafter import MedusaDrafter
 
 __all__ = ["BatchMedusa"]
@@ -101,13 +99,6 @@ class BatchMedusa:
         the positions its heads predict (row ``b``'s head ``d``: ``len(sequences[b]) + d``)."""
         assert self._coupled is not None
         seeds, temperature = self._coupled
-        depth, rows, count = logits.shape
-        ids = self.drafter.output_ids(logits.device, count)
         lengths = torch.tensor([len(sequence) for sequence in sequences], device=logits.device)
-        positions = lengths[:, None] + torch.arange(depth, device=logits.device)  # [B, depth]
-        keys = position_keys(seeds.to(logits.device), positions)
-        flat = logits.transpose(0, 1).reshape(rows * depth, count)
-        _, tokens = coupled_children(
-            flat, ids, self.drafter.tree.width, keys.reshape(-1), temperature
-        )
-        return tokens.reshape(rows, depth, -1)
+        rows = logits.transpose(0, 1)  # [B, depth, V]
+        return self.drafter.ranked(rows, lengths, seeds.to(logits.device), temperature)[1]

@@ -285,13 +285,10 @@ class MedusaDrafter:
         if not self._lengths:
             candidates = self.candidates()
         else:
-            assert self.coupling is not None and self._ids is not None
-            logits = self.head_logits(self._chain[0])  # [depth, V]
+            assert self.coupling is not None
             live, _, seed = self._lengths
-            positions = live + torch.arange(logits.shape[0], device=live.device)
-            keys = position_keys(seed, positions)
-            width, temperature = self.tree.width, self.coupling.temperature
-            candidates = coupled_children(logits, self._ids, width, keys, temperature)[1]
+            logits = self.head_logits(self._chain[0])  # [depth, V]
+            candidates = self.ranked(logits, live, seed, self.coupling.temperature)[1]
         index = self._device_index(candidates.device)
         return candidates[index[0], index[1]], index[2]
 
@@ -333,15 +330,32 @@ class MedusaDrafter:
         return DraftTree(full.tokens, full.parents, scores=scores)
 
     def _coupled(self, logits: Tensor, position: int) -> tuple[Tensor, Tensor]:
-        """Each head's ``width`` candidates ranked with the noise at the position it predicts
-        (head ``d`` the ``d``-th after the root at ``position - 1``): (log shares, target ids),
-        each ``[depth, width]``."""
+        """:meth:`ranked` with this sequence's noise, its root at ``position - 1``."""
         assert self.coupling is not None
-        ids = self.output_ids(logits.device, logits.shape[-1])
-        keys = torch.stack(
-            [self.coupling.key(position + d, logits.device) for d in range(logits.shape[0])]
+        device, coupling = logits.device, self.coupling
+        start, seed = (torch.tensor(n, device=device) for n in (position, coupling.seed))
+        return self.ranked(logits, start, seed, coupling.temperature)
+
+    def ranked(
+        self, logits: Tensor, start: Tensor, seed: Tensor, temperature: float
+    ) -> tuple[Tensor, Tensor]:
+        """Each head's ``width`` candidates ranked with the noise of ``seed`` at the position
+        it predicts (head ``d`` at ``start + d``; :func:`~headway.drafters.coupled.
+        coupled_children`), device work only: ``logits [..., depth, V]``, ``start`` and
+        ``seed`` LongTensors ``[...]`` on their device (a batch's rows, or none) → (log
+        shares, target ids), each ``[..., depth, width]``."""
+        depth, count = logits.shape[-2:]
+        positions = start[..., None] + torch.arange(depth, device=logits.device)
+        keys = position_keys(seed, positions)  # [..., depth]
+        shares, ids = coupled_children(
+            logits.reshape(-1, count),
+            self.output_ids(logits.device, count),
+            self.tree.width,
+            keys.reshape(-1),
+            temperature,
         )
-        return coupled_children(logits, ids, self.tree.width, keys, self.coupling.temperature)
+        shape = (*logits.shape[:-1], self.tree.width)
+        return shares.reshape(shape), ids.reshape(shape)
 
     def output_ids(self, device: torch.device, count: int) -> Tensor:
         """The heads' ``count`` outputs as target ids ``[count]`` on ``device`` (made once)."""
