@@ -255,15 +255,11 @@ def summary_markdown(report: dict[str, Any]) -> str:
         "| category | prompts | tau | drafter tok/s | plain tok/s | speedup |",
         "|---|---|---|---|---|---|",
     ]
-    for name, row in report["per_category"].items():
+    groups = [*report["per_category"].items()]
+    groups += [(f"turn {turn}", row) for turn, row in (report.get("per_turn") or {}).items()]
+    for name, row in groups:
         lines.append(
             f"| {name} | {row['prompts']} | {_fmt(row['tau'])} | "
-            f"{row['drafter_tokens_per_s']:.1f} | {row['plain_tokens_per_s']:.1f} | "
-            f"{_fmt(row['speedup'], '.2f', 'x')} |"
-        )
-    for turn, row in (report.get("per_turn") or {}).items():
-        lines.append(
-            f"| turn {turn} | {row['prompts']} | {_fmt(row['tau'])} | "
             f"{row['drafter_tokens_per_s']:.1f} | {row['plain_tokens_per_s']:.1f} | "
             f"{_fmt(row['speedup'], '.2f', 'x')} |"
         )
