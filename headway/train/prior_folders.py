@@ -22,13 +22,18 @@ def frozen_prompt_ids(out_dir: Path) -> frozenset[str]:
     Raises:
         DataError: ``out_dir`` holds no prompt list.
     """
-    path = prompts_path(out_dir)
+    return frozenset(str(row.get("id")) for row in read_jsonl(_prompt_list(out_dir)))
+
+
+def _prompt_list(folder: Path) -> Path:
+    """The frozen prompt list of a regeneration folder; DataError where there is none."""
+    path = prompts_path(folder)
     if not path.is_file():
         raise DataError(
-            f"{out_dir}: not a regeneration folder (no {path.name}); name one that "
+            f"{folder}: not a regeneration folder (no {path.name}); name one that "
             "'headway data regenerate' wrote"
         )
-    return frozenset(str(row.get("id")) for row in read_jsonl(path))
+    return path
 
 
 def earlier_turns(folders: Sequence[Path]) -> dict[str, EarlierTurns]:
@@ -42,7 +47,7 @@ def earlier_turns(folders: Sequence[Path]) -> dict[str, EarlierTurns]:
     """
     earlier: dict[str, EarlierTurns] = {}
     for folder in folders:
-        frozen_prompt_ids(folder)  # a regeneration folder, or a one-line error
+        _prompt_list(folder)  # a regeneration folder, or a one-line error (its list unread)
         data = folder / "data"
         shards = sorted([*data.glob("part-*.jsonl.gz"), *data.glob("part-*.jsonl")])
         if not shards:
