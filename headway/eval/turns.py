@@ -16,13 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-import torch
-
-from headway.api import prompt_ids
-from headway.decode.generate import Decoder
-from headway.decode.options import DecodeOptions
+from headway.api import generate
 from headway.evalsets import EvalPrompt
-from headway.target import Target, eos_token_ids
+from headway.target import Target
 
 __all__ = ["asked_turns", "plain_answers", "with_later_turns"]
 
@@ -47,15 +43,13 @@ def with_later_turns(prompts: Sequence[EvalPrompt], answer: Answerer) -> list[Ev
 
 
 def plain_answers(target: Target, max_new_tokens: int) -> Answerer:
-    """The target's greedy answer to a prompt, up to ``max_new_tokens`` tokens (no drafter)."""
-    decoder = Decoder(target.model, None, DecodeOptions())
-    tokenizer, eos = target.tokenizer, eos_token_ids(target)
+    """The target's greedy answer to a prompt, up to ``max_new_tokens`` tokens (no drafter:
+    :func:`headway.generate`)."""
 
     def answer(prompt: EvalPrompt) -> str:
-        ids = prompt_ids(target, prompt.chat_input(), chat=prompt.chat)
-        with torch.inference_mode():
-            result = decoder.generate(ids, max_new_tokens=max_new_tokens, eos_token_ids=eos)
-        return str(tokenizer.decode(result.tokens, skip_special_tokens=True)).strip()
+        chat_input, chat = prompt.chat_input(), prompt.chat
+        plain = generate(target, chat_input, drafter=None, max_new_tokens=max_new_tokens, chat=chat)
+        return plain.text.strip()
 
     return answer
 
