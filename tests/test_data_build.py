@@ -197,13 +197,13 @@ def test_build_datasets_reuses_its_last_result_until_a_source_changes(
     tokenizer = smollm2_tokenizer()
     path = write_jsonl(tmp_path / "chat.jsonl", [GOOD_ROW] * 2)
     calls: list[object] = []
-    real = data.build_dataset
+    real = data.load_conversations
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args[1])
+        calls.append(args[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(data, "build_dataset", counted)
+    monkeypatch.setattr(data, "load_conversations", counted)
     first, reports = data.build_datasets(tokenizer, [path], max_length=256)
     reports[0].samples = -1  # a caller's edit does not reach the kept reports
     second, again = data.build_datasets(tokenizer, [path], max_length=256)

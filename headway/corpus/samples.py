@@ -36,11 +36,14 @@ def is_trained_turn(message: Message, index: int) -> bool:
 @dataclass
 class Sample:
     """One training example: exactly one of ``messages`` (a conversation rendered with the chat
-    template, only assistant turns trained) or ``text`` (tokenized as is, every token trained)."""
+    template, only assistant turns trained) or ``text`` (tokenized as is, every token trained).
+    ``key`` is the row's ``id`` where it has one (a regenerated row names its conversation so),
+    by which :mod:`headway.corpus.merge_turns` finds one conversation's rows across sources."""
 
     messages: list[Message] | None = None
     text: str | None = None
     origin: str = "<memory>"
+    key: str | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.text is None):
@@ -80,6 +83,7 @@ class DataReport:
     tokens: int = 0
     trained_tokens: int = 0
     loop_removed: int = 0
+    merged: int = 0
 
     def record_skip(self, reason: str, location: str) -> None:
         """Count one skipped row (or sample) under ``reason``."""
@@ -106,4 +110,6 @@ class DataReport:
             )
         if self.loop_removed:
             line += f", {self.loop_removed:,} in repetition loops removed"
+        if self.merged:
+            line += f", {self.merged:,} merged into a deeper row of their conversation"
         return line

@@ -135,12 +135,14 @@ def row_to_sample(row: object, location: str) -> Sample:
             "not a JSON object",
             f"row is a {_json_type(row)}, not an object; " + FORMATS_HINT,
         )
+    key = row.get("id")
+    key = str(key) if isinstance(key, str | int) and not isinstance(key, bool) else None
     if row.get("conversations") is not None:
         messages = _parse_messages(row["conversations"], location, "conversations", "from", "value")
-        return Sample(messages=messages, origin=location)
+        return Sample(messages=messages, origin=location, key=key)
     if row.get("messages") is not None:
         messages = _parse_messages(row["messages"], location, "messages", "role", "content")
-        return Sample(messages=messages, origin=location)
+        return Sample(messages=messages, origin=location, key=key)
     if row.get("text") is not None:
         return Sample(text=_parse_text(row["text"], location), origin=location)
     raise BadRowError(

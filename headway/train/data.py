@@ -20,6 +20,7 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
+from headway.corpus.merge_turns import merge_turns
 from headway.corpus.samples import BadRowError, DataReport, Message, Sample
 from headway.corpus.sources import CHITCHAT, load_conversations, no_samples_message
 from headway.errors import DataError
@@ -80,11 +81,36 @@ def build_dataset(
     ``skip_bad_rows``. Raises DataError if nothing is left. ``num_proc`` tokenizes in that many
     processes: rendering chat templates is pure Python, slow for long conversations.
     ``loop_repeats > 0`` takes the assistant tokens of repetition loops past that many periods
-    out of the samples (:mod:`headway.generation.repetition`).
+    out of the samples (:mod:`headway.generation.repetition`). Rows of one conversation
+    (:mod:`headway.corpus.merge_turns`) are trained once, in the deepest of them.
     """
     samples, report = load_conversations(source, skip_bad_rows=skip_bad_rows, limit=limit)
+    (merged,) = merge_turns([samples])
+    report.merged = merged.merged
+    dataset = _tokenized(
+        tokenizer, merged.samples, report, max_length, skip_bad_rows, loop_repeats, num_proc
+    )
+    assert dataset is not None  # a source's deepest rows stay in it
+    return dataset, report
+
+
+def _tokenized(
+    tokenizer: PreTrainedTokenizerBase,
+    samples: list[Sample],
+    report: DataReport,
+    max_length: int,
+    skip_bad_rows: bool,
+    loop_repeats: int,
+    num_proc: int | None = None,
+) -> datasets.Dataset | None:
+    """``samples`` of ``report.source`` tokenized (``input_ids``, ``loss_mask``), ``report``
+    filled in; None where every row of the source went into deeper rows of other sources."""
+    if not samples and report.merged:
+        report.samples = 0
+        return None
+    source = report.source
     if any(sample.messages is not None for sample in samples):
-        chat_template_of(tokenizer, str(source))  # fail once, early, naming the source
+        chat_template_of(tokenizer, source)  # fail once, early, naming the source
     records = [{"messages": s.messages, "text": s.text, "origin": s.origin} for s in samples]
     tokenized = datasets.Dataset.from_list(records).map(
         _tokenize_batch,
@@ -113,7 +139,7 @@ def build_dataset(
     report.tokens = sum(len(ids) for ids in kept["input_ids"])
     report.trained_tokens = sum(sum(mask) for mask in kept["loss_mask"])
     report.loop_removed = sum(kept["loop_removed"])
-    return kept.select_columns(["input_ids", "loss_mask"]), report
+    return kept.select_columns(["input_ids", "loss_mask"])
 
 
 def build_datasets(
@@ -126,7 +152,9 @@ def build_datasets(
     loop_repeats: int = 0,
 ) -> tuple[datasets.Dataset, list[DataReport]]:
     """:func:`build_dataset` over several sources, concatenated in order (``input_ids`` and
-    ``loss_mask`` columns), with one report per source.
+    ``loss_mask`` columns), with one report per source. The rows of one conversation in several
+    sources (a ``--continue-from`` folder beside the folders it went on from) are trained once,
+    in the deepest row (:mod:`headway.corpus.merge_turns`; each report counts its rows merged).
 
     The last result is kept for the process, keyed by the arguments and the sources' file sizes
     and times: the training loop and EAGLE-3's draft-vocabulary count ask for the same data one
@@ -146,17 +174,15 @@ def build_datasets(
     if key in _LAST_BUILT:
         dataset, reports = _LAST_BUILT[key]
         return dataset, copy.deepcopy(reports)
+    loaded = [
+        load_conversations(source, skip_bad_rows=skip_bad_rows, limit=limit) for source in sources
+    ]
+    merged = merge_turns([samples for samples, _ in loaded])
     parts, reports = [], []
-    for source in sources:
-        part, report = build_dataset(
-            tokenizer,
-            source,
-            max_length=max_length,
-            skip_bad_rows=skip_bad_rows,
-            limit=limit,
-            loop_repeats=loop_repeats,
-        )
-        parts.append(part)
+    for (_, report), kept in zip(loaded, merged, strict=True):
+        report.merged = kept.merged
+        part = _tokenized(tokenizer, kept.samples, report, max_length, skip_bad_rows, loop_repeats)
+        parts.extend([part] if part is not None else [])
         reports.append(report)
     dataset = datasets.concatenate_datasets(parts)
     _LAST_BUILT.clear()

@@ -7,7 +7,7 @@
 #   figures: git checkout -b device-slim && git rm -r -q data drafters/smollm2-135m-eagle3
 #   train:   call A from the figures branch above (no data); call B from a second one,
 #            git checkout main && git checkout -b device-train && git rm -r -q \
-#              drafters/smollm2-135m-eagle3 data/regenerated/smollm2-v2 data/regenerated/smollm2-sharegpt-turn4
+#              drafters/smollm2-135m-eagle3 data/regenerated/smollm2-v2 'data/regenerated/*/prompts.jsonl.gz'
 # then `git commit -qm device-slim` on each; come back with `git checkout main && git branch -D
 # device-slim device-train`.
 set -e
@@ -21,7 +21,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     -d .gpu/A/whl gguf==0.19.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 # each call under 64 MiB: figures, 36 MB of the GGUF + the 24.5 MB drafter in A beside the
 # 3.1 MB tree, the other 62 MB in B; train, 58 MB in A beside the tree without data, 40 MB in
-# B beside the 19.2 MB tree of the six ShareGPT folders the GPU turns recipe reads (2026-11-29)
+# B beside the ~15 MB tree of the seven ShareGPT folders the GPU turns recipe reads, their
+# frozen prompt lists left out (2026-11-29, thirteenth session; ~19 MB with turn4 complete)
 SPLIT=36000000; [ "$MODE" = train ] && SPLIT=58000000
 head -c "$SPLIT" "$G" > .gpu/A/part-00 && tail -c +$((SPLIT + 1)) "$G" > .gpu/B/part-01
 sha256sum "$G" | sed 's#  .*#  SmolLM2-135M-Instruct.Q4_1.gguf#' > .gpu/A/gguf.sha256
