@@ -189,7 +189,9 @@ def request_seed(seed: int, item_id: str, turn: int) -> int:
 def _answer_continuously(
     target: Target, items: Sequence[PromptItem], options: RegenerateOptions
 ) -> Iterator[tuple[PromptItem, list[Answer]]]:
-    """All items through one :class:`ContinuousBatcher`, shortest prompts first; an item's next
+    """All items through one :class:`ContinuousBatcher`, shortest prompts first (in tokens,
+    the answered turns of ``--continue-from`` items included: the rows decoding together are
+    then of like lengths, and the batch's cache is as wide as its longest); an item's next
     turn is submitted as soon as its previous answer is in."""
     tokenizer = target.tokenizer
     eos_ids = sorted(set(eos_token_ids(target)))
@@ -206,10 +208,14 @@ def _answer_continuously(
     )
     by_id = {item.id: item for item in items}
     answers: dict[str, list[Answer]] = {item.id: [] for item in items}
-    for item in sorted(items, key=lambda item: len(item.user_turns[first_turn(item)])):
-        turn = first_turn(item)
-        first = prompt_token_ids(tokenizer, conversation_messages(item, [], turn))
-        batcher.submit(item.id, first, request_seed(options.seed, item.id, turn))
+    first = {
+        item.id: prompt_token_ids(tokenizer, conversation_messages(item, [], first_turn(item)))
+        for item in items
+    }
+    for item in sorted(items, key=lambda item: len(first[item.id])):
+        batcher.submit(
+            item.id, first[item.id], request_seed(options.seed, item.id, first_turn(item))
+        )
     for completion in batcher.completions():
         item = by_id[str(completion.key)]
         text = str(tokenizer.decode(completion.tokens, skip_special_tokens=True)).strip()
