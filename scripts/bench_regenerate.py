@@ -12,6 +12,8 @@ to answer the same prompts, and its answers are checked to be prefixes of the fi
 ``--max-turns 3`` answers up to three turns of each conversation, turn by turn; with
 ``--recompute-history`` a last continuous run prefills each later turn whole instead of
 continuing from the row that answered the turn before, compared by seconds too.
+``--prompt-list FOLDER/prompts.jsonl.gz`` answers prompts drawn from a regeneration folder's
+frozen list instead (a ``--continue-from`` folder's: later turns after long histories).
 
     .venv/bin/python scripts/bench_regenerate.py --prompts 128 --threads 2 --stop-loops 2
     .venv/bin/python scripts/bench_regenerate.py --dtype float32 --prompts 32 --max-turns 3 \
@@ -26,10 +28,12 @@ import platform
 import random
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import cast
 
 import torch
 
+from headway.corpus.jsonl import read_jsonl
 from headway.decode.gemm import GemmChoice, apply_gemm
 from headway.target import DEFAULT_TARGET, Target, load_target
 from headway.train.answering import ENGINES, Answer, RegenerateOptions, answer_items
@@ -41,6 +45,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="target model (default embedded)")
     parser.add_argument("--dtype", default="bfloat16", help="target weights dtype")
     parser.add_argument("--source", default="sharegpt", help="chat source of the prompts")
+    parser.add_argument(
+        "--prompt-list",
+        help="draw the prompts (--prompts of them, by --seed) from this frozen prompt list of a "
+        "regeneration folder (prompts.jsonl.gz) instead of --source",
+    )
     parser.add_argument("--prompts", type=int, default=128, help="prompts answered per engine")
     parser.add_argument(
         "--max-turns", type=int, default=1, help="user turns answered per conversation"
@@ -109,12 +118,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype)
     rng = random.Random(args.seed)
-    items = chat_prompts(
-        args.source, args.prompts, rng=rng, max_turns=args.max_turns, min_turns=args.min_turns
-    )
+    if args.prompt_list:
+        listed = [PromptItem(**row) for row in read_jsonl(Path(args.prompt_list))]
+        items = rng.sample(listed, min(args.prompts, len(listed)))
+    else:
+        items = chat_prompts(
+            args.source, args.prompts, rng=rng, max_turns=args.max_turns, min_turns=args.min_turns
+        )
     print(
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}, {args.dtype}, {len(items)} {args.source} conversations "
+        f"torch {torch.__version__}, {args.dtype}, {len(items)} "
+        f"{args.prompt_list or args.source} conversations "
         f"({sum(len(item.user_turns) for item in items)} turns), "
         f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}"
     )
