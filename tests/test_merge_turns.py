@@ -116,3 +116,27 @@ def test_the_committed_fourth_turns_open_with_the_turns_they_went_on_from() -> N
         return sum(len(trained_answers(row)) for group in groups for row in group)
 
     assert answers([s.samples for s in out]) == answers(loaded)
+
+
+def test_a_draft_vocabulary_counts_each_trained_answer_once(tmp_path: Path) -> None:
+    """``headway data vocab`` counts answers as training reads them: a conversation's answers
+    once across the folders holding it, a context answer no row trains not at all."""
+    from headway.drafters.draft_vocab import answer_token_counts
+    from tests.tokenizers_fixture import smollm2_tokenizer
+
+    tokenizer = smollm2_tokenizer()
+    rows = [{"id": "a", "messages": turns(2, answer="zebra")}]
+    write_rows(tmp_path / "early" / "part-00000.jsonl", rows)
+    later = [
+        {"id": "a", "messages": turns(3, context=2, answer="zebra")},
+        {"id": "b", "messages": turns(2, context=1, answer="zebra")},  # its first: context only
+    ]
+    write_rows(tmp_path / "later" / "part-00000.jsonl", later)
+    counts = answer_token_counts([tmp_path / "early", tmp_path / "later"], tokenizer)
+    assert counts[tokenizer.eos_token_id] == 4  # a: 3 answers, b: 1
+
+    def digit(n: int) -> int:
+        return int(tokenizer(str(n), add_special_tokens=False)["input_ids"][0])
+
+    # answers end "zebra N.": a's 0, 1, 2 and b's 1 (each row read alone would count 3, 3, 1)
+    assert [counts[digit(n)] for n in range(3)] == [1, 2, 1]

@@ -45,7 +45,9 @@ def add_vocab(actions: argparse._SubParsersAction) -> None:
         "vocab",
         help="rank the answer tokens of regenerated data into a draft-vocabulary file",
         description="Count the tokens of the assistant answers in regenerated chat-data folders "
-        '(the tokenizer\'s EOS once per answer) and write {"token_ids": [...]}, most frequent '
+        "as training reads them (answers kept as context, weight 0, left out; a conversation "
+        "several folders hold counted once, in its deepest row; the tokenizer's EOS once per "
+        'answer) and write {"token_ids": [...]}, most frequent '
         "first. A drafter given the file (--draft-option draft_vocab=FILE with EAGLE, Medusa or "
         "lookup-medusa heads) drafts only over its draft_vocab_size first tokens "
         "(FR-Spec): a narrower LM head costs less per drafted row. Prints how much of the "

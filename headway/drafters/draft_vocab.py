@@ -33,7 +33,9 @@ from torch import Tensor, nn
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from headway.atomic import write_text_atomic
-from headway.corpus.jsonl import read_jsonl
+from headway.corpus.merge_turns import merge_turns
+from headway.corpus.samples import is_trained_turn
+from headway.corpus.sources import load_conversations
 from headway.errors import HeadwayError
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config
@@ -54,22 +56,27 @@ __all__ = [
 def answer_token_counts(
     data_dirs: Path | Sequence[Path], tokenizer: PreTrainedTokenizerBase
 ) -> Counter[int]:
-    """How often each token id occurs in the assistant answers of regenerated data
-    (``*.jsonl[.gz]`` files with ``messages`` rows in each folder of ``data_dirs``). The
+    """How often each token id occurs in the trained assistant answers of chat data (folders
+    of ``*.jsonl[.gz]`` files, e.g. regenerated data), counted as training reads them: an
+    answer kept as context (``"weight": 0``) is not counted, and a conversation held by
+    several folders counts once, in its deepest row (:mod:`headway.corpus.merge_turns`). The
     tokenizer's EOS counts once per answer: a drafter must be able to draft an answer's end.
 
     Raises:
-        HeadwayError: the folders hold no assistant answers.
+        HeadwayError: the folders hold no trained assistant answers, or a row is malformed
+            (naming its file and line).
     """
     counts: Counter[int] = Counter()
     folders = [data_dirs] if isinstance(data_dirs, Path) else list(data_dirs)
     eos = tokenizer.eos_token_id
-    for folder in folders:
-        for path in sorted(folder.glob("*.jsonl*")):
-            for row in read_jsonl(path):
-                answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
-                for answer in answers:
-                    counts.update(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    loaded = [load_conversations(folder)[0] for folder in folders]
+    for merged in merge_turns(loaded):
+        for sample in merged.samples:
+            for index, message in enumerate(sample.messages or []):
+                if is_trained_turn(message, index):
+                    counts.update(
+                        tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+                    )
                     if isinstance(eos, int):
                         counts[eos] += 1
     if not counts:
