@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from headway.cli.common import add_target_flags, target_from_flags
 from headway.cli.data_server import add_server_flags, local_target, server_from_flags
+from headway.cli.data_stats import add_stats
 from headway.cli.data_vocab import add_vocab
 from headway.cli.values import NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, TOP_P, layer_list, text
 from headway.errors import HeadwayError
@@ -376,3 +377,4 @@ def add_data(commands: argparse._SubParsersAction) -> None:
     _add_regenerate(actions)
     _add_cache_features(actions)
     add_vocab(actions)
+    add_stats(actions)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from headway.cli.values import POSITIVE, number, text
+from headway.cli.values import POSITIVE, add_recipe_arguments, number
 
 DESCRIPTION = """\
 Plan a training run from its recipe and the target's config alone (no weights are loaded,
@@ -72,19 +72,10 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--config",
-        required=True,
-        type=text("--config"),
-        help="the YAML recipe to plan, e.g. configs/eagle3-smollm2.yaml (read as `headway "
-        "train` reads it: unknown keys are refused)",
-    )
-    parser.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="SECTION.KEY=VALUE",
-        help="override a recipe value, as for `headway train` (e.g. target.name=/models/llama "
-        "target.dtype=bfloat16 train.batch_size=8)",
+    add_recipe_arguments(
+        parser,
+        what="to plan, e.g. configs/eagle3-smollm2.yaml",
+        example="target.name=/models/llama target.dtype=bfloat16 train.batch_size=8",
     )
     parser.add_argument(
         "--processes",

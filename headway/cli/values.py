@@ -99,3 +99,20 @@ NON_NEGATIVE = integer(0)
 SEED = integer(0, 2**63 - 1)
 TEMPERATURE = number(0.0, 100.0)
 TOP_P = number(0.0, 1.0, above=True)
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser, *, what: str, example: str) -> None:
+    """``--config RECIPE`` (required) and ``SECTION.KEY=VALUE`` overrides, read as ``headway
+    train`` reads them; ``what`` says what the recipe is for, ``example`` names overrides."""
+    parser.add_argument(
+        "--config",
+        required=True,
+        type=text("--config"),
+        help=f"the YAML recipe {what} (read as `headway train` reads it: unknown keys are refused)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="SECTION.KEY=VALUE",
+        help=f"override a recipe value, as for `headway train` (e.g. {example})",
+    )

@@ -1,0 +1,125 @@
+"""What a recipe trains on, before the run (``headway data stats``): its ``data.sources``
+tokenized, merged and packed as the loop builds them, the passes its steps make over them, and
+the share of the trained tokens its draft vocabulary holds. Only the tokenizer is needed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from headway.corpus.samples import DataReport
+from headway.heads.vocab import choose_vocab, token_counts
+from headway.run_config import RunConfig
+from headway.train.batching import pack, padding_share
+from headway.train.data import build_datasets, pad_id_of
+from headway.train.loop_data import split_held_out
+
+__all__ = ["DataStats", "data_stats", "stats_table"]
+
+
+@dataclass(frozen=True)
+class DataStats:
+    """A recipe's data as the loop would see it.
+
+    Attributes:
+        reports: one per source, as training logs them (rows, samples, merges, tokens).
+        units: what a batch row is: packed blocks (``data.pack``) or samples.
+        held_out: units kept for the held-out evaluation (``data.eval_fraction``).
+        padding: share of padding in the packed blocks (None unpacked: it depends on batches).
+        step_units: units the run's steps take (steps x batch x accumulation x processes).
+        vocab: the recipe's draft vocabulary size and the share of the trained tokens among its
+            most frequent ones, or None (a method drafting over the whole vocabulary).
+    """
+
+    reports: list[DataReport]
+    units: int
+    held_out: int
+    padding: float | None
+    step_units: int
+    vocab: tuple[int, float] | None
+
+    @property
+    def passes(self) -> float:
+        """Passes the steps make over the training units (held-out ones excluded)."""
+        return self.step_units / max(self.units - self.held_out, 1)
+
+
+def draft_vocab_size(config: RunConfig) -> int:
+    """The recipe's draft vocabulary size, 0 where the drafter scores the whole vocabulary."""
+    if config.train.method == "eagle3":
+        return config.eagle3.draft_vocab_size
+    return config.medusa.draft_vocab_size if config.train.method == "medusa1" else 0
+
+
+def data_stats(
+    config: RunConfig, tokenizer: PreTrainedTokenizerBase, *, processes: int = 1
+) -> DataStats:
+    """Tokenize ``config``'s sources as :func:`~headway.train.loop_data.training_data` does (for
+    an offline recipe, as ``headway data cache-features`` does) and count what the run takes."""
+    data = config.data
+    dataset, reports = build_datasets(
+        tokenizer,
+        data.sources,
+        max_length=data.max_length,
+        skip_bad_rows=data.skip_bad_rows,
+        limit=data.limit,
+        loop_repeats=data.loop_repeats,
+    )
+    padding = None
+    units = len(dataset)
+    if data.pack:
+        blocks = pack(dataset, block_length=data.max_length, pad_token_id=pad_id_of(tokenizer))
+        units, padding = len(blocks), padding_share(blocks)
+    _, held_out = split_held_out(range(units), data.eval_fraction, config.train.seed)
+    train = config.train
+    size = draft_vocab_size(config)
+    vocab = None
+    if size:
+        pairs = zip(dataset["input_ids"], dataset["loss_mask"], strict=True)
+        counts = token_counts(pairs, len(tokenizer))
+        chosen = choose_vocab(counts, size)
+        covered = int(counts.trained[chosen.target_ids].sum())
+        vocab = (size, covered / max(int(counts.trained.sum()), 1))
+    return DataStats(
+        reports=reports,
+        units=units,
+        held_out=len(held_out),
+        padding=padding,
+        step_units=train.max_steps * train.batch_size * train.grad_accum * processes,
+        vocab=vocab,
+    )
+
+
+def stats_table(stats: DataStats, config: RunConfig, *, processes: int = 1) -> str:
+    """The figures as lines a person reads: each source's report, the totals, the passes."""
+    lines = [report.summary() for report in stats.reports]
+    samples = sum(report.samples for report in stats.reports)
+    tokens = sum(report.tokens for report in stats.reports)
+    trained = sum(report.trained_tokens for report in stats.reports)
+    merged = sum(report.merged for report in stats.reports)
+    lines.append(
+        f"in all: {samples:,} samples, {tokens:,} tokens, {trained:,} trained "
+        f"({trained / max(tokens, 1):.1%})"
+        + (f"; {merged:,} rows merged into deeper rows of their conversations" if merged else "")
+    )
+    data, train = config.data, config.train
+    unit = "blocks" if data.pack else "samples"
+    if stats.padding is not None:
+        lines.append(
+            f"packed into {stats.units:,} blocks of {data.max_length:,} tokens "
+            f"({stats.padding:.1%} padding)"
+        )
+    lines.append(
+        f"held out: {stats.held_out:,} {unit} (data.eval_fraction {data.eval_fraction}); "
+        f"{train.max_steps:,} steps x {train.batch_size} x {train.grad_accum} accumulated x "
+        f"{processes} process{'es' if processes > 1 else ''} = {stats.step_units:,} {unit}: "
+        f"{stats.passes:.2f} passes over the other {stats.units - stats.held_out:,}"
+    )
+    if stats.vocab is not None:
+        size, share = stats.vocab
+        lines.append(
+            f"draft vocabulary: the {size:,} most frequent trained tokens hold {share:.1%} of "
+            "the trained tokens"
+        )
+    return "\n".join(lines)
