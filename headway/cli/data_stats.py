@@ -14,8 +14,9 @@ print, before spending a run on it: each source's rows, samples, truncated and s
 tokens and trained tokens; the totals; the packed blocks and their padding (data.pack); the
 held-out share and how many passes train.max_steps make over the rest; and, for EAGLE-3 and
 Medusa-1 recipes with a draft vocabulary, the share of the trained tokens it holds. Only the
-target's tokenizer is read (no weights). For an offline recipe (data.features=offline) this is
-the data `headway data cache-features` tokenizes the same way.
+target's tokenizer is read (no weights). For an offline recipe (data.features=offline) these
+are the sources `headway data cache-features` tokenizes; where the cache was written with
+--loop-repeats N, count with `data.features=online data.loop_repeats=N` to see what it holds.
 """
 
 
