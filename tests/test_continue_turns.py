@@ -247,3 +247,30 @@ def test_a_prompt_list_whose_answers_are_not_text_is_refused_in_one_line(
     options = RegenerateOptions(max_new_tokens=4, batch_size=2, shard_size=2)
     with pytest.raises(DataError, match=r"prompts.jsonl.gz:1: user_turns and answered are not"):
         regenerate(tiny_chat_target, [], tmp_path, options, mix={"test": 1})
+
+
+def test_prompts_are_admitted_shortest_first_by_their_tokens_histories_included(
+    tiny_chat_target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A continued item's prompt holds its answered turns: one with a long history and a
+    short new question is admitted after a fresh item with a longer question (rows decoding
+    together are then of like lengths; docs/benchmarks.md, 2026-11-29)."""
+    from headway.generation import batched_generation
+    from headway.train.answering import answer_items
+
+    submitted: list[str] = []
+    real = batched_generation.ContinuousBatcher.submit
+
+    def record(self: Any, key: Any, prompt_ids: Any, seed: int = 0) -> None:
+        submitted.append(str(key))
+        real(self, key, prompt_ids, seed)
+
+    monkeypatch.setattr(batched_generation.ContinuousBatcher, "submit", record)
+    history = ["a long question " * 20, "another long one " * 20]
+    items = [
+        PromptItem("continued", "test", [*history, "why?"], answered=["a long answer " * 30] * 2),
+        PromptItem("fresh", "test", ["a question of a few more words than why"]),
+    ]
+    options = RegenerateOptions(max_new_tokens=2, batch_size=2, engine="continuous")
+    list(answer_items(tiny_chat_target, items, options))
+    assert submitted == ["fresh", "continued"]
