@@ -63,12 +63,15 @@ def test_rows_of_another_text_or_without_an_id_stay_as_they_are() -> None:
     assert trained_answers(out[1].samples[0]) == ["answer 2."]  # its context stays context
 
 
-def test_equal_rows_keep_the_first_and_context_answers_stay_context() -> None:
-    """Two copies of a conversation keep the first; an answer no row trains is not trained."""
+def test_repeated_rows_stay_and_context_answers_stay_context() -> None:
+    """A row repeated whole is trained again, as a data set repeating it means; a shorter row
+    goes into the first of them; an answer no row trains stays context."""
     once = sample("a", turns(3, context=1))
     twice = sample("a", turns(3, context=1))
-    out = merge_turns([[once], [twice]])
-    assert out[0].samples == [once] and out[1].samples == [] and out[1].merged == 1
+    shorter = sample("a", turns(1, context=1))
+    out = merge_turns([[once, shorter], [twice]])
+    assert out[0].samples == [once] and out[1].samples == [twice]
+    assert [s.merged for s in out] == [1, 0]
     assert trained_answers(out[0].samples[0]) == ["answer 1.", "answer 2."]
 
 

@@ -5,10 +5,11 @@ deepest of them.
 its earlier answers copied in as context (``"weight": 0``). Trained beside the folders it went on
 from, each conversation's early turns would be rendered, attended and paid for once a folder
 (a fourth-turn row trains ~11% of its tokens), and could be held out in one folder while trained
-in another. Here rows that share an ``id`` and whose messages begin alike are one conversation:
-the row with the most messages is kept, and it trains every answer that some row of the
-conversation trained. Rows sharing an ``id`` but not their text (another target's answers, the
-original ShareGPT reply) stay as they are.
+in another. Here a row whose messages open a longer row of the same ``id`` is part of that
+conversation: the longer row is kept, and it trains every answer that a row merged into it
+trained. Rows sharing an ``id`` but not their text (another target's answers, the original
+ShareGPT reply) stay as they are, and so do rows repeated whole (a data set that repeats a row
+means it to be trained again).
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ class MergedSource:
 
 
 def merge_turns(sources: Sequence[Sequence[Sample]]) -> list[MergedSource]:
-    """Merge the rows of each conversation (same ``Sample.key``, messages a prefix of the
-    deepest row's) into its deepest row, which trains the union of their trained answers.
+    """Merge the rows of each conversation (same ``Sample.key``, messages a strict prefix of a
+    deeper row's) into the deepest, which trains the union of their trained answers.
 
-    Ties in depth keep the first row (the earlier source, then the earlier row). Samples
-    without a key, plain texts and rows of another text are kept untouched. The input samples
-    are not modified; a merged row is a new sample.
+    A row that opens several rows of equal depth goes into the first (the earlier source, then
+    the earlier row). Samples without a key, plain texts, rows of another text and rows
+    repeated whole are kept untouched. The input samples are not modified; a merged row is a
+    new sample.
     """
     groups: dict[str, list[tuple[int, int]]] = {}
     for s, samples in enumerate(sources):
@@ -53,7 +55,7 @@ def merge_turns(sources: Sequence[Sequence[Sample]]) -> list[MergedSource]:
         for at in order:
             messages = _messages(sources, at)
             trained = {i for i, message in enumerate(messages) if is_trained_turn(message, i)}
-            head = next((h for h in heads if _begins(_messages(sources, h[0]), messages)), None)
+            head = next((h for h in heads if _opens(messages, _messages(sources, h[0]))), None)
             if head is None:
                 heads.append((at, trained))
             else:
@@ -79,9 +81,10 @@ def _messages(sources: Sequence[Sequence[Sample]], at: tuple[int, int]) -> list[
     return messages
 
 
-def _begins(longer: list[Message], shorter: list[Message]) -> bool:
-    """Whether ``shorter``'s messages open ``longer`` (roles and texts; weights aside)."""
-    return len(shorter) <= len(longer) and all(
+def _opens(shorter: list[Message], longer: list[Message]) -> bool:
+    """Whether ``shorter``'s messages open ``longer``, which goes on past them (roles and
+    texts; weights aside)."""
+    return len(shorter) < len(longer) and all(
         a["role"] == b["role"] and a["content"] == b["content"]
         for a, b in zip(longer, shorter, strict=False)
     )
