@@ -84,5 +84,10 @@ def test_the_command_prints_the_figures_a_person_reads(
     assert "in all: 12 samples" in out and "blocks of 256 tokens" in out
     assert "20 steps x 2 x 3 accumulated x 1 process = 120 blocks" in out
     assert "the 5 most frequent trained tokens hold" in out
+    assert main(["data", "stats", "--config", str(recipe), "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert [source["merged"] for source in figures["sources"]] == [3, 0]
+    assert figures["step_units"] == 10 * 2 * 3 and figures["draft_vocab"]["size"] == 5
+    assert figures["passes"] == pytest.approx(60 / (figures["units"] - figures["held_out"]))
     assert main(["data", "stats", "--config", str(recipe), "data.max_lenght=8"]) == 2
     assert "data.max_length" in capsys.readouterr().err  # the nearest valid key

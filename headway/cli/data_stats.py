@@ -4,6 +4,7 @@ tokens, conversations merged, packed blocks, passes, draft-vocabulary coverage).
 from __future__ import annotations
 
 import argparse
+import json
 
 from headway.cli.values import POSITIVE, add_recipe_arguments
 
@@ -24,14 +25,17 @@ def run_stats(args: argparse.Namespace) -> int:
     from headway.config import load_config
     from headway.run_config import RunConfig
     from headway.target import load_tokenizer
-    from headway.train.data_stats import data_stats, stats_table
+    from headway.train.data_stats import data_stats, stats_json, stats_table
 
     config = load_config(RunConfig, args.config, args.overrides)
     tokenizer = load_tokenizer(
         config.target.name, trust_remote_code=config.target.trust_remote_code
     )
     stats = data_stats(config, tokenizer, processes=args.processes)
-    print(stats_table(stats, config, processes=args.processes))
+    if args.json:
+        print(json.dumps(stats_json(stats), indent=2))
+    else:
+        print(stats_table(stats, config, processes=args.processes))
     return 0
 
 
@@ -53,5 +57,12 @@ def add_stats(actions: argparse._SubParsersAction) -> None:
         default=1,
         help="data-parallel processes the run will use (default 1): each takes "
         "train.batch_size rows a step, so the passes grow with them",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the figures as JSON (per source: rows, samples, skipped by reason, "
+        "truncated, tokens, trained tokens, loop tokens removed, rows merged; then units, "
+        "held out, padding, step units, passes, draft vocabulary) instead of lines",
     )
     parser.set_defaults(handler=run_stats)

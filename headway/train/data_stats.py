@@ -15,7 +15,7 @@ from headway.train.batching import pack, padding_share
 from headway.train.data import build_datasets, pad_id_of
 from headway.train.loop_data import split_held_out
 
-__all__ = ["DataStats", "data_stats", "stats_table"]
+__all__ = ["DataStats", "data_stats", "stats_json", "stats_table"]
 
 
 @dataclass(frozen=True)
@@ -123,3 +123,33 @@ def stats_table(stats: DataStats, config: RunConfig, *, processes: int = 1) -> s
             "the trained tokens"
         )
     return "\n".join(lines)
+
+
+def stats_json(stats: DataStats) -> dict[str, object]:
+    """The figures as plain values (``headway data stats --json``)."""
+    sources = [
+        {
+            "source": r.source,
+            "rows_read": r.rows_read,
+            "samples": r.samples,
+            "skipped": dict(r.skipped),
+            "truncated": r.truncated,
+            "tokens": r.tokens,
+            "trained_tokens": r.trained_tokens,
+            "loop_removed": r.loop_removed,
+            "merged": r.merged,
+        }
+        for r in stats.reports
+    ]
+    vocab = None
+    if stats.vocab is not None:
+        vocab = {"size": stats.vocab[0], "trained_share": stats.vocab[1]}
+    return {
+        "sources": sources,
+        "units": stats.units,
+        "held_out": stats.held_out,
+        "padding": stats.padding,
+        "step_units": stats.step_units,
+        "passes": stats.passes,
+        "draft_vocab": vocab,
+    }
