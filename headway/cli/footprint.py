@@ -97,7 +97,8 @@ def add_plan(commands: argparse._SubParsersAction) -> None:
         type=POSITIVE,
         help="tokens the feature cache holds (the tokenized data, up to max_length per sample); "
         "default: the token slots the recipe's steps read (max_steps x batch_size x max_length "
-        "x grad_accum x processes), i.e. one pass over data of that size",
+        "x grad_accum x processes), i.e. one pass over data of that size; `headway data stats "
+        "--config RECIPE` prints the tokens of the recipe's own data",
     )
     parser.add_argument(
         "--feature-dtype",
