@@ -98,8 +98,15 @@ def assert_same_weights(expected_run: Path, actual_run: Path) -> None:
         torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=name)
 
 
-def test_training_saves_heads_checkpoints_eval_and_summary(workspace: Path) -> None:
-    run_dir = loop.train(config_for(workspace, "basic", "train.max_steps=12"))
+def test_training_saves_heads_checkpoints_eval_and_summary(
+    workspace: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="headway.train.loop"):
+        run_dir = loop.train(config_for(workspace, "basic", "train.max_steps=12"))
+    # 24 samples, 5 held out (data.eval_fraction 0.2): what the steps take of the other 19
+    assert "12 steps x 4 x 1 accumulated x 1 process = 48 samples: 2.53 passes over the 19 " in (
+        caplog.text
+    )
     assert (run_dir / "config.json").is_file() and weights(run_dir)
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == [
         "step-0000009",

@@ -15,7 +15,7 @@ from headway.train.batching import pack, padding_share
 from headway.train.data import build_datasets, pad_id_of
 from headway.train.loop_data import split_held_out
 
-__all__ = ["DataStats", "data_stats", "stats_json", "stats_table"]
+__all__ = ["DataStats", "data_stats", "stats_json", "stats_table", "steps_line"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,19 @@ def data_stats(
     )
 
 
+def steps_line(config: RunConfig, units: int, processes: int) -> str:
+    """``"2,800 steps x 8 x 1 accumulated x 1 process = 22,400 blocks: 3.06 passes over the
+    7,313 training blocks"``: what the run's steps take of its ``units`` training rows."""
+    train = config.train
+    unit = "blocks" if config.data.pack else "samples"
+    taken = train.max_steps * train.batch_size * train.grad_accum * processes
+    return (
+        f"{train.max_steps:,} steps x {train.batch_size} x {train.grad_accum} accumulated x "
+        f"{processes} process{'es' if processes > 1 else ''} = {taken:,} {unit}: "
+        f"{taken / max(units, 1):.2f} passes over the {units:,} training {unit}"
+    )
+
+
 def stats_table(stats: DataStats, config: RunConfig, *, processes: int = 1) -> str:
     """The figures as lines a person reads: each source's report, the totals, the passes."""
     lines = [report.summary() for report in stats.reports]
@@ -103,7 +116,7 @@ def stats_table(stats: DataStats, config: RunConfig, *, processes: int = 1) -> s
         f"({trained / max(tokens, 1):.1%})"
         + (f"; {merged:,} rows merged into deeper rows of their conversations" if merged else "")
     )
-    data, train = config.data, config.train
+    data = config.data
     unit = "blocks" if data.pack else "samples"
     if stats.padding is not None:
         lines.append(
@@ -112,9 +125,7 @@ def stats_table(stats: DataStats, config: RunConfig, *, processes: int = 1) -> s
         )
     lines.append(
         f"held out: {stats.held_out:,} {unit} (data.eval_fraction {data.eval_fraction}); "
-        f"{train.max_steps:,} steps x {train.batch_size} x {train.grad_accum} accumulated x "
-        f"{processes} process{'es' if processes > 1 else ''} = {stats.step_units:,} {unit}: "
-        f"{stats.passes:.2f} passes over the other {stats.units - stats.held_out:,}"
+        + steps_line(config, stats.units - stats.held_out, processes)
     )
     if stats.vocab is not None:
         size, share = stats.vocab

@@ -40,6 +40,7 @@ from headway.locks import exclusive_folder, rank_lock_name
 from headway.run_config import RunConfig
 from headway.target import fingerprint, load_target
 from headway.train.curves import CURVE_FILE, record_eval, simulated_tau, write_learning_curve
+from headway.train.data_stats import steps_line
 from headway.train.features import Batch, FeatureSource
 from headway.train.held_out import evaluate, first_samples
 from headway.train.loop_data import feature_source, training_data
@@ -218,6 +219,7 @@ def _train(config: RunConfig, run_dir: Path, *, resume: bool) -> Path:
     batch = config.train.batch_size
     train_loader = DataLoader(train_set, batch_size=batch, shuffle=True, collate_fn=collate)
     eval_loader = DataLoader(eval_set, batch_size=batch, collate_fn=collate)
+    logger.info("%s", steps_line(config, len(train_set), processes))  # type: ignore[arg-type]
     optimizer = torch.optim.AdamW(
         method.parameter_groups(config.train.lr, config.train.weight_decay)  # type: ignore[operator]
     )
