@@ -33,15 +33,21 @@ def _prompts() -> list[Tensor]:
     ]
 
 
+@pytest.mark.parametrize("runs", [1, 3])
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_every_row_is_its_prompts_own_greedy_output(
-    family: str, monkeypatch: pytest.MonkeyPatch
+    family: str, runs: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prompt lookup for two rows, none for the others: every row equals transformers' greedy
     decoding of its prompt alone, and lookup's accepted drafts commit several tokens a step
-    (every step sends the trees whole: what the sizer sends follows the machine's timings)."""
-    from headway.decode import batch_sizer
+    (every step sends the trees whole: what the sizer sends follows the machine's timings),
+    whether the rows are prefilled in one forward or in runs of like lengths."""
+    from headway.decode import batch_sizer, batch_step
 
+    if runs > 1:
+        monkeypatch.setattr(batch_step, "PREFILL_TOKENS", 18)
+    sizes = sorted(prompt.numel() for prompt in _prompts())
+    assert len(batch_step.prefill_runs(sizes)) == runs
     monkeypatch.setattr(batch_sizer.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 7)
     monkeypatch.setattr(batch_sizer, "PLAIN_EVERY", 10**9)  # every step drafts
     model = tiny_model(family)
@@ -126,14 +132,19 @@ def test_what_cannot_be_batched_is_refused_in_one_line(case: str, match: str) ->
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("budget", [None, 8])
 @pytest.mark.parametrize("kind", ["medusa", "eagle3"])
 def test_drafters_reading_the_target_states_draft_each_row(
-    kind: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, budget: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Medusa heads (random) and a fitted EAGLE-3 draft model, one drafter per row over the
     states the batched steps leave for that row: every row is its prompt's own greedy output,
-    and EAGLE-3's drafts are accepted (every step sends the whole tree)."""
-    from headway.decode import batch_sizer
+    and EAGLE-3's drafts are accepted (every step sends the whole tree); with a small prefill
+    budget each row's prompt goes through a forward of its own, its states kept for drafting."""
+    from headway.decode import batch_sizer, batch_step
+
+    if budget is not None:
+        monkeypatch.setattr(batch_step, "PREFILL_TOKENS", budget)
     from headway.decode.generate import generate
     from headway.drafters.eagle3_drafter import Eagle3Drafter
     from headway.drafters.medusa_drafter import MedusaDrafter
@@ -144,6 +155,8 @@ def test_drafters_reading_the_target_states_draft_each_row(
 
     model, truth = target_and_truth("llama")  # the EAGLE-3 draft is fitted on PROMPT + truth
     prompts = [PROMPT, PROMPT[:5], torch.cat([PROMPT, torch.tensor(truth[:3])])]
+    runs = batch_step.prefill_runs(sorted(prompt.numel() for prompt in prompts))
+    assert len(runs) == (1 if budget is None else 3)
     drafters: list[Any] = []
     for _ in prompts:
         if kind == "medusa":

@@ -67,10 +67,10 @@ def test_a_sampled_batch_gives_each_prompt_its_seeds_text_whatever_the_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Rows of one batch, through 1, 2 or 4 rows at a time, with prompt lookup or none, and
-    trees cut to sizes drawn at random each step: the same tokens for every prompt; the first
-    prompt's are the single-sequence loop's for the same generator seed, and two rows of one
-    prompt sample two texts."""
-    from headway.decode import batch_sizer
+    trees cut to sizes drawn at random each step, prefilled in one forward or in runs of like
+    lengths: the same tokens for every prompt; the first prompt's are the single-sequence
+    loop's for the same generator seed, and two rows of one prompt sample two texts."""
+    from headway.decode import batch_sizer, batch_step
 
     chance = torch.Generator().manual_seed(0)
 
@@ -82,7 +82,9 @@ def test_a_sampled_batch_gives_each_prompt_its_seeds_text_whatever_the_batch(
     repeated = torch.cat([PROMPT, PROMPT[:6]])  # prompt lookup finds something to draft
     prompts = [PROMPT, repeated, PROMPT, PROMPT[:5]]
     outputs = []
-    for drafter_kind, max_batch in [(None, None), ("lookup", None), ("lookup", 1), (None, 2)]:
+    settings = [(None, None, 0), ("lookup", None, 0), ("lookup", 1, 0), (None, 2, 0)]
+    for drafter_kind, max_batch, budget in [*settings, ("lookup", None, 8)]:
+        monkeypatch.setattr(batch_step, "PREFILL_TOKENS", budget or batch_step.PREFILL_TOKENS)
         drafters = [PromptLookupDrafter() if drafter_kind else None for _ in prompts]
         rows = decode_batch(
             model,

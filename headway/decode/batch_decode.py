@@ -154,9 +154,11 @@ class _Rows:
         self.queue = list(range(len(self.prompts)))
 
     def start(self, prompts: list[int]) -> None:
-        """Prefill ``prompts`` (indices) as rows after the batch's (the first: the batch) and
-        commit their first tokens; their drafting learns their prompts."""
+        """Prefill ``prompts`` (indices) as rows after the batch's (the first: the batch),
+        shortest first (rows of like lengths share a prefill forward), and commit their first
+        tokens; their drafting learns their prompts."""
         steps, device = self.steps, self.steps.target.model.device
+        prompts = sorted(prompts, key=lambda index: self.prompts[index].numel())
         on_device = [self.prompts[index].to(device) for index in prompts]
         seeds = None if self.seeds is None else self.seeds[prompts]
         if not self.started:

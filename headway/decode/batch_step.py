@@ -100,17 +100,42 @@ class BatchVerify:
         sampling: SamplingParams = GREEDY,
         seeds: Tensor | None = None,
     ) -> Tensor:
-        """Run each row's prompt (``B`` LongTensors ``[L_b]``, L_b >= 1) from column 0 in one
-        forward; returns each row's next token ``[B]`` (on the device; greedy, or drawn by
+        """Run each row's prompt (``B`` LongTensors ``[L_b]``, L_b >= 1) from column 0;
+        returns each row's next token ``[B]`` (on the device; greedy, or drawn by
         ``sampling`` with the noise of the rows' ``seeds [B]``, which every later step
         of the row draws with too: :mod:`headway.decode.keyed_noise`), the first root to
-        feed :meth:`step`. Shorter prompts are padded with entries that see only themselves
-        (their columns are overwritten or never opened later)."""
-        target, device = self.target, self.target.model.device
+        feed :meth:`step`. Runs of rows of like lengths (:func:`prefill_runs`; callers pass
+        prompts shortest first) go through one forward each, shorter prompts padded with
+        entries that see only themselves (their columns are overwritten or never opened
+        later): one forward over every row padded to the longest spent 80% of a batch of
+        ShareGPT first turns on padding (docs/benchmarks.md, 2026-11-29)."""
         if len(prompts) != self.batch or min(p.numel() for p in prompts) < 1:
             raise ValueError(f"need {self.batch} prompts of at least one token each")
         if not sampling.greedy and (seeds is None or seeds.shape != (self.batch,)):
             raise ValueError(f"sampling needs one seed per row ([{self.batch}])")
+        runs = prefill_runs([prompt.numel() for prompt in prompts])
+        if len(runs) == 1:
+            return self._prefill_rows(prompts, sampling, seeds)
+        first, device = runs[0], self.target.model.device
+        cache = self.target.cache
+        self.target.cache = StaticCache(len(cache.layers), cache.capacity, device, len(first))
+        self.batch = len(first)
+        self.lengths, self.seeds = self.lengths[: len(first)], self.seeds[: len(first)]
+        part = None if seeds is None else seeds[first.start : first.stop]
+        firsts = [self._prefill_rows(prompts[first.start : first.stop], sampling, part)]
+        states = [self.hidden]
+        for run in runs[1:]:
+            part = None if seeds is None else seeds[run.start : run.stop]
+            firsts.append(self.add_rows(prompts[run.start : run.stop], sampling, part))
+            states.append(tuple(layer[-len(run) :] for layer in self.hidden))
+        self.hidden = tuple(_stacked(list(layers)) for layers in zip(*states, strict=True))
+        return torch.cat(firsts)
+
+    def _prefill_rows(
+        self, prompts: Sequence[Tensor], sampling: SamplingParams, seeds: Tensor | None
+    ) -> Tensor:
+        """:meth:`prefill` of every row in one forward."""
+        target, device = self.target, self.target.model.device
         sizes = torch.tensor([p.numel() for p in prompts], device=device)
         width = int(max(p.numel() for p in prompts))
         target.begin(width)
@@ -303,6 +328,35 @@ class BatchVerify:
         with routed_linears(target.model):  # a CPU's GEMM route for blocks of B x S rows
             masks = {"": mask[:, None]}
             return target.forward_rows(ids, positions, masks, self.hidden_layers, keep)
+
+
+PREFILL_TOKENS = 8192
+"""The most padded tokens (rows x the longest prompt) one prefill forward takes."""
+
+
+def prefill_runs(sizes: Sequence[int], budget: int | None = None) -> list[range]:
+    """Consecutive runs of rows (``sizes``: their prompts' lengths, shortest first where the
+    caller can) to prefill one forward each: a run grows while its padded tokens stay within
+    ``budget`` (default :data:`PREFILL_TOKENS`) and at most twice its real tokens."""
+    budget = PREFILL_TOKENS if budget is None else budget
+    runs: list[range] = []
+    start, longest, real = 0, 0, 0
+    for row, size in enumerate(sizes):
+        wider, more = max(longest, size), real + size
+        if row > start and (wider * (row - start + 1) > min(budget, 2 * more)):
+            runs.append(range(start, row))
+            start, wider, more = row, size, size
+        longest, real = wider, more
+    runs.append(range(start, len(sizes)))
+    return runs
+
+
+def _stacked(states: list[Tensor]) -> Tensor:
+    """Runs' states ``[n_i, L_i, H]`` as one ``[sum n_i, max L_i, H]`` (zeros past a run's)."""
+    width = max(state.shape[1] for state in states)
+    return torch.cat(
+        [torch.nn.functional.pad(state, (0, 0, 0, width - state.shape[1])) for state in states]
+    )
 
 
 def _keeps_per_row(model: torch.nn.Module) -> bool:
