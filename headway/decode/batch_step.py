@@ -107,8 +107,8 @@ class BatchVerify:
         feed :meth:`step`. Runs of rows of like lengths (:func:`prefill_runs`; callers pass
         prompts shortest first) go through one forward each, shorter prompts padded with
         entries that see only themselves (their columns are overwritten or never opened
-        later): one forward over every row padded to the longest spent 80% of a batch of
-        ShareGPT first turns on padding (docs/benchmarks.md, 2026-11-29)."""
+        later): one forward over every row padded to the longest was 80% padding for a batch
+        of ShareGPT first turns (docs/benchmarks.md, 2026-11-29)."""
         if len(prompts) != self.batch or min(p.numel() for p in prompts) < 1:
             raise ValueError(f"need {self.batch} prompts of at least one token each")
         if not sampling.greedy and (seeds is None or seeds.shape != (self.batch,)):
