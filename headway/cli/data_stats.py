@@ -61,8 +61,9 @@ def add_stats(actions: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print the figures as JSON (per source: rows, samples, skipped by reason, "
-        "truncated, tokens, trained tokens, loop tokens removed, rows merged; then units, "
+        help="print the figures as JSON (per source: rows, samples, skipped by reason and "
+        "where each reason was first met, truncated, tokens, trained tokens, loop tokens "
+        "removed, rows merged; then units, "
         "held out, padding, step units, passes, draft vocabulary) instead of lines",
     )
     parser.set_defaults(handler=run_stats)

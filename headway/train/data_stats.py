@@ -4,7 +4,7 @@ the share of the trained tokens its draft vocabulary holds. Only the tokenizer i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from transformers import PreTrainedTokenizerBase
 
@@ -12,8 +12,9 @@ from headway.corpus.samples import DataReport
 from headway.heads.vocab import choose_vocab, token_counts
 from headway.run_config import RunConfig
 from headway.train.batching import pack, padding_share
-from headway.train.data import build_datasets, pad_id_of
-from headway.train.loop_data import split_held_out
+from headway.train.data import pad_id_of
+from headway.train.loop_data import source_datasets, split_held_out
+from headway.train.vocab_counts import coverage
 
 __all__ = ["DataStats", "data_stats", "stats_json", "stats_table", "steps_line"]
 
@@ -58,14 +59,7 @@ def data_stats(
     """Tokenize ``config``'s sources as :func:`~headway.train.loop_data.training_data` does (for
     an offline recipe, as ``headway data cache-features`` does) and count what the run takes."""
     data = config.data
-    dataset, reports = build_datasets(
-        tokenizer,
-        data.sources,
-        max_length=data.max_length,
-        skip_bad_rows=data.skip_bad_rows,
-        limit=data.limit,
-        loop_repeats=data.loop_repeats,
-    )
+    dataset, reports = source_datasets(config, tokenizer)
     padding = None
     units = len(dataset)
     if data.pack:
@@ -78,9 +72,7 @@ def data_stats(
     if size:
         pairs = zip(dataset["input_ids"], dataset["loss_mask"], strict=True)
         counts = token_counts(pairs, len(tokenizer))
-        chosen = choose_vocab(counts, size)
-        covered = int(counts.trained[chosen.target_ids].sum())
-        vocab = (size, covered / max(int(counts.trained.sum()), 1))
+        vocab = (size, coverage(choose_vocab(counts, size), counts))
     return DataStats(
         reports=reports,
         units=units,
@@ -138,20 +130,7 @@ def stats_table(stats: DataStats, config: RunConfig, *, processes: int = 1) -> s
 
 def stats_json(stats: DataStats) -> dict[str, object]:
     """The figures as plain values (``headway data stats --json``)."""
-    sources = [
-        {
-            "source": r.source,
-            "rows_read": r.rows_read,
-            "samples": r.samples,
-            "skipped": dict(r.skipped),
-            "truncated": r.truncated,
-            "tokens": r.tokens,
-            "trained_tokens": r.trained_tokens,
-            "loop_removed": r.loop_removed,
-            "merged": r.merged,
-        }
-        for r in stats.reports
-    ]
+    sources = [asdict(report) for report in stats.reports]  # skipped: counts by reason
     vocab = None
     if stats.vocab is not None:
         vocab = {"size": stats.vocab[0], "trained_share": stats.vocab[1]}

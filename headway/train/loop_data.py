@@ -11,6 +11,7 @@ from typing import Any
 import datasets
 import torch
 from torch.utils.data import Dataset
+from transformers import PreTrainedTokenizerBase
 
 from headway.errors import TrainingError
 from headway.hardware import mixed_precision
@@ -33,11 +34,13 @@ from headway.train.packed_features import (
 logger = logging.getLogger(__name__)
 
 
-def source_datasets(config: RunConfig, target: Target) -> tuple[datasets.Dataset, list[DataReport]]:
+def source_datasets(
+    config: RunConfig, tokenizer: PreTrainedTokenizerBase
+) -> tuple[datasets.Dataset, list[DataReport]]:
     """``data.sources`` tokenized as the loop trains on them (no features, no packing): the
     dataset and a report per source."""
     return build_datasets(
-        target.tokenizer,
+        tokenizer,
         config.data.sources,
         max_length=config.data.max_length,
         skip_bad_rows=config.data.skip_bad_rows,
@@ -77,7 +80,7 @@ def training_data(config: RunConfig, target: Target) -> tuple[Dataset[Any], Data
         )
         train_set, eval_set = split_held_out(blocks, config.data.eval_fraction, config.train.seed)
         return train_set, eval_set, collate_packed_features
-    dataset, reports = source_datasets(config, target)
+    dataset, reports = source_datasets(config, target.tokenizer)
     for report in reports:
         logger.info("%s", report.summary())
     if config.data.pack:

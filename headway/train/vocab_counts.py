@@ -18,7 +18,7 @@ from headway.target import Target
 from headway.train.features import CachedFeatureDataset
 from headway.train.loop_data import source_datasets
 
-__all__ = ["log_coverage", "training_token_counts", "training_vocab"]
+__all__ = ["coverage", "log_coverage", "training_token_counts", "training_vocab"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +52,20 @@ def training_token_counts(
             )
         samples = (cached[index] for index in range(len(cached)))
         return token_counts(((s["input_ids"], s["loss_mask"]) for s in samples), vocab_size)
-    dataset, _ = source_datasets(config, target)
+    dataset, _ = source_datasets(config, target.tokenizer)
     return token_counts(zip(dataset["input_ids"], dataset["loss_mask"], strict=True), vocab_size)
+
+
+def coverage(vocab: DraftVocab, counts: TokenCounts) -> float:
+    """The share of the trained tokens that the draft vocabulary ``vocab`` holds."""
+    return int(counts.trained[vocab.target_ids].sum()) / max(int(counts.trained.sum()), 1)
 
 
 def log_coverage(vocab: DraftVocab, counts: TokenCounts) -> None:
     """Log which share of the trained tokens the draft vocabulary ``vocab`` covers."""
-    covered = int(counts.trained[vocab.target_ids].sum())
     logger.info(
         "draft vocabulary: %d of %d tokens, %.1f%% of the trained tokens",
         vocab.size,
         vocab.vocab_size,
-        100.0 * covered / max(int(counts.trained.sum()), 1),
+        100.0 * coverage(vocab, counts),
     )
