@@ -17,7 +17,8 @@ the same functions over a leading batch dimension (:mod:`headway.decode.device_t
 
 then one host read for all rows (the committed tokens). Shapes depend only on ``B`` and ``n``,
 so on CUDA the step is captured as one graph per tree size and replayed; off CUDA it runs
-uncaptured. A row that has finished keeps stepping (its tokens are ignored) until its caller
+uncaptured, attending over the columns up to the longest row's block only (the cache's
+``window``). A row that has finished keeps stepping (its tokens are ignored) until its caller
 drops it (:meth:`BatchVerify.keep_rows`). Rows' outputs are each row's own greedy output, as
 transformers decodes that prompt alone (``tests/test_batch_step.py``, fp32); sampled, each
 row's tokens are those its seed samples for that prompt alone, with or without a drafter
@@ -44,7 +45,6 @@ from headway.decode.sampling import (
     SamplingParams,
     pick_tokens,
 )
-from headway.decode.static_cache import StaticCache
 from headway.errors import TargetError
 
 __all__ = ["BatchVerify"]
@@ -116,9 +116,8 @@ class BatchVerify:
         runs = prefill_runs([prompt.numel() for prompt in prompts])
         if len(runs) == 1:
             return self._prefill_rows(prompts, sampling, seeds)
-        first, device = runs[0], self.target.model.device
-        cache = self.target.cache
-        self.target.cache = StaticCache(len(cache.layers), cache.capacity, device, len(first))
+        first = runs[0]
+        self.target.cache = self.target.cache.rows_at(0, len(first))  # its buffer's first rows
         self.batch = len(first)
         self.lengths, self.seeds = self.lengths[: len(first)], self.seeds[: len(first)]
         part = None if seeds is None else seeds[first.start : first.stop]
@@ -150,11 +149,11 @@ class BatchVerify:
         positions = order.expand(self.batch, width)
         if _keeps_per_row(target.model):  # each row's last entry alone through the LM head
             keep: int | Tensor = (sizes - 1)[:, None]
-            logits, self.hidden = self._forward(ids, positions, visible, starts, width, keep)
+            logits, self.hidden = self._forward(ids, positions, visible, starts, width, width, keep)
             last_logits = logits[:, 0]
         else:  # from the shortest prompt's last entry on: every row's last is among them
             keep = width - min(p.numel() for p in prompts) + 1
-            logits, self.hidden = self._forward(ids, positions, visible, starts, width, keep)
+            logits, self.hidden = self._forward(ids, positions, visible, starts, width, width, keep)
             last = (sizes - 1 - (width - keep))[:, None, None].expand(-1, 1, logits.shape[-1])
             last_logits = logits.gather(1, last)[:, 0]
         self.lengths.copy_(sizes)
@@ -211,7 +210,7 @@ class BatchVerify:
         graph are made again for the smaller batch."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self.lengths.device)
         target = self.target
-        target.cache = target.cache.kept_rows(index)
+        target.cache = target.cache.kept_rows(index, max(self._known, default=0))
         self.batch = len(rows)
         self.lengths = self.lengths.index_select(0, index)
         self.seeds = self.seeds.index_select(0, index)
@@ -234,7 +233,7 @@ class BatchVerify:
         target, old = self.target, self.target.cache
         lengths, known, batch, kept_seeds = self.lengths, self._known, self.batch, self.seeds
         device = lengths.device
-        target.cache = StaticCache(len(old.layers), old.capacity, device, len(prompts))
+        target.cache = old.rows_after(len(prompts))  # the buffer's rows after the batch's
         self.batch, self._plans = len(prompts), {}
         self.lengths = torch.zeros(len(prompts), dtype=torch.long, device=device)
         self.seeds = torch.zeros(len(prompts), dtype=torch.long, device=device)
@@ -284,7 +283,8 @@ class BatchVerify:
         positions = torch.cat([depths, pad], dim=-1) + self.lengths[:, None]
         visible = torch.eye(size, dtype=torch.bool, device=ids.device).repeat(self.batch, 1, 1)
         visible[:, : nodes + 1, : nodes + 1] = ancestors
-        logits, hidden = self._forward(ids, positions, visible, self.lengths, size)
+        reach = max(self._known) + size  # read only where not captured
+        logits, hidden = self._forward(ids, positions, visible, self.lengths, size, reach)
         if plan.sampling.greedy:
             count, path, committed = accept_greedy(
                 ids, plan.parents, depths, ancestors, logits.argmax(-1), plan.rows
@@ -313,21 +313,38 @@ class BatchVerify:
         visible: Tensor,
         starts: Tensor,
         size: int,
+        reach: int,
         keep: int | Tensor = 0,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The target over ``ids``/``positions [B, S]``, row ``b`` written at columns
         ``starts[b] ..`` and attending to its earlier columns and the entries ``visible [B, S,
-        S]`` opens; logits ``[B, S, V]`` (the last ``keep`` entries' only, 0: all; a tensor
-        ``[B, k]``: those entries of each row) and the ``hidden_layers``' states ``[B, S, H]``."""
+        S]`` opens (no row's block past column ``reach``, known on the host); logits ``[B, S,
+        V]`` (the last ``keep`` entries' only, 0: all; a tensor ``[B, k]``: those entries of
+        each row) and the ``hidden_layers``' states ``[B, S, H]``."""
         target = self.target
         target.cache.columns[:, :size].copy_(starts[:, None] + target.keys[:size])
-        opened = open_columns(target.keys, starts, visible)  # [B, S, capacity]
+        # not captured: attention over the columns up to the longest row's block only
+        window = None if target.capture else _window(reach, target.keys.numel())
+        target.cache.window = window
+        opened = open_columns(target.keys[:window], starts, visible)  # [B, S, window]
         dtype = target.model.dtype
         mask = torch.zeros(opened.shape, dtype=dtype, device=ids.device)
         mask.masked_fill_(~opened, torch.finfo(dtype).min)
-        with routed_linears(target.model):  # a CPU's GEMM route for blocks of B x S rows
-            masks = {"": mask[:, None]}
-            return target.forward_rows(ids, positions, masks, self.hidden_layers, keep)
+        try:
+            with routed_linears(target.model):  # a CPU's GEMM route for blocks of B x S rows
+                masks = {"": mask[:, None]}
+                return target.forward_rows(ids, positions, masks, self.hidden_layers, keep)
+        finally:
+            target.cache.window = None
+
+
+WINDOW_STEP = 64
+"""Uncaptured forwards attend over a multiple of this many columns (few shapes a batch)."""
+
+
+def _window(columns: int, capacity: int) -> int:
+    """``columns`` rounded up to a multiple of :data:`WINDOW_STEP`, at most ``capacity``."""
+    return min(capacity, -(-columns // WINDOW_STEP) * WINDOW_STEP)
 
 
 PREFILL_TOKENS = 8192

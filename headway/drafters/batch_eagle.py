@@ -183,7 +183,7 @@ class BatchEagle:
         """Go on with the rows ``rows`` (indices, in their order) alone (coupled: their
         caller couples them again, :meth:`couple`)."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self._device)
-        self._cache = self._cache.kept_rows(index)
+        self._cache = self._cache.kept_rows(index, max(self._known, default=0))
         self.batch = len(rows)
         self._known = [self._known[row] for row in rows]
         self._committed = self._committed.index_select(0, index)
@@ -195,7 +195,7 @@ class BatchEagle:
     def add_rows(self, prompts: Sequence[Tensor]) -> None:
         """Rows for ``prompts`` after the batch's, with no pairs yet."""
         count = len(prompts)
-        self._cache = self._cache.joined(StaticCache(1, self._cache.capacity, self._device, count))
+        self._cache = self._cache.joined(self._cache.rows_after(count))
         self.batch += count
         self._known += [0] * count
         self._committed = torch.cat([self._committed, self._committed.new_zeros(count)])

@@ -1,0 +1,112 @@
+"""Rows leaving and joining a batched static cache inside its one buffer
+(headway.decode.static_cache): kept rows move to the buffer's front in place, new rows take the
+rows after them and a join copies nothing, each row's columns as a copying cache would hold
+them; an uncaptured forward attends over a window of the columns (headway.decode.batch_step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from headway.decode.batch_step import BatchVerify
+from headway.decode.captured import StaticForward
+from headway.decode.static_cache import StaticCache
+from tests.tiny import tiny_model
+
+CPU = torch.device("cpu")
+WIDTH = 8
+
+
+def _written(cache: StaticCache, head_dims: tuple[int, ...], seed: int) -> list[Tensor]:
+    """Write every column of every row of ``cache``; the keys written ``[B, 2, WIDTH, d]``
+    per layer (values are keys + 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    cache.columns[:, :WIDTH] = torch.arange(WIDTH)
+    written = []
+    for layer, dim in zip(cache.layers, head_dims, strict=True):
+        keys = torch.randn(cache.batch, 2, WIDTH, dim, generator=generator)
+        layer.update(keys, keys + 1)
+        written.append(keys)
+    return written
+
+
+def _holds(cache: StaticCache, rows: list[Tensor], columns: int = WIDTH) -> None:
+    """``cache``'s rows hold ``rows`` (per layer ``[B, 2, WIDTH, d]``) in their first
+    ``columns`` columns, keys and values."""
+    for layer, keys in zip(cache.layers, rows, strict=True):
+        assert layer.keys.shape[0] == cache.batch == keys.shape[0]
+        assert torch.equal(layer.keys[:, :, :columns], keys[:, :, :columns])
+        assert torch.equal(layer.values[:, :, :columns], keys[:, :, :columns] + 1)
+
+
+@pytest.mark.parametrize("head_dims", [(4, 4), (4, 8)], ids=["fused", "per-layer"])
+@pytest.mark.parametrize("kept", [[0, 2], [1, 2], [2, 0], [], [0, 1, 2]])
+def test_kept_and_joined_rows_hold_their_columns(
+    head_dims: tuple[int, ...], kept: list[int]
+) -> None:
+    """Rows kept (in order, out of order, none, all), then two rows joining after them: every
+    row holds what was written to it; in the one buffer nothing is allocated (the fused buffer
+    stays the same storage), per-layer buffers are copied."""
+    cache = StaticCache(len(head_dims), WIDTH, CPU, batch=3, room=5)
+    written = _written(cache, head_dims, seed=0)
+    store = cache.store
+    left = cache.kept_rows(torch.tensor(kept, dtype=torch.long))
+    _holds(left, [keys[kept] for keys in written])
+    added = left.rows_after(2)
+    joining = _written(added, head_dims, seed=1)
+    joined = left.joined(added)
+    _holds(
+        joined, [torch.cat([keys[kept], new]) for keys, new in zip(written, joining, strict=True)]
+    )
+    fused = len(set(head_dims)) == 1
+    assert (joined.store is store and store is not None) == fused
+    if fused:  # views of the one buffer's front rows
+        assert joined.fused is not None and store is not None
+        assert joined.fused.data_ptr() == store.data_ptr()
+
+
+def test_rows_past_the_buffers_room_join_by_copying() -> None:
+    """More rows than the buffer has room for: the new rows get a buffer of their own and the
+    join copies both into one that holds them all."""
+    cache = StaticCache(1, WIDTH, CPU, batch=2)  # room: its two rows
+    written = _written(cache, (4,), seed=0)
+    added = cache.rows_after(3)
+    assert added.store is None and added.room == 5
+    joining = _written(added, (4,), seed=1)
+    joined = cache.joined(added)
+    assert joined.store is not cache.store and joined.store is not added.store
+    _holds(joined, [torch.cat([written[0], joining[0]])])
+
+
+def test_kept_rows_keep_the_columns_they_are_told() -> None:
+    """``columns``: the kept rows' first columns moved (what their rows have written); a
+    forward's window returns that many columns of the buffers."""
+    cache = StaticCache(1, WIDTH, CPU, batch=3)
+    written = _written(cache, (4,), seed=0)
+    left = cache.kept_rows(torch.tensor([1, 2]), columns=3)
+    _holds(left, [written[0][[1, 2]]], columns=3)
+    left.window = 5
+    keys, values = left.layers[0].update(torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4))
+    assert keys.shape == values.shape == (2, 2, 5, 4)
+    assert torch.equal(keys[:, :, 1:3], written[0][[1, 2], :, 1:3])
+
+
+def test_a_batch_refilled_keeps_its_one_buffer() -> None:
+    """BatchVerify: a finished row leaving and a prompt taking its place reuse the cache's
+    buffer (no new one a refill), and the rows' next tokens are their own."""
+    model = tiny_model("llama")
+    forward = StaticForward(model, batch=3)
+    steps = BatchVerify(forward, max_depth=2)
+    prompts = [torch.arange(3, 3 + n) for n in (4, 7, 11)]
+    with torch.no_grad():
+        steps.prefill(prompts)
+        store = forward.cache.store
+        assert store is not None
+        steps.keep_rows([0, 2])
+        firsts = steps.add_rows([torch.arange(5, 14)])
+        alone = BatchVerify(StaticForward(model, batch=1), max_depth=2)
+        first_alone = alone.prefill([torch.arange(5, 14)])
+    assert forward.cache.store is store and forward.cache.batch == 3
+    assert torch.equal(firsts, first_alone)
