@@ -9,6 +9,8 @@ near tie; in fp32 they are identical), and the machine; the continuous engine lo
 each row kept per forward. ``--stop-loops N`` adds a continuous run (the last lookahead) whose
 answers stop at repetition loops: fewer answer tokens, so it is compared by the seconds it takes
 to answer the same prompts, and its answers are checked to be prefixes of the first run's.
+``--engines batch,continuous`` adds ``headway generate --batch``'s engine (prompt-lookup
+trees over a static cache; with ``--stop-loops``, a stop-loops run of it too).
 ``--max-turns 3`` answers up to three turns of each conversation, turn by turn; with
 ``--recompute-history`` a last continuous run prefills each later turn whole instead of
 continuing from the row that answered the turn before, compared by seconds too.
@@ -36,7 +38,7 @@ import torch
 from headway.corpus.jsonl import read_jsonl
 from headway.decode.gemm import GemmChoice, apply_gemm
 from headway.target import DEFAULT_TARGET, Target, load_target
-from headway.train.answering import ENGINES, Answer, RegenerateOptions, answer_items
+from headway.train.answering import Answer, RegenerateOptions, answer_items
 from headway.train.prompts import PromptItem, chat_prompts
 
 
@@ -74,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch")
     parser.add_argument("--seed", type=int, default=0, help="which prompts")
     parser.add_argument(
-        "--engines", default=",".join(reversed(ENGINES)), help="engines, in the order run"
+        "--engines", default="generate,continuous", help="engines, in the order run"
     )
     parser.add_argument(
         "--lookaheads",
@@ -136,12 +138,16 @@ def main() -> None:
     runs = [
         (engine, lookahead, 0, gemm)
         for engine in args.engines.split(",")
-        for lookahead in ([0] if engine == "generate" else _ints(args.lookaheads))
+        for lookahead in (_ints(args.lookaheads) if engine == "continuous" else [0])
         for gemm in (gemms[:1] if engine == "generate" else gemms)
     ]
     last_lookahead = _ints(args.lookaheads)[-1]
     runs += [
-        ("continuous", last_lookahead, stop, gemms[-1]) for stop in _ints(args.stop_loops) if stop
+        (engine, last_lookahead if engine == "continuous" else 0, stop, gemms[-1])
+        for engine in args.engines.split(",")
+        if engine != "generate"
+        for stop in _ints(args.stop_loops)
+        if stop
     ]
     if args.recompute_history:
         runs.append(("continuous", last_lookahead, -1, gemms[-1]))  # -1: history recomputed
@@ -157,7 +163,7 @@ def main() -> None:
             stop_loops=max(stop, 0),
             reuse_history=stop >= 0,
         )
-        name = engine if engine == "generate" else f"continuous, lookahead {lookahead}"
+        name = f"continuous, lookahead {lookahead}" if engine == "continuous" else engine
         name += f", stop-loops {stop}" if stop > 0 else ", history recomputed" if stop else ""
         name += f", gemm {gemm}" if engine != "generate" and len(gemms) > 1 else ""
         torch.manual_seed(args.seed)

@@ -74,7 +74,7 @@ def test_both_engines_stop_at_loops_alike(tiny_chat_target: Target, tmp_path: Pa
             == sum(row["finish_reason"] == "loop" for row in rows[engine])
             > 0
         )
-    assert rows["continuous"] == rows["generate"]
+    assert rows["continuous"] == rows["generate"] == rows["batch"]
 
 
 def test_folder_from_before_an_option_resumes(tiny_chat_target: Target, tmp_path: Path) -> None:

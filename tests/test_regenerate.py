@@ -110,9 +110,28 @@ def test_continuous_engine_answers_as_padded_generate_does(
         options = replace(OPTIONS, engine=engine, max_new_tokens=12)
         regenerate(tiny_chat_target, items(), tmp_path / engine, options, mix={"test": 8})
         rows[engine] = read_all(tmp_path / engine)
-    assert rows["continuous"] == rows["generate"]  # early EOS exits: test_batched_generation
+    assert (
+        rows["continuous"] == rows["generate"] == rows["batch"]
+    )  # early EOS: test_batched_generation
     switched = replace(OPTIONS, engine="generate", max_new_tokens=12, batch_size=2)
     regenerate(tiny_chat_target, items(), tmp_path / "continuous", switched, mix={"test": 8})
+
+
+def test_batch_engine_samples_what_the_continuous_engine_samples(
+    tiny_chat_target: Target, tmp_path: Path
+) -> None:
+    """Sampled (temperature 1), the batch engine's answers are the continuous engine's: both
+    draw each request's tokens with the noise of its seed (item, turn) at each position, so
+    a sampled folder may resume on either."""
+    rows = {}
+    for engine in ("continuous", "batch"):
+        options = replace(OPTIONS, engine=engine, max_new_tokens=12, temperature=1.0, seed=3)
+        regenerate(tiny_chat_target, items(), tmp_path / engine, options, mix={"test": 8})
+        rows[engine] = read_all(tmp_path / engine)
+    assert rows["continuous"] == rows["batch"]
+    again = replace(OPTIONS, engine="batch", max_new_tokens=12, temperature=1.0, seed=4)
+    regenerate(tiny_chat_target, items(), tmp_path / "other", again, mix={"test": 8})
+    assert read_all(tmp_path / "other") != rows["batch"]  # the seed decides
 
 
 def test_prompt_list_is_shuffled_so_every_shard_mixes_sources(

@@ -130,12 +130,14 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--engine",
-        choices=["auto", "continuous", "generate"],
+        choices=["auto", "continuous", "generate", "batch"],  # answering.ENGINES (lazy CLI)
         default="auto",
         help="continuous: finished rows leave and waiting prompts join (several times HF "
         "generate's tokens/s on a CPU, more with --lookahead; scripts/bench_regenerate.py "
         "measures it, docs/benchmarks.md has the figures); generate: HF generate on padded "
-        "batches; auto (the default): continuous, or generate for a target with recurrent "
+        "batches; batch: headway generate --batch's engine, one call per turn (prompt-lookup "
+        "trees over a static cache, CUDA graphs on a GPU; each turn's whole history "
+        "prefilled); auto (the default): continuous, or generate for a target with recurrent "
         "layers (Qwen3.5, Mamba, ...), which the continuous engine cannot batch. Any may be "
         "used to resume a folder",
     )

@@ -94,6 +94,7 @@ def decode_batch(
     stop_check: Callable[[list[int]], bool] | None = None,
     sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
+    seeds: Sequence[int] | None = None,
     capture: bool | None = None,
     max_batch: int | None = None,
     on_done: Callable[[int], None] | None = None,
@@ -101,7 +102,8 @@ def decode_batch(
     """Decode ``prompts`` (LongTensors ``[P_b]``) together, drafted by ``drafters``: one per
     row (``drafters[b]``, None: no drafter) or a :class:`~headway.decode.batch_drafting.
     BatchDrafter` drafting every row's tree at once; greedy or by ``sampling`` with the
-    prompts' seeds drawn from ``generator``; see the module docstring.
+    prompts' seeds drawn from ``generator`` (or given: ``seeds``, one per prompt); see the
+    module docstring.
     ``stop_check(generated)`` true ends a row after that token (stop strings). ``capture``:
     CUDA graphs (default: on CUDA). ``max_batch``: the most prompts decoded at once
     (default: all), the rest taking finished rows' places;
@@ -115,6 +117,8 @@ def decode_batch(
     """
     if not prompts or (max_batch is not None and max_batch < 1):
         raise ValueError(f"need at least one prompt and max_batch >= 1, not {max_batch}")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     batch = min(len(prompts), max_batch or len(prompts))
     drafting = _row_drafters(drafters, batch, len(prompts))
     depth = block_bucket(drafting.max_nodes + 1) - 1  # the deepest node, padding included
@@ -124,8 +128,11 @@ def decode_batch(
         forward = StaticForward(model, capture=capture, batch=batch)
         steps = BatchVerify(forward, depth, drafting.hidden_layers)
         ending = _Ending(frozenset(eos_token_ids), max_new_tokens, stop_check)
-        seeds = None if sampling.greedy else sequence_seeds(generator, len(prompts))
-        rows = _Rows(steps, drafting, prompts, ending, sampling, seeds, on_done)
+        keys = None  # greedy: no noise
+        if not sampling.greedy:
+            given = None if seeds is None else torch.tensor(list(seeds), dtype=torch.long)
+            keys = sequence_seeds(generator, len(prompts)) if given is None else given
+        rows = _Rows(steps, drafting, prompts, ending, sampling, keys, on_done)
         return _decode(rows)
 
 

@@ -274,14 +274,13 @@ def _rows_of(cache: StaticCache, index: Tensor) -> StaticCache:
     return new
 
 
-def _per_row(index: Tensor, buffer: Tensor, dim: int) -> Tensor:
-    """Row-wise column indices ``[B, k]`` as a gather/scatter index of ``buffer``'s shape with
-    ``k`` along ``dim`` (the row dimension is ``dim - 2``, the heads between them)."""
-    shape = list(buffer.shape)
-    shape[dim] = index.shape[1]
-    view = [1] * buffer.dim()
-    view[dim - 2], view[dim] = index.shape[0], index.shape[1]
-    return index.view(view).expand(shape)
+def _per_row(columns: Tensor) -> tuple[Any, ...]:
+    """Row-wise column indices ``[B, k]`` as an index of a buffer ``[..., B, columns, heads,
+    head_dim]`` (its column and head dimensions swapped): row ``b`` at its ``columns[b]``.
+    Advanced indexing instead of ``gather``/``scatter_``, whose bf16 kernels on a CPU took
+    160x as long (2.4 ms against 0.015 for a 16-row block; 2026-11-29)."""
+    rows = torch.arange(columns.shape[0], device=columns.device)[:, None].expand_as(columns)
+    return (Ellipsis, rows, columns, slice(None), slice(None))
 
 
 def _write_columns(buffer: Tensor, dim: int, columns: Tensor, states: Tensor) -> None:
@@ -289,7 +288,7 @@ def _write_columns(buffer: Tensor, dim: int, columns: Tensor, states: Tensor) ->
     if columns.shape[0] == 1:
         buffer.index_copy_(dim, columns[0], states)  # batch 1: one index, the faster kernel
     else:
-        buffer.scatter_(dim, _per_row(columns, buffer, dim), states)
+        buffer.transpose(dim - 1, dim)[_per_row(columns)] = states.transpose(dim - 1, dim)
 
 
 def _move(buffer: Tensor, dim: int, source: Tensor, target: Tensor) -> None:
@@ -298,5 +297,5 @@ def _move(buffer: Tensor, dim: int, source: Tensor, target: Tensor) -> None:
     if source.dim() == 1:
         buffer.index_copy_(dim, target, buffer.index_select(dim, source))
         return
-    moved = buffer.gather(dim, _per_row(source, buffer, dim))
-    buffer.scatter_(dim, _per_row(target, buffer, dim), moved)
+    swapped = buffer.transpose(dim - 1, dim)  # [..., B, capacity, heads, head_dim]
+    swapped[_per_row(target)] = swapped[_per_row(source)]  # the right side is a copy

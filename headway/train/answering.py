@@ -1,10 +1,14 @@
-"""How the target answers a shard of prompts: turn by turn, through one of two engines.
+"""How the target answers a shard of prompts: turn by turn, through one of three engines.
 
 - ``continuous`` (default): :class:`~headway.generation.batched_generation.ContinuousBatcher` keeps
   every row busy (finished rows leave, waiting prompts and next turns join);
-- ``generate``: HF ``generate`` on left-padded batches of similar length (the reference).
+- ``generate``: HF ``generate`` on left-padded batches of similar length (the reference);
+- ``batch``: :func:`~headway.decode.batch_decode.decode_batch`, ``headway generate --batch``'s
+  engine, one call per turn (the engine regeneration is to move onto: one batched decoder,
+  captured on a GPU; greedy or sampled, its answers are the continuous engine's in fp32,
+  ``tests/test_regenerate.py``).
 
-Either way each user turn is answered after the target's own earlier answers (multi-turn
+Every way each user turn is answered after the target's own earlier answers (multi-turn
 self-distillation), and the answers are the target's: greedy, or sampled from its distribution.
 """
 
@@ -18,18 +22,21 @@ from typing import Any, cast
 
 import torch
 
+from headway.decode.batch_decode import decode_batch
 from headway.decode.gemm import contiguous_head
 from headway.decode.kv import recurrent_layer
 from headway.decode.sampling import SamplingParams
+from headway.drafters.build import build_drafter
+from headway.drafters.resolve import resolve_drafter
 from headway.errors import DataError
 from headway.generation.batched_generation import ContinuousBatcher
-from headway.generation.repetition import loop_cut
+from headway.generation.repetition import ends_in_loop, loop_cut
 from headway.target import Target, eos_token_ids
 from headway.train.prompts import PromptItem
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("auto", "continuous", "generate")
+ENGINES = ("auto", "continuous", "generate", "batch")
 # Options that decide speed only: a resumed run may change them (the answers are the target's).
 SPEED_OPTIONS = ("batch_size", "engine", "lookahead", "reuse_history")
 GREEDY_LOOKAHEAD = 3  # beat no lookahead in greedy runs of scripts/bench_regenerate.py
@@ -49,6 +56,7 @@ class RegenerateOptions:
     meta_max_new_tokens: int = 96
     # "continuous": rows leave when done and waiting prompts join (batched_generation);
     # "generate": HF generate on padded batches (the reference, kept for benchmarks);
+    # "batch": headway.generate_batch's engine, one call per turn (_answer_in_batch_steps);
     # "auto": continuous, or generate for a target with recurrent layers (:func:`engine_for`).
     engine: str = "auto"
     # continuous only: tokens each row drafts per step by prompt lookup in its own text, all
@@ -141,12 +149,19 @@ def answer_batch(
     answers = []
     for row in output[:, batch["input_ids"].shape[1] :].tolist():
         ends = [i for i, token in enumerate(row) if token in eos_ids]
-        length = ends[0] if ends else len(row)
-        cut = loop_cut(row[:length], repeats=options.stop_loops)  # as the continuous engine stops
-        reason = "loop" if cut < length else "eos" if ends else "length"
-        text = str(tokenizer.decode(row[:cut], skip_special_tokens=True)).strip()
-        answers.append(Answer(text, cut + (reason == "eos"), reason))
+        answers.append(
+            _answer(tokenizer, row[: ends[0] if ends else len(row)], bool(ends), options)
+        )
     return answers
+
+
+def _answer(tokenizer: Any, tokens: list[int], ended: bool, options: RegenerateOptions) -> Answer:
+    """The answer of ``tokens`` (EOS left out; ``ended``: one followed), cut where it loops as
+    the continuous engine stops (``stop_loops``)."""
+    cut = loop_cut(tokens, repeats=options.stop_loops)
+    reason = "loop" if cut < len(tokens) else "eos" if ended else "length"
+    text = str(tokenizer.decode(tokens[:cut], skip_special_tokens=True)).strip()
+    return Answer(text, cut + (reason == "eos"), reason)
 
 
 def answer_items(
@@ -157,8 +172,11 @@ def answer_items(
     """Answer every user turn of every item, turn by turn (each turn after the target's own
     earlier answers), with the engine the options name (the continuous engine's linear layers
     on the route applied to the target, :mod:`headway.decode.gemm`)."""
-    if engine_for(target, options.engine) == "continuous":
+    engine = engine_for(target, options.engine)
+    if engine == "continuous":
         return _answer_continuously(target, items, options)
+    if engine == "batch":
+        return _answer_in_batch_steps(target, items, options)
     return _answer_in_padded_batches(target, items, options)
 
 
@@ -264,3 +282,49 @@ def _answer_in_padded_batches(
                 answers[item.id].append(answer)
         for item in group:
             yield item, answers[item.id]
+
+
+def _answer_in_batch_steps(
+    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
+) -> Iterator[tuple[PromptItem, list[Answer]]]:
+    """Each turn through :func:`~headway.decode.batch_decode.decode_batch`, the engine of
+    ``headway.generate_batch`` (one static cache, prompt-lookup trees, finished rows replaced
+    by waiting prompts, steps captured as CUDA graphs on a GPU): one call per turn (every
+    item's first turn to answer, then every next one), prompts shortest first, each turn's
+    whole history prefilled; an item is yielded after its last turn."""
+    tokenizer, model = target.tokenizer, target.model
+    spec = resolve_drafter(model, drafter="prompt-lookup").spec
+    assert spec is not None  # prompt lookup fits every target
+    loops = options.stop_loops
+    stop = (lambda tokens: ends_in_loop(tokens, repeats=loops)) if loops else None
+    sampling = SamplingParams(temperature=options.temperature, top_p=options.top_p)
+    answers: dict[str, list[Answer]] = {item.id: [] for item in items}
+    for turn in range(max((len(item.user_turns) for item in items), default=0)):
+        live = [item for item in items if first_turn(item) <= turn < len(item.user_turns)]
+        if not live:
+            continue
+        prompts = {
+            item.id: prompt_token_ids(
+                tokenizer, conversation_messages(item, [a.text for a in answers[item.id]], turn)
+            )
+            for item in live
+        }
+        live.sort(key=lambda item: len(prompts[item.id]))
+        rows = min(len(live), options.batch_size)
+        results = decode_batch(
+            model,
+            [torch.tensor(prompts[item.id]) for item in live],
+            [build_drafter(spec, target) for _ in range(rows)],
+            max_new_tokens=options.max_new_tokens,
+            eos_token_ids=eos_token_ids(target),
+            stop_check=stop,
+            sampling=sampling,
+            seeds=[request_seed(options.seed, item.id, turn) for item in live],
+            max_batch=rows,
+        )
+        for item, result in zip(live, results, strict=True):
+            ended = result.stop_reason == "eos"
+            tokens = result.tokens[:-1] if ended else result.tokens
+            answers[item.id].append(_answer(tokenizer, tokens, ended, options))
+            if turn == len(item.user_turns) - 1:
+                yield item, answers[item.id]
