@@ -239,3 +239,41 @@ def test_packed_sdpa_reads_each_key_head_once_and_equals_sdpa(
     found, _ = packed_sdpa(module, query, key, value, mask, scaling=dim**-0.5)
     assert shapes == [(batch, kv_heads, 3 * step, dim)]
     torch.testing.assert_close(found, expected)
+
+
+def test_packed_mask_is_reused_within_a_forward_and_packed_anew_after() -> None:
+    """The layers of one forward share the mask packed by the first (the same copy, on a CPU
+    without gradients); a mask buffer rewritten in place for the next forward, which starts
+    again from layer 0, is packed anew, and each layer's output is stock sdpa's."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from headway.decode import grouped_attention
+    from headway.decode.grouped_attention import _packed_mask, packed_sdpa
+
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(2, 6, 3, 8, generator=generator)
+    key, value = torch.randn(2, 2, 10, 8, generator=generator), torch.randn(2, 2, 10, 8)
+    mask = torch.zeros(2, 1, 3, 10)
+    layers = []
+    for index in range(3):
+        layer = torch.nn.Module()
+        layer.num_key_value_groups, layer.is_causal, layer.layer_idx = 3, False, index  # type: ignore[assignment]
+        layers.append(layer)
+    with torch.no_grad():
+        for forward in range(2):
+            mask.zero_()
+            mask[..., forward + 4 :] = torch.finfo(torch.float32).min  # rewritten in place
+            packed = [_packed_mask(mask, 3, index) for index in range(3)]
+            assert packed[1] is packed[0] and packed[2] is packed[0]
+            assert torch.equal(packed[0][:, :, :3], mask) and torch.equal(
+                packed[0][:, :, 3:6], mask
+            )
+            for layer in layers:
+                found, _ = packed_sdpa(layer, query, key, value, mask, scaling=8**-0.5)
+                expected, _ = sdpa_attention_forward(
+                    layer, query, key, value, mask, scaling=8**-0.5
+                )
+                torch.testing.assert_close(found, expected)
+    grouped_attention._last_mask.clear()
+    first = _packed_mask(mask, 3, 0)
+    assert _packed_mask(mask, 3, 1) is not first  # gradients on: every layer packs

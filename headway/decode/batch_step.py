@@ -117,6 +117,7 @@ class BatchVerify:
         if len(runs) == 1:
             return self._prefill_rows(prompts, sampling, seeds)
         first = runs[0]
+        self.target.reserve(max(prompt.numel() for prompt in prompts))  # for the longest run
         self.target.cache = self.target.cache.rows_at(0, len(first))  # its buffer's first rows
         self.batch = len(first)
         self.lengths, self.seeds = self.lengths[: len(first)], self.seeds[: len(first)]
@@ -230,7 +231,11 @@ class BatchVerify:
         ``seeds [n]`` where sampled, then the caches joined); returns their first tokens
         ``[n]``. :attr:`hidden` holds the batch's
         states ``[B + n, L, H]``: the old rows' zeros, the new rows' at every prompt entry."""
-        target, old = self.target, self.target.cache
+        target = self.target
+        # the batch's buffer grown first, so the new rows' prefill need not grow theirs (a
+        # buffer of every row each time, then a copying join)
+        target.reserve(max(prompt.numel() for prompt in prompts))
+        old = target.cache
         lengths, known, batch, kept_seeds = self.lengths, self._known, self.batch, self.seeds
         device = lengths.device
         target.cache = old.rows_after(len(prompts))  # the buffer's rows after the batch's

@@ -48,17 +48,44 @@ def packed_sdpa(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    width = key.shape[2]
-    packed_mask = attention_mask[:, :, None].expand(batch, 1, groups, step, width)
     output = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(batch, heads // groups, groups * step, dim),
         key,
         value,
-        attn_mask=packed_mask.reshape(batch, 1, groups * step, width),
+        attn_mask=_packed_mask(attention_mask, groups, getattr(module, "layer_idx", None)),
         dropout_p=dropout,
         scale=scaling,
     )
     return output.reshape(batch, heads, step, dim).transpose(1, 2).contiguous(), None
+
+
+_last_mask: list[tuple[Tensor, int, int, Tensor]] = []  # (mask, groups, layer, packed): CPU
+
+
+def _packed_mask(mask: Tensor, groups: int, layer: int | None) -> Tensor:
+    """``mask [B, 1, S, L]`` repeated per group member as ``[B, 1, G·S, L]`` (a copy). Every
+    layer of a forward gets the same mask: on a CPU a later layer (``layer``, its index) of
+    the same forward reuses the copy the layer before it made from the same tensor (copying
+    it in every layer took 3% of a batched regeneration step's time, 2026-11-29); a forward
+    starts again from its first layer, so a mask buffer rewritten in place between forwards is
+    packed anew; CUDA (graphs captured once, replayed) and training (gradients on) pack in
+    every layer."""
+    batch, _, step, width = mask.shape
+    cached = _last_mask[0] if _last_mask else None
+    if (
+        cached is not None
+        and layer is not None
+        and cached[0] is mask
+        and cached[1] == groups
+        and cached[2] < layer
+    ):
+        _last_mask[0] = (mask, groups, layer, cached[3])
+        return cached[3]
+    packed = mask[:, :, None].expand(batch, 1, groups, step, width)
+    packed = packed.reshape(batch, 1, groups * step, width)
+    if mask.device.type == "cpu" and layer is not None and not torch.is_grad_enabled():
+        _last_mask[:] = [(mask, groups, layer, packed)]
+    return packed
 
 
 AttentionInterface.register(PACKED, packed_sdpa)
