@@ -68,9 +68,12 @@ def _packed_mask(mask: Tensor, groups: int, layer: int | None) -> Tensor:
     the same forward reuses the copy the layer before it made from the same tensor (copying
     it in every layer took 3% of a batched regeneration step's time, 2026-11-29); a forward
     starts again from its first layer, so a mask buffer rewritten in place between forwards is
-    packed anew; CUDA (graphs captured once, replayed) and training (gradients on) pack in
-    every layer."""
+    packed anew; CUDA (graphs captured once, replayed), torch.compile and training (gradients
+    on) pack in every layer."""
     batch, _, step, width = mask.shape
+    packed = mask[:, :, None].expand(batch, 1, groups, step, width)
+    if torch.compiler.is_compiling():  # one graph, no Python state: the compiler fuses it
+        return packed.reshape(batch, 1, groups * step, width)
     cached = _last_mask[0] if _last_mask else None
     if (
         cached is not None
@@ -81,7 +84,6 @@ def _packed_mask(mask: Tensor, groups: int, layer: int | None) -> Tensor:
     ):
         _last_mask[0] = (mask, groups, layer, cached[3])
         return cached[3]
-    packed = mask[:, :, None].expand(batch, 1, groups, step, width)
     packed = packed.reshape(batch, 1, groups * step, width)
     if mask.device.type == "cpu" and layer is not None and not torch.is_grad_enabled():
         _last_mask[:] = [(mask, groups, layer, packed)]
