@@ -6,8 +6,9 @@ of every command (the embedded SmolLM2 on a 2-core EPYC: ~2 s per model for the 
 the table, 2026-11-28), and a timing made while something else loads the machine may choose worse
 than one made at rest. So the first measurement is kept in ``$HEADWAY_CACHE/timings.json``
 (default ``~/.cache/headway``) under a key naming everything the measurement depends on: this
-machine (architecture, CPU model, cores, torch threads, torch version, the device), and what the
-caller adds (the layers' shapes and dtypes, the route, the verify forward, the sizes).
+machine (architecture, CPU model, cores, torch threads, torch version, the device), the code that
+measured (a hash of headway's decoding sources), and what the caller adds (the layers' shapes
+and dtypes, the route, the verify forward, the sizes).
 
 A timing taken while other processes keep the CPU busy is used by the process that took it (for
 every later ask of it too) but not kept (:data:`BUSY_SHARE`): a busy neighbour slows one-token
@@ -23,6 +24,7 @@ written is never an error: the value is measured and used.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -40,11 +42,13 @@ from torch import nn
 from headway.atomic import write_text_atomic
 from headway.errors import HeadwayError
 from headway.hardware import cpu_model
+from headway.version import __version__
 
 __all__ = [
     "BUSY_SHARE",
     "TIMINGS_NAME",
     "cache_dir",
+    "code_digest",
     "forget_taken",
     "forget_timings",
     "kept_timings",
@@ -82,8 +86,36 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HEADWAY_CACHE", Path.home() / ".cache" / "headway"))
 
 
+TIMED_CODE = ("decode", "drafters", "generation")
+"""The packages of headway whose code the kept timings measure (:func:`code_digest`)."""
+
+
+def code_digest(root: Path | None = None) -> str:
+    """A hash of the source of :data:`TIMED_CODE` under ``root`` (default: this headway's): a
+    timing kept by other code (an upgrade, an edit) is timed again. A batched-step cost table
+    timed before the static cache's 160x faster bf16 writes, read back after them, had the batch
+    engine regenerate at 48 tok/s instead of 61 (2026-11-29, docs/benchmarks.md)."""
+    if root is None:
+        return _own_code_digest()
+    digest = hashlib.sha256()
+    for folder in TIMED_CODE:
+        for path in sorted((root / folder).glob("*.py")):
+            digest.update(f"{folder}/{path.name}\n".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _own_code_digest() -> str:
+    try:
+        return code_digest(Path(__file__).parent)
+    except OSError:  # sources not readable as files (a zipped install): the version decides
+        return str(__version__)
+
+
 def machine_key(device: torch.device) -> dict[str, Any]:
-    """What any timing on ``device`` depends on beyond the caller's own key."""
+    """What any timing on ``device`` depends on beyond the caller's own key: this machine, and
+    the code that times (:func:`code_digest`)."""
     key: dict[str, Any] = {
         "machine": platform.machine(),
         "cpu": cpu_model(),
@@ -91,6 +123,7 @@ def machine_key(device: torch.device) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "device": device.type,
+        "code": code_digest(),
     }
     if device.type == "cuda":
         key["gpu"] = torch.cuda.get_device_name(device)

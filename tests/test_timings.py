@@ -273,3 +273,31 @@ def test_a_kept_cost_table_is_valid_only_as_positive_finite_float_seconds() -> N
     assert valid([0.1, 0.2])
     for table in ([0.1], [0.1, 0.0], [0.1, float("inf")], [0.1, "x"], [1, 2], (0.1, 0.2), None):
         assert not valid(table), table
+
+
+def test_a_timing_kept_by_other_code_is_measured_again(
+    kept: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key holds a hash of the decoding sources: an edit there (or an upgrade) times again;
+    an edit elsewhere in headway does not change it."""
+    from headway import timings
+
+    source = Path(timings.__file__).parent
+    copy = tmp_path / "headway"
+    for folder in timings.TIMED_CODE:
+        (copy / folder).mkdir(parents=True)
+        for path in (source / folder).glob("*.py"):
+            (copy / folder / path.name).write_bytes(path.read_bytes())
+    before = timings.code_digest(copy)
+    assert before == timings.code_digest()  # the sources as installed
+    (copy / "train").mkdir()
+    (copy / "train" / "loop.py").write_text("# training code: not what timings measure\n")
+    assert timings.code_digest(copy) == before
+    with (copy / "decode" / "static_cache.py").open("a") as file:
+        file.write("# an edit\n")
+    assert timings.code_digest(copy) != before
+    measure = Counted("x")
+    _remember(measure)
+    monkeypatch.setattr(timings, "code_digest", lambda root=None: "other code")
+    _remember(measure)
+    assert measure.calls == 2
