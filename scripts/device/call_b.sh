@@ -4,7 +4,8 @@
 # the drafter back, and measure issue #32's decoding figures with the real target, then what a
 # `headway.generate` call costs beyond decoding, first and later calls (API_S seconds at most,
 # default 60; 0: none; scripts/api_calls.py), then with BATCH_S > 0 batched decoding
-# (scripts/batch_speed.py, BATCH_S seconds at most; default 0: none); or, with
+# (scripts/batch_speed.py, BATCH_S seconds at most; default 0: none), then with REGEN_S > 0 the
+# regeneration engines (scripts/bench_regenerate.py); or, with
 # TRAIN=CONFIG (the `train` staging), train that recipe instead (train.sh; RUN, TRAIN_S, FORMAT,
 # and TRAIN_ARGS: overrides such as train.max_steps=2400).
 source scripts/device/env.sh
@@ -28,4 +29,11 @@ timeout "${LIMIT_S:-540}" python3 scripts/device/decode_figures.py --prompts /ro
     --num-prompts 8 --max-new-tokens 64 --drafters default prompt-lookup none --batch-size 4 \
     --out "$OUT" \
     2>&1 | grep -v -i "warn\|loading"
+# REGEN_S > 0: the two regeneration engines on 48 fourth turns of smollm2-sharegpt-turn4 (their
+# histories; scripts/device/regen-prompts.jsonl.gz), bf16, 256-token cap: whether `--engine
+# auto` should take the batch engine (steps captured) on a GPU
+[ "${REGEN_S:-0}" -gt 0 ] && timeout "${REGEN_S}" python3 scripts/bench_regenerate.py \
+    --prompt-list scripts/device/regen-prompts.jsonl.gz --prompts 48 --max-new-tokens 256 \
+    --batch-size 48 --engines continuous,batch --lookaheads 3 2>&1 \
+    | grep -v -i "warn\|loading\|it/s\|conv/s" | tee "$OUT/regen_engines.txt"
 true
