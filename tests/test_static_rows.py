@@ -110,3 +110,64 @@ def test_a_batch_refilled_keeps_its_one_buffer() -> None:
         first_alone = alone.prefill([torch.arange(5, 14)])
     assert forward.cache.store is store and forward.cache.batch == 3
     assert torch.equal(firsts, first_alone)
+
+
+def test_rows_of_mixed_lengths_attend_each_over_their_own_columns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch of a 5-token and a 200-token prompt: its uncaptured steps attend row by row
+    (the short row over 64 columns, not the long row's 256), and both rows decode to their own
+    greedy outputs; one call for the whole batch where the rows are of like lengths."""
+    from headway.decode import grouped_attention
+    from headway.decode.batch_decode import decode_batch
+    from tests.test_generate import hf_greedy
+
+    model = tiny_model("llama")
+    seen: list[list[int] | None] = []
+    chosen = grouped_attention._rows_apart
+
+    def recording(batch: int, columns: int) -> list[int] | None:
+        seen.append(chosen(batch, columns))
+        return seen[-1]
+
+    monkeypatch.setattr(grouped_attention, "_rows_apart", recording)
+    for lengths, apart in (((5, 200), True), ((150, 160), False)):
+        prompts = [torch.arange(length) % 90 + 3 for length in lengths]
+        seen.clear()
+        with torch.no_grad():
+            results = decode_batch(model, prompts, [None, None], max_new_tokens=12)
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result.tokens == hf_greedy(model, prompt, 12, eos=None)
+        per_row = [widths for widths in seen if widths is not None]
+        assert bool(per_row) == apart
+        if apart:
+            assert all(widths[0] == 64 and widths[1] >= 256 for widths in per_row)
+
+
+def test_row_by_row_attention_equals_the_batchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two rows whose masks close every column past 10 and 90: attended row by row (one SDPA
+    call each, over 10 and 90 columns), the output is the one call's over all 100."""
+    from headway.decode.grouped_attention import packed_sdpa, row_widths
+
+    generator = torch.Generator().manual_seed(2)
+    query = torch.randn(2, 6, 3, 8, generator=generator)
+    key = torch.randn(2, 2, 100, 8, generator=generator)
+    value = torch.randn(2, 2, 100, 8, generator=generator)
+    mask = torch.zeros(2, 1, 3, 100)
+    mask[0, ..., 10:] = mask[1, ..., 90:] = torch.finfo(torch.float32).min
+    layer = torch.nn.Module()
+    layer.num_key_value_groups, layer.is_causal = 3, False  # type: ignore[assignment]
+    with torch.no_grad():
+        whole, _ = packed_sdpa(layer, query, key, value, mask)
+        widths: list[int] = []
+        stock = torch.nn.functional.scaled_dot_product_attention
+
+        def recording(q: Tensor, k: Tensor, *args: object, **kwargs: object) -> Tensor:
+            widths.append(k.shape[2])
+            return stock(q, k, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+        with row_widths([10, 90]):
+            apart, _ = packed_sdpa(layer, query, key, value, mask)
+    assert widths == [10, 90]
+    torch.testing.assert_close(apart, whole)

@@ -39,6 +39,7 @@ from torch import Tensor
 from headway.decode.captured import StaticForward, block_bucket, run_graph
 from headway.decode.device_tree import accept_greedy, accept_sampled, open_columns, tree_layout
 from headway.decode.gemm import routed_linears
+from headway.decode.grouped_attention import row_widths
 from headway.decode.keyed_noise import position_keys
 from headway.decode.sampling import (
     GREEDY,
@@ -148,13 +149,14 @@ class BatchVerify:
         visible = (visible & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
         starts = torch.zeros(self.batch, dtype=torch.long, device=device)
         positions = order.expand(self.batch, width)
+        reach = [width] * self.batch  # padded entries see themselves: every row reads it all
         if _keeps_per_row(target.model):  # each row's last entry alone through the LM head
             keep: int | Tensor = (sizes - 1)[:, None]
-            logits, self.hidden = self._forward(ids, positions, visible, starts, width, width, keep)
+            logits, self.hidden = self._forward(ids, positions, visible, starts, width, reach, keep)
             last_logits = logits[:, 0]
         else:  # from the shortest prompt's last entry on: every row's last is among them
             keep = width - min(p.numel() for p in prompts) + 1
-            logits, self.hidden = self._forward(ids, positions, visible, starts, width, width, keep)
+            logits, self.hidden = self._forward(ids, positions, visible, starts, width, reach, keep)
             last = (sizes - 1 - (width - keep))[:, None, None].expand(-1, 1, logits.shape[-1])
             last_logits = logits.gather(1, last)[:, 0]
         self.lengths.copy_(sizes)
@@ -288,7 +290,7 @@ class BatchVerify:
         positions = torch.cat([depths, pad], dim=-1) + self.lengths[:, None]
         visible = torch.eye(size, dtype=torch.bool, device=ids.device).repeat(self.batch, 1, 1)
         visible[:, : nodes + 1, : nodes + 1] = ancestors
-        reach = max(self._known) + size  # read only where not captured
+        reach = [known + size for known in self._known]  # read only where not captured
         logits, hidden = self._forward(ids, positions, visible, self.lengths, size, reach)
         if plan.sampling.greedy:
             count, path, committed = accept_greedy(
@@ -318,25 +320,27 @@ class BatchVerify:
         visible: Tensor,
         starts: Tensor,
         size: int,
-        reach: int,
+        reach: Sequence[int],
         keep: int | Tensor = 0,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         """The target over ``ids``/``positions [B, S]``, row ``b`` written at columns
         ``starts[b] ..`` and attending to its earlier columns and the entries ``visible [B, S,
-        S]`` opens (no row's block past column ``reach``, known on the host); logits ``[B, S,
+        S]`` opens (no row's block past column ``reach[b]``, known on the host); logits ``[B, S,
         V]`` (the last ``keep`` entries' only, 0: all; a tensor ``[B, k]``: those entries of
         each row) and the ``hidden_layers``' states ``[B, S, H]``."""
         target = self.target
         target.cache.columns[:, :size].copy_(starts[:, None] + target.keys[:size])
         # not captured: attention over the columns up to the longest row's block only
-        window = None if target.capture else _window(reach, target.keys.numel())
+        window = None if target.capture else _window(max(reach), target.keys.numel())
         target.cache.window = window
         opened = open_columns(target.keys[:window], starts, visible)  # [B, S, window]
         dtype = target.model.dtype
         mask = torch.zeros(opened.shape, dtype=dtype, device=ids.device)
         mask.masked_fill_(~opened, torch.finfo(dtype).min)
+        # not captured: each row's attention over its own columns where rows differ enough
+        widths = None if window is None else [_window(columns, window) for columns in reach]
         try:
-            with routed_linears(target.model):  # a CPU's GEMM route for blocks of B x S rows
+            with routed_linears(target.model), row_widths(widths):  # a CPU's GEMM route
                 masks = {"": mask[:, None]}
                 return target.forward_rows(ids, positions, masks, self.hidden_layers, keep)
         finally:

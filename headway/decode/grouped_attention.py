@@ -16,7 +16,7 @@ chunk (forward and backward) runs faster packed than with sdpa's repeated heads 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,15 +48,60 @@ def packed_sdpa(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query.reshape(batch, heads // groups, groups * step, dim),
-        key,
-        value,
-        attn_mask=_packed_mask(attention_mask, groups, getattr(module, "layer_idx", None)),
-        dropout_p=dropout,
-        scale=scaling,
-    )
+    packed = query.reshape(batch, heads // groups, groups * step, dim)
+    mask = _packed_mask(attention_mask, groups, getattr(module, "layer_idx", None))
+    widths = _rows_apart(batch, key.shape[2])
+    if widths is None:
+        output = torch.nn.functional.scaled_dot_product_attention(
+            packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+        )
+    else:  # each row over its own first columns, one call a row
+        output = packed.new_empty(packed.shape)
+        for row, width in enumerate(widths):
+            output[row : row + 1] = torch.nn.functional.scaled_dot_product_attention(
+                packed[row : row + 1],
+                key[row : row + 1, :, :width],
+                value[row : row + 1, :, :width],
+                attn_mask=mask[row : row + 1, :, :, :width],
+                dropout_p=dropout,
+                scale=scaling,
+            )
     return output.reshape(batch, heads, step, dim).transpose(1, 2).contiguous(), None
+
+
+PER_ROW_SHARE = 0.85
+"""Rows are attended one call each (:func:`row_widths`) when their columns add up to at most
+this share of the batch's rows times the widest row's columns (fewer columns read, more calls)."""
+
+_ROW_WIDTHS: list[list[int]] = []
+
+
+@contextmanager
+def row_widths(widths: Sequence[int] | None) -> Iterator[None]:
+    """Inside the block, packed attention over a batch of ``len(widths)`` rows reads row ``b``'s
+    first ``widths[b]`` key columns only, one SDPA call a row, where that reads few enough
+    columns (:data:`PER_ROW_SHARE`). The caller promises that the mask closes every later column
+    to every query of the row and leaves each query one column open. Rows of mixed lengths
+    otherwise all attend as wide as the longest: on a CPU, 32 rows of 800-2,400 cached tokens
+    took 15.9 ms a layer in one call and 11.5 ms row by row (bf16; 2026-11-29). Not for CUDA
+    graphs or torch.compile (a Python loop over the rows)."""
+    if widths is None:
+        yield
+        return
+    _ROW_WIDTHS.append(list(widths))
+    try:
+        yield
+    finally:
+        _ROW_WIDTHS.pop()
+
+
+def _rows_apart(batch: int, columns: int) -> list[int] | None:
+    """The rows' widths (at most ``columns``) where :func:`row_widths` set them for ``batch``
+    rows and attending row by row reads few enough columns; else None (one call)."""
+    if not _ROW_WIDTHS or len(_ROW_WIDTHS[-1]) != batch or torch.compiler.is_compiling():
+        return None
+    widths = [min(width, columns) for width in _ROW_WIDTHS[-1]]
+    return widths if sum(widths) <= PER_ROW_SHARE * batch * columns else None
 
 
 _last_mask: list[tuple[Tensor, int, int, Tensor]] = []  # (mask, groups, layer, packed): CPU
