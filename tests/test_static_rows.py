@@ -171,3 +171,16 @@ def test_row_by_row_attention_equals_the_batchs(monkeypatch: pytest.MonkeyPatch)
             apart, _ = packed_sdpa(layer, query, key, value, mask)
     assert widths == [10, 90]
     torch.testing.assert_close(apart, whole)
+
+
+def test_a_forwards_packed_mask_is_not_kept_past_its_last_layer() -> None:
+    """The mask packed once for a forward's layers is dropped at its last layer (a prefill's
+    can be hundreds of MB)."""
+    from headway.decode import grouped_attention
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        decode_batch_rows = BatchVerify(StaticForward(model, batch=2), max_depth=2)
+        with grouped_attention.grouped_attention(model):
+            decode_batch_rows.prefill([torch.arange(3, 9), torch.arange(3, 12)])
+    assert not grouped_attention._last_mask

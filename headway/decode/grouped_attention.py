@@ -50,6 +50,8 @@ def packed_sdpa(
         )
     packed = query.reshape(batch, heads // groups, groups * step, dim)
     mask = _packed_mask(attention_mask, groups, getattr(module, "layer_idx", None))
+    if _last_mask and _last_mask[0][2] == _layers(module) - 1:
+        _last_mask.clear()  # the forward's last layer: nothing of it kept past the forward
     widths = _rows_apart(batch, key.shape[2])
     if widths is None:
         output = torch.nn.functional.scaled_dot_product_attention(
@@ -105,6 +107,12 @@ def _rows_apart(batch: int, columns: int) -> list[int] | None:
 
 
 _last_mask: list[tuple[Tensor, int, int, Tensor]] = []  # (mask, groups, layer, packed): CPU
+
+
+def _layers(module: torch.nn.Module) -> int:
+    """The number of layers of ``module``'s model (its config's), or 0 where it names none."""
+    config = getattr(module, "config", None)
+    return int(getattr(config, "num_hidden_layers", 0) or 0)
 
 
 def _packed_mask(mask: Tensor, groups: int, layer: int | None) -> Tensor:
