@@ -49,9 +49,8 @@ def packed_sdpa(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     packed = query.reshape(batch, heads // groups, groups * step, dim)
-    mask = _packed_mask(attention_mask, groups, getattr(module, "layer_idx", None))
-    if _last_mask and _last_mask[0][2] == _layers(module) - 1:
-        _last_mask.clear()  # the forward's last layer: nothing of it kept past the forward
+    layer = getattr(module, "layer_idx", None)
+    mask = _packed_mask(attention_mask, groups, layer, _layers(module))
     widths = _rows_apart(batch, key.shape[2])
     if widths is None:
         output = torch.nn.functional.scaled_dot_product_attention(
@@ -115,14 +114,14 @@ def _layers(module: torch.nn.Module) -> int:
     return int(getattr(config, "num_hidden_layers", 0) or 0)
 
 
-def _packed_mask(mask: Tensor, groups: int, layer: int | None) -> Tensor:
+def _packed_mask(mask: Tensor, groups: int, layer: int | None, layers: int = 0) -> Tensor:
     """``mask [B, 1, S, L]`` repeated per group member as ``[B, 1, G·S, L]`` (a copy). Every
     layer of a forward gets the same mask: on a CPU a later layer (``layer``, its index) of
     the same forward reuses the copy the layer before it made from the same tensor (copying
     it in every layer took 3% of a batched regeneration step's time, 2026-11-29); a forward
     starts again from its first layer, so a mask buffer rewritten in place between forwards is
-    packed anew; CUDA (graphs captured once, replayed), torch.compile and training (gradients
-    on) pack in every layer."""
+    packed anew, and the last of the model's ``layers`` keeps nothing; CUDA (graphs captured
+    once, replayed), torch.compile and training (gradients on) pack in every layer."""
     batch, _, step, width = mask.shape
     packed = mask[:, :, None].expand(batch, 1, groups, step, width)
     if torch.compiler.is_compiling():  # one graph, no Python state: the compiler fuses it
@@ -135,11 +134,14 @@ def _packed_mask(mask: Tensor, groups: int, layer: int | None) -> Tensor:
         and cached[1] == groups
         and cached[2] < layer
     ):
-        _last_mask[0] = (mask, groups, layer, cached[3])
-        return cached[3]
-    packed = packed.reshape(batch, 1, groups * step, width)
-    if mask.device.type == "cpu" and layer is not None and not torch.is_grad_enabled():
+        packed = cached[3]
+    else:
+        packed = packed.reshape(batch, 1, groups * step, width)
+    kept = mask.device.type == "cpu" and not torch.is_grad_enabled()
+    if kept and layer is not None and layer != layers - 1:
         _last_mask[:] = [(mask, groups, layer, packed)]
+    else:  # the forward's last layer (``layers``), or nothing to reuse: nothing kept past it
+        _last_mask.clear()
     return packed
 
 

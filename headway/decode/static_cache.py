@@ -169,8 +169,8 @@ class StaticCache(DynamicCache):
         store, first = self.store, self.first
         with torch.inference_mode(store.is_inference()):  # the buffer's own mode
             if any(later <= earlier for earlier, later in itertools.pairwise(rows)):
-                moved = store[:, :, first : first + self.batch].index_select(2, index)
-                store[:, :, first : first + len(rows)].copy_(moved)
+                moved = store[:, :, first : first + self.batch, :, :width].index_select(2, index)
+                store[:, :, first : first + len(rows), :, :width].copy_(moved)
             else:  # each row's source at or after its place: read before it is overwritten
                 for place, row in enumerate(rows):
                     if row != place:
@@ -192,10 +192,7 @@ class StaticCache(DynamicCache):
         if self.store is None or first + count > self.room:
             room = max(self.room, offset + count)
             return StaticCache(layers, self.capacity, device, count, room=room)
-        new = StaticCache(layers, self.capacity, device, count, room=self.room)
-        new.store, new.first = self.store, first
-        new.fused = self.store[:, :, first : first + count]
-        return new
+        return _rows_in(self, first, count)
 
     def joined(self, other: StaticCache) -> StaticCache:
         """A cache of this one's rows, then ``other``'s (both of one capacity and one model's
@@ -246,13 +243,23 @@ def _buffer(layer: StaticLayer, shaped: StaticLayer, name: str) -> Tensor:
     return like.new_zeros((layer.owner.batch, *like.shape[1:]))
 
 
+def _rows_in(cache: StaticCache, first: int, batch: int) -> StaticCache:
+    """A cache over the rows ``first .. first + batch - 1`` of ``cache``'s one buffer, its
+    layers not yet written (their first write takes their views: :meth:`StaticCache.
+    buffers_for`)."""
+    assert cache.store is not None
+    new = StaticCache(len(cache.layers), cache.capacity, cache.columns.device, batch, cache.room)
+    new.store, new.first = cache.store, first
+    new.fused = cache.store[:, :, first : first + batch]
+    return new
+
+
 def _view(cache: StaticCache, first: int, batch: int, length: int) -> StaticCache:
     """A cache of the rows ``first .. first + batch - 1`` of ``cache``'s one buffer, holding
     ``length`` committed columns."""
-    assert cache.store is not None
-    new = StaticCache(len(cache.layers), cache.capacity, cache.columns.device, batch, cache.room)
-    new.store, new.first, new.length = cache.store, first, length
-    new.fused = cache.store[:, :, first : first + batch]
+    new = _rows_in(cache, first, batch)
+    new.length = length
+    assert new.fused is not None
     for index, layer in enumerate(new.layers):
         layer.keys, layer.values = new.fused[index, 0], new.fused[index, 1]
         layer.dtype, layer.device = new.fused.dtype, new.fused.device
