@@ -12,8 +12,9 @@ to answer the same prompts, and its answers are checked to be prefixes of the fi
 ``--engines batch,continuous`` adds ``headway generate --batch``'s engine (prompt-lookup
 trees over a static cache; with ``--stop-loops``, a stop-loops run of it too).
 ``--max-turns 3`` answers up to three turns of each conversation, turn by turn; with
-``--recompute-history`` a last continuous run prefills each later turn whole instead of
-continuing from the row that answered the turn before, compared by seconds too.
+``--recompute-history`` a last run of each engine but ``generate`` prefills each later turn
+whole instead of continuing from the row that answered the turn before, compared by seconds
+too.
 ``--prompt-list FOLDER/prompts.jsonl.gz`` answers prompts drawn from a regeneration folder's
 frozen list instead (a ``--continue-from`` folder's: later turns after long histories).
 
@@ -62,8 +63,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--recompute-history",
         action="store_true",
-        help="one more continuous run (the last lookahead and route) whose later turns prefill "
-        "their whole history (headway's default continues from the turn before)",
+        help="one more run of each engine but generate (the continuous one with the last "
+        "lookahead and route) whose later turns prefill their whole history (headway's "
+        "default continues from the turn before)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap")
     parser.add_argument("--batch-size", type=int, default=64, help="rows per batch (both)")
@@ -138,19 +140,23 @@ def main() -> None:
     runs = [
         (engine, lookahead, 0, gemm)
         for engine in args.engines.split(",")
-        for lookahead in (_ints(args.lookaheads) if engine == "continuous" else [0])
+        for lookahead in (_ints(args.lookaheads) if engine == "continuous" else [None])
         for gemm in (gemms[:1] if engine == "generate" else gemms)
     ]
     last_lookahead = _ints(args.lookaheads)[-1]
     runs += [
-        (engine, last_lookahead if engine == "continuous" else 0, stop, gemms[-1])
+        (engine, last_lookahead if engine == "continuous" else None, stop, gemms[-1])
         for engine in args.engines.split(",")
         if engine != "generate"
         for stop in _ints(args.stop_loops)
         if stop
     ]
-    if args.recompute_history:
-        runs.append(("continuous", last_lookahead, -1, gemms[-1]))  # -1: history recomputed
+    if args.recompute_history:  # -1: history recomputed
+        runs += [
+            (engine, last_lookahead if engine == "continuous" else None, -1, gemms[-1])
+            for engine in args.engines.split(",")
+            if engine != "generate"
+        ]
     results: dict[str, tuple[dict[str, Answer], float]] = {}
     for engine, lookahead, stop, gemm in runs:
         batch = args.generate_batch_size if engine == "generate" else None

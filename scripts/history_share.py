@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 
 from headway.corpus.jsonl import read_jsonl
-from headway.generation.batched_generation import shared_prefix
+from headway.decode.batch_decoder import shared_prefix
 from headway.target import DEFAULT_TARGET, load_tokenizer
 from headway.train.answering import prompt_token_ids
 

@@ -42,12 +42,12 @@ def test_every_row_is_its_prompts_own_greedy_output(
     decoding of its prompt alone, and lookup's accepted drafts commit several tokens a step
     (every step sends the trees whole: what the sizer sends follows the machine's timings),
     whether the rows are prefilled in one forward or in runs of like lengths."""
-    from headway.decode import batch_sizer, batch_step
+    from headway.decode import batch_prefill, batch_sizer
 
     if runs > 1:
-        monkeypatch.setattr(batch_step, "PREFILL_TOKENS", 18)
+        monkeypatch.setattr(batch_prefill, "PREFILL_TOKENS", 18)
     sizes = sorted(prompt.numel() for prompt in _prompts())
-    assert len(batch_step.prefill_runs(sizes)) == runs
+    assert len(batch_prefill.prefill_runs(sizes)) == runs
     monkeypatch.setattr(batch_sizer.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 7)
     monkeypatch.setattr(batch_sizer, "PLAIN_EVERY", 10**9)  # every step drafts
     model = tiny_model(family)
@@ -141,10 +141,10 @@ def test_drafters_reading_the_target_states_draft_each_row(
     states the batched steps leave for that row: every row is its prompt's own greedy output,
     and EAGLE-3's drafts are accepted (every step sends the whole tree); with a small prefill
     budget each row's prompt goes through a forward of its own, its states kept for drafting."""
-    from headway.decode import batch_sizer, batch_step
+    from headway.decode import batch_prefill, batch_sizer
 
     if budget is not None:
-        monkeypatch.setattr(batch_step, "PREFILL_TOKENS", budget)
+        monkeypatch.setattr(batch_prefill, "PREFILL_TOKENS", budget)
     from headway.decode.generate import generate
     from headway.drafters.eagle3_drafter import Eagle3Drafter
     from headway.drafters.medusa_drafter import MedusaDrafter
@@ -155,7 +155,7 @@ def test_drafters_reading_the_target_states_draft_each_row(
 
     model, truth = target_and_truth("llama")  # the EAGLE-3 draft is fitted on PROMPT + truth
     prompts = [PROMPT, PROMPT[:5], torch.cat([PROMPT, torch.tensor(truth[:3])])]
-    runs = batch_step.prefill_runs(sorted(prompt.numel() for prompt in prompts))
+    runs = batch_prefill.prefill_runs(sorted(prompt.numel() for prompt in prompts))
     assert len(runs) == (1 if budget is None else 3)
     drafters: list[Any] = []
     for _ in prompts:
@@ -406,20 +406,22 @@ def test_finished_rows_leave_after_a_quarter_or_half_where_captured(
     half where the batch's steps are captured (each new batch size is captured again)."""
     from types import SimpleNamespace
 
-    from headway.decode import batch_decode
-    from headway.decode.sampling import GREEDY
+    from headway.decode.batch_decoder import BatchDecoder, Ending
 
     kept: list[list[int]] = []
     steps = SimpleNamespace(
         target=SimpleNamespace(capture=captured), keep_rows=kept.append, batch=4
     )
-    drafting = SimpleNamespace(keep_rows=lambda rows: None)
-    prompts = [torch.tensor([1])] * 4
-    rows = batch_decode._Rows(steps, drafting, prompts, None, GREEDY, None)  # type: ignore[arg-type]
-    rows.order, rows.queue = [0, 1, 2, 3], []
+    drafting = SimpleNamespace(keep_rows=lambda rows: None, max_nodes=0, hidden_layers=())
+    model = tiny_model("llama")
+    decoder = BatchDecoder(model, drafting, 4, Ending(frozenset(), 8))
+    for _ in range(4):
+        decoder.submit(torch.tensor([1]))
+    decoder._steps = steps  # type: ignore[assignment]
+    decoder.order, decoder.queue = [0, 1, 2, 3], []
     for finished in range(1, 4):
-        rows.everyone[finished].stop_reason = "eos"
-        assert rows.reshaped()
+        decoder.everyone[finished].stop_reason = "eos"
+        assert decoder._reshaped()
         if kept:
             break
     assert kept and len(kept[0]) == 4 - leave_after

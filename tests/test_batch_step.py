@@ -298,7 +298,7 @@ def test_the_prefill_takes_each_rows_last_logits_either_way(
     tokens are each prompt's greedy next token either way."""
     from headway.decode import batch_step
 
-    monkeypatch.setattr(batch_step, "_keeps_per_row", lambda model: per_row)
+    monkeypatch.setattr(batch_step, "keeps_per_row", lambda model: per_row)
     model = tiny_model("qwen2")
     prompts = _prompts((2, 13, 7))
     step = BatchVerify(StaticForward(model, batch=3), max_depth=DEPTH)

@@ -70,7 +70,7 @@ def test_a_sampled_batch_gives_each_prompt_its_seeds_text_whatever_the_batch(
     trees cut to sizes drawn at random each step, prefilled in one forward or in runs of like
     lengths: the same tokens for every prompt; the first prompt's are the single-sequence
     loop's for the same generator seed, and two rows of one prompt sample two texts."""
-    from headway.decode import batch_sizer, batch_step
+    from headway.decode import batch_prefill, batch_sizer
 
     chance = torch.Generator().manual_seed(0)
 
@@ -84,7 +84,7 @@ def test_a_sampled_batch_gives_each_prompt_its_seeds_text_whatever_the_batch(
     outputs = []
     settings = [(None, None, 0), ("lookup", None, 0), ("lookup", 1, 0), (None, 2, 0)]
     for drafter_kind, max_batch, budget in [*settings, ("lookup", None, 8)]:
-        monkeypatch.setattr(batch_step, "PREFILL_TOKENS", budget or batch_step.PREFILL_TOKENS)
+        monkeypatch.setattr(batch_prefill, "PREFILL_TOKENS", budget or batch_prefill.PREFILL_TOKENS)
         drafters = [PromptLookupDrafter() if drafter_kind else None for _ in prompts]
         rows = decode_batch(
             model,

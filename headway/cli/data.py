@@ -122,34 +122,39 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         "--batch-size",
         type=POSITIVE,
         default=64,
-        help="rows generated together (continuous: slots kept busy; generate: a padded batch). "
-        "The continuous engine's key/value cache holds every slot at the longest row's width: "
-        "on a CPU a growth the free memory cannot hold stops the run in one line (rerun with a "
-        "smaller batch; it resumes from the last shard). fp32 three-turn histories at 64 "
-        "slots outgrew 24 GB on 2026-11-27",
+        help="rows generated together (batch and continuous: rows kept busy, finished ones "
+        "replaced by waiting prompts; generate: a padded batch). The key/value cache holds "
+        "every row at the longest row's width: on a CPU a growth the free memory cannot hold "
+        "stops the run in one line (rerun with a smaller batch; it resumes from the last "
+        "shard). fp32 three-turn histories at 64 slots outgrew 24 GB on 2026-11-27",
     )
     parser.add_argument(
         "--engine",
         choices=["auto", "continuous", "generate", "batch"],  # answering.ENGINES (lazy CLI)
         default="auto",
-        help="continuous: finished rows leave and waiting prompts join (several times HF "
-        "generate's tokens/s on a CPU, more with --lookahead; scripts/bench_regenerate.py "
-        "measures it, docs/benchmarks.md has the figures); generate: HF generate on padded "
-        "batches; batch: headway generate --batch's engine, one call per turn (prompt-lookup "
-        "trees over a static cache, CUDA graphs on a GPU; each turn's whole history "
-        "prefilled); auto (the default): continuous, or generate for a target with recurrent "
-        "layers (Qwen3.5, Mamba, ...), which the continuous engine cannot batch. Any may be "
-        "used to resume a folder",
+        help="batch: headway generate --batch's engine (one static cache, prompt-lookup trees "
+        "sized by their measured cost, finished rows replaced by waiting prompts, CUDA graphs "
+        "on a GPU; a conversation's next turn continues from the keys/values its turn before "
+        "left); continuous: the earlier engine (a ragged cache, lookahead chains, never "
+        "captured), kept for a target mixing sliding or chunked layers with full ones whose "
+        "forward takes one mask; generate: HF generate on padded batches; auto (the "
+        "default): batch, continuous for such a target, generate for one with recurrent "
+        "layers (Qwen3.5, Mamba, ...). On a 2-core "
+        "EPYC, bf16, three ShareGPT turns: batch 219 against continuous 203 answer tok/s "
+        "(scripts/bench_regenerate.py, docs/benchmarks.md). Any may be used to resume a "
+        "folder: in fp32 they answer alike",
     )
     parser.add_argument(
         "--lookahead",
         type=NON_NEGATIVE,
         default=None,
-        help="continuous engine: tokens each row drafts per step by looking up its own prompt "
-        "and answer, verified in the same forward so the answers are unchanged (0 = one token "
-        "per step). Default: 3 for greedy answers (faster than 0 where measured), 0 when "
-        "sampling (fewer drafts are kept, and it ran slower than 0 at temperature 0.7); "
-        "scripts/bench_regenerate.py measures both",
+        help="tokens each row drafts per step by looking up its own prompt and answer, "
+        "verified in the same forward so the answers are unchanged (0 = one token per step). "
+        "batch engine: a tree of at most that many nodes, each step's trees cut to the size "
+        "the step's measured cost pays for; default: prompt lookup's own tree (8 nodes). "
+        "continuous engine: a chain; default 3 for greedy answers (faster than 0 where "
+        "measured), 0 when sampling (it ran slower than 0 at temperature 0.7); "
+        "scripts/bench_regenerate.py measures them",
     )
     parser.add_argument(
         "--stop-loops",

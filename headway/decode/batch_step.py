@@ -24,28 +24,28 @@ transformers decodes that prompt alone (``tests/test_batch_step.py``, fp32); sam
 row's tokens are those its seed samples for that prompt alone, with or without a drafter
 (``tests/test_batch_decode.py``).
 
-Not yet: targets with sliding or chunked layers (their masks need a host check a step).
+A target with sliding or chunked layers gets those layers' keys closed in its masks on the
+device, one mask per layer type where its layers mix kinds (a mixed target whose forward takes
+one mask is refused in one line).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from headway.decode.batch_prefill import keeps_per_row, prefill_block, prefill_runs, stacked
 from headway.decode.captured import StaticForward, block_bucket, run_graph
 from headway.decode.device_tree import accept_greedy, accept_sampled, open_columns, tree_layout
 from headway.decode.gemm import routed_linears
 from headway.decode.grouped_attention import row_widths
 from headway.decode.keyed_noise import position_keys
-from headway.decode.sampling import (
-    GREEDY,
-    SamplingParams,
-    pick_tokens,
-)
+from headway.decode.local_attention import mixes_with_one_mask, rows_local_masks
+from headway.decode.sampling import GREEDY, SamplingParams, pick_tokens
+from headway.decode.static_cache import Prefix, prefix_length
 from headway.errors import TargetError
 
 __all__ = ["BatchVerify"]
@@ -76,11 +76,12 @@ class BatchVerify:
     def __init__(
         self, target: StaticForward, max_depth: int, hidden_layers: tuple[int, ...] = ()
     ) -> None:
-        if not target.takes_device_trees:
+        model = target.model
+        if mixes_with_one_mask(model):
             raise TargetError(
-                "batched speculative steps need a target without sliding-window or chunked "
-                "layers (their masks need a check on the host each step); decode its rows "
-                "one at a time"
+                f"{type(model).__name__} mixes sliding-window or chunked layers with full "
+                "attention but takes one mask for all: batched steps need one mask per layer "
+                "type; decode its prompts one at a time"
             )
         self.target, self.max_depth = target, max_depth
         self.hidden_layers = hidden_layers
@@ -100,73 +101,79 @@ class BatchVerify:
         prompts: Sequence[Tensor],
         sampling: SamplingParams = GREEDY,
         seeds: Tensor | None = None,
+        prefixes: Sequence[Prefix | None] | None = None,
     ) -> Tensor:
-        """Run each row's prompt (``B`` LongTensors ``[L_b]``, L_b >= 1) from column 0;
-        returns each row's next token ``[B]`` (on the device; greedy, or drawn by
-        ``sampling`` with the noise of the rows' ``seeds [B]``, which every later step
-        of the row draws with too: :mod:`headway.decode.keyed_noise`), the first root to
-        feed :meth:`step`. Runs of rows of like lengths (:func:`prefill_runs`; callers pass
-        prompts shortest first) go through one forward each, shorter prompts padded with
-        entries that see only themselves (their columns are overwritten or never opened
-        later): one forward over every row padded to the longest was 80% padding for a batch
-        of ShareGPT first turns (docs/benchmarks.md, 2026-11-29)."""
+        """Run each row's prompt (``B`` LongTensors ``[L_b]``, L_b >= 1) from column 0, or
+        from the columns its ``prefixes[b]`` fills (:meth:`~headway.decode.static_cache.
+        StaticCache.row_prefix`, of fewer than ``L_b`` columns: the start of the prompt
+        computed before; :attr:`hidden` then holds the states of the rest only); returns each
+        row's next token ``[B]`` (on the device; greedy, or drawn by ``sampling`` with the noise
+        of the rows' ``seeds [B]``, which every later step of the row draws with too:
+        :mod:`headway.decode.keyed_noise`), the first root to feed :meth:`step`. Runs of rows
+        of like lengths (:func:`~headway.decode.batch_prefill.prefill_runs`; callers pass
+        prompts shortest first) go through one forward each."""
         if len(prompts) != self.batch or min(p.numel() for p in prompts) < 1:
             raise ValueError(f"need {self.batch} prompts of at least one token each")
         if not sampling.greedy and (seeds is None or seeds.shape != (self.batch,)):
             raise ValueError(f"sampling needs one seed per row ([{self.batch}])")
-        runs = prefill_runs([prompt.numel() for prompt in prompts])
+        given = list(prefixes) if prefixes is not None else [None] * len(prompts)
+        runs = prefill_runs(
+            [p.numel() - prefix_length(f) for p, f in zip(prompts, given, strict=True)]
+        )
         if len(runs) == 1:
-            return self._prefill_rows(prompts, sampling, seeds)
+            return self._prefill_rows(prompts, sampling, seeds, given)
         first = runs[0]
-        self.target.reserve(max(prompt.numel() for prompt in prompts))  # for the longest run
+        self.target.reserve(_columns(prompts, given, runs))  # for the widest run
         self.target.cache = self.target.cache.rows_at(0, len(first))  # its buffer's first rows
         self.batch = len(first)
         self.lengths, self.seeds = self.lengths[: len(first)], self.seeds[: len(first)]
         part = None if seeds is None else seeds[first.start : first.stop]
-        firsts = [self._prefill_rows(prompts[first.start : first.stop], sampling, part)]
+        firsts = [self._prefill_rows(prompts[first.start : first.stop], sampling, part, given)]
         states = [self.hidden]
         for run in runs[1:]:
             part = None if seeds is None else seeds[run.start : run.stop]
-            firsts.append(self.add_rows(prompts[run.start : run.stop], sampling, part))
+            rows = prompts[run.start : run.stop]
+            firsts.append(self.add_rows(rows, sampling, part, given[run.start : run.stop]))
             states.append(tuple(layer[-len(run) :] for layer in self.hidden))
-        self.hidden = tuple(_stacked(list(layers)) for layers in zip(*states, strict=True))
+        self.hidden = tuple(stacked(list(layers)) for layers in zip(*states, strict=True))
         return torch.cat(firsts)
 
     def _prefill_rows(
-        self, prompts: Sequence[Tensor], sampling: SamplingParams, seeds: Tensor | None
+        self,
+        prompts: Sequence[Tensor],
+        sampling: SamplingParams,
+        seeds: Tensor | None,
+        prefixes: Sequence[Prefix | None],
     ) -> Tensor:
         """:meth:`prefill` of every row in one forward."""
-        target, device = self.target, self.target.model.device
-        sizes = torch.tensor([p.numel() for p in prompts], device=device)
-        width = int(max(p.numel() for p in prompts))
-        target.begin(width)
-        ids = torch.zeros(self.batch, width, dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            ids[row, : prompt.numel()] = prompt.to(device)
-        order = torch.arange(width, device=device)
-        real = order < sizes[:, None]  # [B, L]
-        visible = order[None, :, None] >= order[None, None, :]  # causal [1, L, L]
-        visible = (visible & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=device)
-        starts = torch.zeros(self.batch, dtype=torch.long, device=device)
-        positions = order.expand(self.batch, width)
-        reach = [width] * self.batch  # padded entries see themselves: every row reads it all
-        if _keeps_per_row(target.model):  # each row's last entry alone through the LM head
-            keep: int | Tensor = (sizes - 1)[:, None]
-            logits, self.hidden = self._forward(ids, positions, visible, starts, width, reach, keep)
+        target = self.target
+        block = prefill_block(
+            prompts, [prefix_length(f) for f in prefixes[: len(prompts)]], target.model.device
+        )
+        target.begin(max(block.reach))
+        for row, prefix in enumerate(prefixes[: len(prompts)]):
+            if prefix is not None:
+                target.cache.put_prefix(row, prefix)
+        remaining, width = block.remaining, block.width
+        layout = (block.ids, block.positions, block.visible, block.starts, width, block.reach)
+        if keeps_per_row(target.model):  # each row's last entry alone through the LM head
+            keep: int | Tensor = (remaining - 1)[:, None]
+            logits, self.hidden = self._forward(*layout, keep)
             last_logits = logits[:, 0]
-        else:  # from the shortest prompt's last entry on: every row's last is among them
-            keep = width - min(p.numel() for p in prompts) + 1
-            logits, self.hidden = self._forward(ids, positions, visible, starts, width, reach, keep)
-            last = (sizes - 1 - (width - keep))[:, None, None].expand(-1, 1, logits.shape[-1])
+        else:  # from the shortest row's last entry on: every row's last is among them
+            keep = width - int(remaining.min()) + 1
+            logits, self.hidden = self._forward(*layout, keep)
+            last = (remaining - 1 - (width - keep))[:, None, None].expand(-1, 1, logits.shape[-1])
             last_logits = logits.gather(1, last)[:, 0]
-        self.lengths.copy_(sizes)
-        self._known = [p.numel() for p in prompts]
-        target.cache.length = width
+        self.lengths.copy_(block.sizes)
+        self._known = block.sizes.tolist()
+        target.cache.length = max(self._known)
         if sampling.greedy:
             return pick_tokens(last_logits, sampling, None)
         assert seeds is not None
-        self.seeds = seeds.to(device)  # the first answer token's noise: at each prompt's end
-        return pick_tokens(last_logits, sampling, position_keys(self.seeds, sizes))
+        self.seeds = seeds.to(target.model.device)
+        # the first answer token's noise: at each prompt's end
+        return pick_tokens(last_logits, sampling, position_keys(self.seeds, block.sizes))
 
     @torch.no_grad()
     def step(
@@ -227,16 +234,19 @@ class BatchVerify:
         prompts: Sequence[Tensor],
         sampling: SamplingParams = GREEDY,
         seeds: Tensor | None = None,
+        prefixes: Sequence[Prefix | None] | None = None,
     ) -> Tensor:
         """Put ``prompts`` (``n`` LongTensors ``[L_i]``) in the batch after its rows, each
-        run from column 0 of a row of its own (:meth:`prefill` over them alone, with their
-        ``seeds [n]`` where sampled, then the caches joined); returns their first tokens
-        ``[n]``. :attr:`hidden` holds the batch's
-        states ``[B + n, L, H]``: the old rows' zeros, the new rows' at every prompt entry."""
+        run from column 0 of a row of its own, or from its ``prefixes[i]`` (:meth:`prefill`
+        over them alone, with their ``seeds [n]`` where sampled, then the caches joined);
+        returns their first tokens ``[n]``. :attr:`hidden` holds the batch's
+        states ``[B + n, L, H]``: the old rows' zeros, the new rows' at every entry run."""
         target = self.target
+        given = list(prefixes) if prefixes is not None else [None] * len(prompts)
         # the batch's buffer grown first, so the new rows' prefill need not grow theirs (a
         # buffer of every row each time, then a copying join)
-        target.reserve(max(prompt.numel() for prompt in prompts))
+        sizes = [p.numel() - prefix_length(f) for p, f in zip(prompts, given, strict=True)]
+        target.reserve(_columns(prompts, given, prefill_runs(sizes)))
         old = target.cache
         lengths, known, batch, kept_seeds = self.lengths, self._known, self.batch, self.seeds
         device = lengths.device
@@ -244,7 +254,7 @@ class BatchVerify:
         self.batch, self._plans = len(prompts), {}
         self.lengths = torch.zeros(len(prompts), dtype=torch.long, device=device)
         self.seeds = torch.zeros(len(prompts), dtype=torch.long, device=device)
-        firsts = self.prefill(prompts, sampling, seeds)  # may grow the new rows' cache
+        firsts = self.prefill(prompts, sampling, seeds, given)  # may grow the new rows' cache
         new = target.cache
         capacity = max(old.capacity, new.capacity)
         if old.capacity < capacity:
@@ -337,11 +347,13 @@ class BatchVerify:
         dtype = target.model.dtype
         mask = torch.zeros(opened.shape, dtype=dtype, device=ids.device)
         mask.masked_fill_(~opened, torch.finfo(dtype).min)
+        masks = rows_local_masks(
+            target.model, mask[:, None], positions, starts, target.keys[:window]
+        )
         # not captured: each row's attention over its own columns where rows differ enough
         widths = None if window is None else [_window(columns, window) for columns in reach]
         try:
             with routed_linears(target.model), row_widths(widths):  # a CPU's GEMM route
-                masks = {"": mask[:, None]}
                 return target.forward_rows(ids, positions, masks, self.hidden_layers, keep)
         finally:
             target.cache.window = None
@@ -356,37 +368,13 @@ def _window(columns: int, capacity: int) -> int:
     return min(capacity, -(-columns // WINDOW_STEP) * WINDOW_STEP)
 
 
-PREFILL_TOKENS = 8192
-"""The most padded tokens (rows x the longest prompt) one prefill forward takes."""
-
-
-def prefill_runs(sizes: Sequence[int], budget: int | None = None) -> list[range]:
-    """Consecutive runs of rows (``sizes``: their prompts' lengths, shortest first where the
-    caller can) to prefill one forward each: a run grows while its padded tokens stay within
-    ``budget`` (default :data:`PREFILL_TOKENS`) and at most twice its real tokens."""
-    budget = PREFILL_TOKENS if budget is None else budget
-    runs: list[range] = []
-    start, longest, real = 0, 0, 0
-    for row, size in enumerate(sizes):
-        wider, more = max(longest, size), real + size
-        if row > start and (wider * (row - start + 1) > min(budget, 2 * more)):
-            runs.append(range(start, row))
-            start, wider, more = row, size, size
-        longest, real = wider, more
-    runs.append(range(start, len(sizes)))
-    return runs
-
-
-def _stacked(states: list[Tensor]) -> Tensor:
-    """Runs' states ``[n_i, L_i, H]`` as one ``[sum n_i, max L_i, H]`` (zeros past a run's)."""
-    width = max(state.shape[1] for state in states)
-    return torch.cat(
-        [torch.nn.functional.pad(state, (0, 0, 0, width - state.shape[1])) for state in states]
-    )
-
-
-def _keeps_per_row(model: torch.nn.Module) -> bool:
-    """Whether the model's forward takes ``logits_to_keep`` as a tensor of positions (the
-    template transformers' models follow: ``int | torch.Tensor``, per row when 2-D)."""
-    annotation = inspect.signature(type(model).forward).parameters.get("logits_to_keep")
-    return annotation is not None and "Tensor" in str(annotation.annotation)
+def _columns(
+    prompts: Sequence[Tensor], prefixes: Sequence[Prefix | None], runs: Sequence[range]
+) -> int:
+    """The columns prefilling ``prompts`` in ``runs`` writes: in each run every row writes as
+    many entries past its known columns as the run's widest row."""
+    needed = 0
+    for run in runs:
+        width = max(prompts[row].numel() - prefix_length(prefixes[row]) for row in run)
+        needed = max(needed, max(prefix_length(prefixes[row]) for row in run) + width)
+    return needed

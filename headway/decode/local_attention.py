@@ -34,6 +34,8 @@ __all__ = [
     "has_local_attention",
     "local_masks",
     "mask_types",
+    "mixes_with_one_mask",
+    "rows_local_masks",
     "sliding_window",
     "takes_mask_mapping",
     "windowed_masks",
@@ -118,13 +120,20 @@ def windowed_masks(
 
 
 def local_masks(
-    model: PreTrainedModel, mask: Tensor, queries: Tensor, keys: Tensor, doing: str
+    model: PreTrainedModel,
+    mask: Tensor,
+    queries: Tensor,
+    keys: Tensor,
+    doing: str,
+    always: bool = False,
 ) -> Tensor | dict[str, Tensor]:
     """An additive ``mask`` ``[..., q, k]`` for the target's layer types, given the queries'
     positions ``queries`` ``[..., q, 1]`` and the keys' ``keys`` ``[k]`` (broadcastable to
     ``mask``): unchanged while no local layer blocks a key; past that, the blocked keys closed
     for the local layers (the whole mask when every layer is of one local kind, a per-type
-    mapping for a mixed model). ``doing`` names the work in the error.
+    mapping for a mixed model). ``always``: closed whether or not a key is blocked, without
+    reading the device (a CUDA graph's shapes and outputs stay those of every step). ``doing``
+    names the work in the error.
 
     Raises:
         SlidingWindowError: a mixed model whose forward takes a single mask only.
@@ -141,7 +150,8 @@ def local_masks(
             keys, chunk, rounding_mode="floor"
         )
         blocked[CHUNKED] = apart & (keys <= queries)
-    blocked = {kind: where for kind, where in blocked.items() if bool(where.any())}
+    if not always:
+        blocked = {kind: where for kind, where in blocked.items() if bool(where.any())}
     if not blocked:
         return mask
     closed = {
@@ -154,6 +164,37 @@ def local_masks(
     if not takes_mask_mapping(model):
         raise SlidingWindowError(_one_mask_only(model, window, chunk, doing))
     return {kind: closed.get(kind, mask) for kind in types}
+
+
+def rows_local_masks(
+    model: PreTrainedModel, mask: Tensor, positions: Tensor, starts: Tensor, keys: Tensor
+) -> dict[str, Tensor]:
+    """A batch's block mask ``[B, 1, S, W]`` as the target's mask inputs (``{"": mask}`` for
+    one): itself, or for a target with sliding or chunked layers the keys those layers leave
+    out closed too, one mask per layer type for a mixed one (:func:`local_masks` on the device
+    only, so a CUDA graph holds it). Row ``b``'s columns (``keys [W]``, their indices) before
+    ``starts[b]`` hold the positions of their index, its block's the ``positions [B, S]`` of
+    its entries, from ``starts[b]`` on."""
+    if not has_local_attention(model):
+        return {"": mask}
+    size = positions.shape[1]
+    offset = keys - starts[:, None]  # [B, W]: each column's place in the row's block
+    inside = (offset >= 0) & (offset < size)
+    placed = positions.gather(1, offset.clamp(0, size - 1))
+    columns = torch.where(inside, placed, keys.expand_as(offset))  # each column's position
+    queries, held = positions[:, None, :, None], columns[:, None, None, :]
+    local = local_masks(model, mask, queries, held, "batched decoding", always=True)
+    return local if isinstance(local, dict) else {"": local}
+
+
+def mixes_with_one_mask(model: PreTrainedModel) -> bool:
+    """Whether the target mixes local and full layers but its forward takes one mask for all
+    (what :func:`rows_local_masks` cannot serve)."""
+    return (
+        has_local_attention(model)
+        and len(_layer_types(model)) > 1
+        and not takes_mask_mapping(model)
+    )
 
 
 def _one_mask_only(

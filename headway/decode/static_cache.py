@@ -21,9 +21,9 @@ steps for ``B`` rows with them (one host read a step for all rows), greedy or sa
 ``B`` rows in one; finished rows leave a batch and waiting prompts join it inside its one
 buffer, moving only the rows that stay (:meth:`StaticCache.kept_rows`,
 :meth:`StaticCache.rows_after`, :meth:`StaticCache.joined`; copying whole caches instead took
-a fifth of a CPU's batched decoding of ShareGPT prompts, 2026-11-29), as
-:mod:`headway.generation.batched_generation` does with its ragged cache, which regeneration
-still runs on (a later turn there continues from the turn before's keys/values).
+a fifth of a CPU's batched decoding of ShareGPT prompts, 2026-11-29), and a conversation's next
+turn starts from the columns its turn before left (:meth:`StaticCache.row_prefix`,
+:meth:`StaticCache.put_prefix`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,15 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-__all__ = ["StaticCache", "StaticLayer"]
+__all__ = ["Prefix", "StaticCache", "StaticLayer", "prefix_length"]
+
+Prefix = list[tuple[Tensor, Tensor]]
+"""One row's first columns, each layer's keys and values ``[kv_heads, k, head_dim]``."""
+
+
+def prefix_length(prefix: Prefix | None) -> int:
+    """The columns ``prefix`` fills (0: none)."""
+    return 0 if prefix is None else int(prefix[0][0].shape[1])
 
 
 class StaticLayer(DynamicLayer):
@@ -219,6 +227,31 @@ class StaticCache(DynamicCache):
             target.keys.copy_(keys)
             target.values.copy_(values)
         return new
+
+    def row_prefix(self, row: int, count: int) -> Prefix:
+        """Copies of row ``row``'s first ``count`` columns: each layer's keys and values
+        ``[kv_heads, count, head_dim]`` (a later turn's shared start, :meth:`put_prefix`)."""
+        copies: list[tuple[Tensor, Tensor]] = []
+        for layer in self.layers:
+            assert layer.keys is not None and layer.values is not None, "a row never written"
+            copies.append(
+                (layer.keys[row, :, :count].clone(), layer.values[row, :, :count].clone())
+            )
+        return copies
+
+    def put_prefix(self, row: int, prefix: Prefix) -> None:
+        """Write ``prefix`` (:meth:`row_prefix`, of a cache of the same model) at row ``row``'s
+        first columns, the layers' buffers made where none was written yet."""
+        for layer, (keys, values) in zip(self.layers, prefix, strict=True):
+            if not layer.is_initialized:
+                layer.lazy_initialization(
+                    keys[None].expand(self.batch, -1, -1, -1),
+                    values[None].expand(self.batch, -1, -1, -1),
+                )
+            assert layer.keys is not None and layer.values is not None
+            with torch.inference_mode(layer.keys.is_inference()):  # the buffer's own mode
+                layer.keys[row, :, : keys.shape[1]] = keys
+                layer.values[row, :, : values.shape[1]] = values
 
     def grown(self, capacity: int, keep: int) -> StaticCache:
         """A cache of ``capacity`` columns holding this one's first ``keep`` columns (and its

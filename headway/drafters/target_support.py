@@ -25,6 +25,7 @@ from headway.decode.local_attention import (
     attention_chunk,
     has_local_attention,
     mask_types,
+    mixes_with_one_mask,
     sliding_window,
 )
 from headway.decode.probe import check_tree_mask
@@ -41,6 +42,7 @@ __all__ = [
     "STATIC",
     "TREE",
     "Support",
+    "regeneration_engine",
     "target_support",
 ]
 
@@ -178,10 +180,22 @@ def _eagle3(model: PreTrainedModel, features: Support) -> Support:
     )
 
 
+def regeneration_engine(model: PreTrainedModel) -> str:
+    """The engine ``headway data regenerate --engine auto`` answers with on ``model``: the
+    batched decoder (``batch``); the continuous one for a target mixing sliding or chunked
+    layers with full ones whose forward takes one mask (what the batched steps refuse,
+    :func:`~headway.decode.local_attention.mixes_with_one_mask`); HF ``generate`` for
+    recurrent layers, whose state neither places row by row."""
+    if recurrent_layer(model) is not None:
+        return "generate"
+    return "continuous" if mixes_with_one_mask(model) else "batch"
+
+
 def _regeneration(model: PreTrainedModel) -> Support:
-    recurrent = recurrent_layer(model)
-    if recurrent is None:
-        how = "the continuous-batching engine (--engine auto)"
-    else:
-        how = f"HF generate in padded batches ({recurrent}; --engine auto)"
+    engine = regeneration_engine(model)
+    how = {
+        "batch": "the batched decoder of generate --batch (--engine auto)",
+        "continuous": "the continuous-batching engine (local layers, one mask; --engine auto)",
+        "generate": f"HF generate in padded batches ({recurrent_layer(model)}; --engine auto)",
+    }[engine]
     return Support(REGENERATION, True, f"headway data regenerate answers with {how}")

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
+from headway.decode.batch_decoder import shared_prefix
 from headway.decode.gemm import (
     Route,
     contiguous_head,
@@ -73,7 +74,6 @@ __all__ = [
     "Completion",
     "ContinuousBatcher",
     "grouped_attention",
-    "shared_prefix",
 ]
 
 
@@ -110,17 +110,6 @@ def _releasing_packed(model: PreTrainedModel, route: Route) -> Iterator[None]:
     finally:
         if route == "packed":
             forget_packed(model)
-
-
-def shared_prefix(before: list[int], now: list[int]) -> int:
-    """Tokens ``now`` shares with ``before`` from the start, leaving ``now`` one to feed (a
-    continued turn prefills at least its last token)."""
-    common = 0
-    for a, b in zip(before, now[:-1], strict=False):
-        if a != b:
-            break
-        common += 1
-    return common
 
 
 class ContinuousBatcher:

@@ -1,15 +1,20 @@
 """How the target answers a shard of prompts: turn by turn, through one of three engines.
 
-- ``continuous`` (default): :class:`~headway.generation.batched_generation.ContinuousBatcher` keeps
-  every row busy (finished rows leave, waiting prompts and next turns join);
-- ``generate``: HF ``generate`` on left-padded batches of similar length (the reference);
-- ``batch``: :func:`~headway.decode.batch_decode.decode_batch`, ``headway generate --batch``'s
-  engine, one call per turn (the engine regeneration is to move onto: one batched decoder,
-  captured on a GPU; greedy or sampled, its answers are the continuous engine's in fp32,
-  ``tests/test_regenerate.py``).
+- ``batch`` (the default, ``auto``): :class:`~headway.decode.batch_decoder.BatchDecoder`, the
+  engine of ``headway generate --batch`` (one static cache, prompt-lookup trees sized by their
+  measured cost, finished rows replaced by waiting prompts and next turns, each next turn
+  continuing from the keys/values its turn before left, steps captured as CUDA graphs on a
+  GPU);
+- ``continuous``: :class:`~headway.generation.batched_generation.ContinuousBatcher` (a ragged
+  cache, lookahead chains), what ``auto`` takes for a target mixing sliding or chunked layers
+  with full ones whose forward takes one mask (which the batched steps refuse);
+- ``generate``: HF ``generate`` on left-padded batches of similar length (the reference, and
+  ``auto``'s engine for targets with recurrent layers).
 
-Every way each user turn is answered after the target's own earlier answers (multi-turn
+Every way, each user turn is answered after the target's own earlier answers (multi-turn
 self-distillation), and the answers are the target's: greedy, or sampled from its distribution.
+In fp32 the three answer alike, greedy and (batch and continuous) sampled
+(``tests/test_regenerate.py``), so a folder may resume on any.
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ from typing import Any, cast
 
 import torch
 
-from headway.decode.batch_decode import decode_batch
+from headway.decode.batch_decoder import BatchDecoder, Ending
+from headway.decode.batch_drafting import RowDrafters
 from headway.decode.gemm import contiguous_head
-from headway.decode.kv import recurrent_layer
 from headway.decode.sampling import SamplingParams
 from headway.drafters.build import build_drafter
-from headway.drafters.resolve import resolve_drafter
+from headway.drafters.specs import PromptLookupSpec
+from headway.drafters.target_support import regeneration_engine
 from headway.errors import DataError
 from headway.generation.batched_generation import ContinuousBatcher
 from headway.generation.repetition import ends_in_loop, loop_cut
@@ -57,19 +63,21 @@ class RegenerateOptions:
     # "continuous": rows leave when done and waiting prompts join (batched_generation);
     # "generate": HF generate on padded batches (the reference, kept for benchmarks);
     # "batch": headway.generate_batch's engine, one call per turn (_answer_in_batch_steps);
-    # "auto": continuous, or generate for a target with recurrent layers (:func:`engine_for`).
+    # "auto": batch, but for a few targets (:func:`engine_for`).
     engine: str = "auto"
-    # continuous only: tokens each row drafts per step by prompt lookup in its own text, all
-    # verified in the same forward (0: one token per step); see headway.generation.lookahead.
+    # tokens each row drafts per step by prompt lookup in its own text, all verified in the
+    # same forward (0: one token per step). continuous: a chain (headway.generation.lookahead);
     # None: GREEDY_LOOKAHEAD for greedy answers, 0 when sampling (fewer drafts are kept there,
-    # and at temperature 0.7 lookahead ran slower than none: docs/benchmarks.md).
+    # and at temperature 0.7 lookahead ran slower than none: docs/benchmarks.md). batch: a
+    # tree of at most that many nodes, None prompt lookup's default, each step's trees cut to
+    # the size its measured cost pays for (greedy or sampled).
     lookahead: int | None = None
     # > 0: an answer stops at its first token past this many periods of a repetition loop
     # (headway.generation.repetition), finish_reason "loop". Greedy answers of small targets
     # often loop until max_new_tokens: half of smollm2-sharegpt-2's answer tokens were such tails.
     stop_loops: int = 0
-    # continuous only: a conversation's next turn prefills only what follows the prefix it
-    # shares with the row that answered the turn before (headway.generation.batched_generation);
+    # batch and continuous: a conversation's next turn prefills only what follows the prefix
+    # it shares with the row that answered the turn before;
     # False recomputes the whole history (for benchmarks: scripts/bench_regenerate.py).
     reuse_history: bool = True
 
@@ -181,12 +189,10 @@ def answer_items(
 
 
 def engine_for(target: Target, engine: str) -> str:
-    """The engine ``engine`` names for ``target``: ``auto`` is the continuous one, or HF
-    ``generate`` for a target with recurrent layers (Qwen3.5, Mamba, ...), whose state the
-    continuous engine cannot place row by row."""
-    if engine != "auto":
-        return engine
-    return "continuous" if recurrent_layer(target.model) is None else "generate"
+    """The engine ``engine`` names for ``target``; ``auto``:
+    :func:`~headway.drafters.target_support.regeneration_engine` (the batch one, but for a few
+    targets)."""
+    return regeneration_engine(target.model) if engine == "auto" else engine
 
 
 def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -287,44 +293,69 @@ def _answer_in_padded_batches(
 def _answer_in_batch_steps(
     target: Target, items: Sequence[PromptItem], options: RegenerateOptions
 ) -> Iterator[tuple[PromptItem, list[Answer]]]:
-    """Each turn through :func:`~headway.decode.batch_decode.decode_batch`, the engine of
-    ``headway.generate_batch`` (one static cache, prompt-lookup trees, finished rows replaced
-    by waiting prompts, steps captured as CUDA graphs on a GPU): one call per turn (every
-    item's first turn to answer, then every next one), prompts shortest first, each turn's
-    whole history prefilled; an item is yielded after its last turn."""
+    """All items through one :class:`~headway.decode.batch_decoder.BatchDecoder`, the engine of
+    ``headway.generate_batch`` (one static cache, prompt-lookup trees sized by the step's
+    measured cost, finished rows replaced by waiting prompts, steps captured as CUDA graphs on
+    a GPU): first turns shortest first, an item's next turn submitted as soon as its answer is
+    in, continuing from the keys/values its turn before left (``reuse_history``); an item is
+    yielded after its last turn."""
     tokenizer, model = target.tokenizer, target.model
-    spec = resolve_drafter(model, drafter="prompt-lookup").spec
-    assert spec is not None  # prompt lookup fits every target
+    rows = max(1, min(len(items), options.batch_size))
+    spec = _lookup_spec(options.lookahead)
+    drafting = RowDrafters([build_drafter(spec, target) if spec else None for _ in range(rows)])
     loops = options.stop_loops
     stop = (lambda tokens: ends_in_loop(tokens, repeats=loops)) if loops else None
-    sampling = SamplingParams(temperature=options.temperature, top_p=options.top_p)
+    decoder = BatchDecoder(
+        model,
+        drafting,
+        rows,
+        Ending(frozenset(eos_token_ids(target)), options.max_new_tokens, stop),
+        sampling=SamplingParams(temperature=options.temperature, top_p=options.top_p),
+        reuse=options.reuse_history,
+    )
     answers: dict[str, list[Answer]] = {item.id: [] for item in items}
-    for turn in range(max((len(item.user_turns) for item in items), default=0)):
-        live = [item for item in items if first_turn(item) <= turn < len(item.user_turns)]
-        if not live:
-            continue
-        prompts = {
-            item.id: prompt_token_ids(
-                tokenizer, conversation_messages(item, [a.text for a in answers[item.id]], turn)
-            )
-            for item in live
-        }
-        live.sort(key=lambda item: len(prompts[item.id]))
-        rows = min(len(live), options.batch_size)
-        results = decode_batch(
-            model,
-            [torch.tensor(prompts[item.id]) for item in live],
-            [build_drafter(spec, target) for _ in range(rows)],
-            max_new_tokens=options.max_new_tokens,
-            eos_token_ids=eos_token_ids(target),
-            stop_check=stop,
-            sampling=sampling,
-            seeds=[request_seed(options.seed, item.id, turn) for item in live],
-            max_batch=rows,
+    asked: dict[int, PromptItem] = {}
+
+    def ask(item: PromptItem, after: int | None = None) -> None:
+        turn = first_turn(item) + len(answers[item.id])
+        texts = [answer.text for answer in answers[item.id]]
+        prompt = prompts.pop(item.id, None) or prompt_token_ids(
+            tokenizer, conversation_messages(item, texts, turn)
         )
-        for item, result in zip(live, results, strict=True):
-            ended = result.stop_reason == "eos"
-            tokens = result.tokens[:-1] if ended else result.tokens
-            answers[item.id].append(_answer(tokenizer, tokens, ended, options))
-            if turn == len(item.user_turns) - 1:
-                yield item, answers[item.id]
+        seed = request_seed(options.seed, item.id, turn)
+        asked[decoder.submit(torch.tensor(prompt), seed, after)] = item
+
+    prompts = {  # the first turns' prompts, asked shortest first
+        item.id: prompt_token_ids(tokenizer, conversation_messages(item, [], first_turn(item)))
+        for item in items
+        if first_turn(item) < len(item.user_turns)
+    }
+    for item in sorted(items, key=lambda item: len(prompts.get(item.id, ()))):
+        if item.id in prompts:
+            ask(item)
+    for index, result in decoder.completions():
+        item = asked.pop(index)
+        ended = result.stop_reason == "eos"
+        tokens = result.tokens[:-1] if ended else result.tokens
+        answers[item.id].append(_answer(tokenizer, tokens, ended, options))
+        if first_turn(item) + len(answers[item.id]) < len(item.user_turns):
+            ask(item, after=index)
+        else:
+            yield item, answers[item.id]
+    logger.info(
+        "%d prompt tokens prefilled, %d taken from the turn before",
+        decoder.prefilled,
+        decoder.reused,
+    )
+
+
+def _lookup_spec(lookahead: int | None) -> PromptLookupSpec | None:
+    """The batch engine's drafting for ``lookahead``: prompt lookup's default tree (None), one
+    of at most ``lookahead`` nodes, or none (0); each step's trees are cut to the size whose
+    measured cost pays (:class:`~headway.decode.batch_sizer.BatchSizer`), sampled answers
+    too."""
+    if lookahead == 0:
+        return None
+    if lookahead is None:
+        return PromptLookupSpec()
+    return PromptLookupSpec(num_draft_tokens=lookahead, max_nodes=lookahead)
