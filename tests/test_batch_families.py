@@ -36,7 +36,8 @@ def _rows_and_a_next_turn(model: torch.nn.Module, new: int, oracle: bool = False
     drafters: list[Drafter] = [PromptLookupDrafter(), PromptLookupDrafter()]
     if oracle:
         # rows are prefilled shortest first, their drafters in that order
-        truths = [hf_greedy(model, prompt, new, eos=None) for prompt in (PROMPT[:7], PROMPT)]
+        firsts = (PROMPT[:7], PROMPT)
+        truths = [hf_greedy(model, p.to(model.device), new, eos=None) for p in firsts]
         drafters = [OracleDrafter(truth, 4, width=3) for truth in truths]
     drafting = RowDrafters(drafters)
     decoder = BatchDecoder(model, drafting, 2, Ending(frozenset(), new))  # type: ignore[arg-type]
@@ -53,7 +54,8 @@ def _rows_and_a_next_turn(model: torch.nn.Module, new: int, oracle: bool = False
     if oracle:  # the trees were accepted several nodes deep
         assert max(steps) > 3
     for index, tokens in out.items():
-        assert tokens == hf_greedy(model, prompts[index], new, eos=None), index
+        truth = hf_greedy(model, prompts[index].to(model.device), new, eos=None)
+        assert tokens == truth, index
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -83,6 +85,19 @@ def test_rows_past_a_sliding_window_or_a_chunk_are_exact(
     monkeypatch.setattr(batch_sizer.BatchSizer, "nodes", whole)  # every tree sent whole
     monkeypatch.setattr(batch_sizer, "PLAIN_EVERY", 10**9)  # every step drafts
     _rows_and_a_next_turn(model, 12, oracle=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["gemma3-text", "llama4-text"])
+def test_captured_rows_past_a_window_or_a_chunk_are_exact_on_cuda(family: str) -> None:
+    """On CUDA the steps are captured: the local masks are built inside the graphs."""
+    config = family_config(family, layers=4)
+    if family != "llama4-text":
+        config.sliding_window = 3
+    torch.manual_seed(0)
+    model = type(family_model(family))(config).eval().to("cuda")
+    _rows_and_a_next_turn(model, 12)
 
 
 def test_a_mixed_target_taking_one_mask_is_refused_and_regenerated_continuously(
