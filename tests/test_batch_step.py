@@ -15,10 +15,8 @@ from torch import Tensor
 
 from headway.decode.batch_step import BatchVerify
 from headway.decode.captured import MIN_CAPACITY, StaticForward
-from headway.errors import TargetError
 from headway.eval.dispatch import DispatchCounter
 from headway.eval.dispatch_decoding import seeds_of
-from tests.families import family_model
 from tests.test_generate import hf_greedy
 from tests.tiny import TINY_FAMILIES, TINY_VOCAB, tiny_config, tiny_model
 
