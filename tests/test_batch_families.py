@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from headway.decode import batch_sizer
 from headway.decode.batch_decoder import BatchDecoder, Ending
@@ -28,7 +29,7 @@ from tests.tokenizers_fixture import smollm2_tokenizer
 NEW = 8
 
 
-def _rows_and_a_next_turn(model: torch.nn.Module, new: int, oracle: bool = False) -> None:
+def _rows_and_a_next_turn(model: PreTrainedModel, new: int, oracle: bool = False) -> None:
     """Two prompts two rows at a time, then the first one's next turn (its prompt, answer and
     three more tokens) continued from its row: each is transformers' greedy output. Drafted by
     prompt lookup, or by ``oracle`` trees three wide (nodes whose positions are not their
@@ -40,7 +41,7 @@ def _rows_and_a_next_turn(model: torch.nn.Module, new: int, oracle: bool = False
         truths = [hf_greedy(model, p.to(model.device), new, eos=None) for p in firsts]
         drafters = [OracleDrafter(truth, 4, width=3) for truth in truths]
     drafting = RowDrafters(drafters)
-    decoder = BatchDecoder(model, drafting, 2, Ending(frozenset(), new))  # type: ignore[arg-type]
+    decoder = BatchDecoder(model, drafting, 2, Ending(frozenset(), new))
     prompts = {decoder.submit(PROMPT): PROMPT, decoder.submit(PROMPT[:7]): PROMPT[:7]}
     out: dict[int, list[int]] = {}
     steps: list[int] = []
