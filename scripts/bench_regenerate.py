@@ -1,26 +1,25 @@
-"""``headway data regenerate`` throughput: the continuous engine (without and with lookahead)
-against HF ``generate`` on padded batches, on the same prompts, in one run.
+"""``headway data regenerate`` throughput: the batch engine (``headway generate --batch``'s,
+with and without prompt lookup) against HF ``generate`` on padded batches, on the same prompts,
+in one run.
 
 Every run answers the same ShareGPT first turns (sorted by length, as regeneration does) with
 the same settings; the script prints answer tokens/s of each, the speedups over ``generate`` and
-over the continuous engine without lookahead, how many answers are identical to that of the
-first run (greedy: bf16 batches of other shapes round differently, so answers may part after a
-near tie; in fp32 they are identical), and the machine; the continuous engine logs the tokens
-each row kept per forward. ``--stop-loops N`` adds a continuous run (the last lookahead) whose
-answers stop at repetition loops: fewer answer tokens, so it is compared by the seconds it takes
-to answer the same prompts, and its answers are checked to be prefixes of the first run's.
-``--engines batch,continuous`` adds ``headway generate --batch``'s engine (prompt-lookup
-trees over a static cache; with ``--stop-loops``, a stop-loops run of it too).
-``--max-turns 3`` answers up to three turns of each conversation, turn by turn; with
-``--recompute-history`` a last run of each engine but ``generate`` prefills each later turn
-whole instead of continuing from the row that answered the turn before, compared by seconds
-too.
+over the first batch run, how many answers are identical to that of the first run (greedy: bf16
+batches of other shapes round differently, so answers may part after a near tie; in fp32 they
+are identical), and the machine; the batch engine logs the prompt tokens it prefilled and those
+it took from the turn before. ``--lookaheads default,0`` runs the batch engine once per
+``--lookahead`` value (``default``: prompt lookup's own tree). ``--stop-loops N`` adds a batch
+run (the last lookahead) whose answers stop at repetition loops: fewer answer tokens, so it is
+compared by the seconds it takes to answer the same prompts, and its answers are checked to be
+prefixes of the first run's. ``--max-turns 3`` answers up to three turns of each conversation,
+turn by turn; with ``--recompute-history`` a last batch run prefills each later turn whole
+instead of continuing from the row that answered the turn before, compared by seconds too.
 ``--prompt-list FOLDER/prompts.jsonl.gz`` answers prompts drawn from a regeneration folder's
 frozen list instead (a ``--continue-from`` folder's: later turns after long histories).
 
     .venv/bin/python scripts/bench_regenerate.py --prompts 128 --threads 2 --stop-loops 2
     .venv/bin/python scripts/bench_regenerate.py --dtype float32 --prompts 32 --max-turns 3 \
-        --min-turns 2 --engines continuous --lookaheads 3 --recompute-history
+        --min-turns 2 --engines batch --recompute-history
 """
 
 from __future__ import annotations
@@ -63,9 +62,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--recompute-history",
         action="store_true",
-        help="one more run of each engine but generate (the continuous one with the last "
-        "lookahead and route) whose later turns prefill their whole history (headway's "
-        "default continues from the turn before)",
+        help="one more batch run (the last lookahead and route) whose later turns prefill "
+        "their whole history (headway's default continues from the turn before)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=512, help="answer length cap")
     parser.add_argument("--batch-size", type=int, default=64, help="rows per batch (both)")
@@ -77,24 +75,23 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch")
     parser.add_argument("--seed", type=int, default=0, help="which prompts")
-    parser.add_argument(
-        "--engines", default="generate,continuous", help="engines, in the order run"
-    )
+    parser.add_argument("--engines", default="generate,batch", help="engines, in the order run")
     parser.add_argument(
         "--lookaheads",
-        default="0,3",
-        help="the continuous engine runs once per value (tokens drafted per row and step)",
+        default="default",
+        help="the batch engine runs once per value (--lookahead: the most tree nodes a row "
+        "drafts a step; default: prompt lookup's own tree)",
     )
     parser.add_argument(
         "--gemms",
         default="auto",
-        help="comma-separated --gemm routes (stock, transposed, packed, auto): the continuous "
+        help="comma-separated --gemm routes (stock, transposed, packed, auto): the batch "
         "engine runs once per route and lookahead (headway.decode.gemm)",
     )
     parser.add_argument(
         "--stop-loops",
         default="",
-        help="comma-separated N: one more continuous run per value, answers ending at their first "
+        help="comma-separated N: one more batch run per value, answers ending at their first "
         "token past N periods of a repetition loop (headway data regenerate --stop-loops)",
     )
     return parser.parse_args()
@@ -137,26 +134,19 @@ def main() -> None:
         f"max_new_tokens {args.max_new_tokens}, temperature {args.temperature}"
     )
     gemms = [cast(GemmChoice, gemm) for gemm in args.gemms.split(",") if gemm]
-    runs = [
+    lookaheads = [None if v == "default" else int(v) for v in args.lookaheads.split(",") if v]
+    engines = args.engines.split(",")
+    runs: list[tuple[str, int | None, int, GemmChoice]] = [
         (engine, lookahead, 0, gemm)
-        for engine in args.engines.split(",")
-        for lookahead in (_ints(args.lookaheads) if engine == "continuous" else [None])
+        for engine in engines
+        for lookahead in (lookaheads if engine == "batch" else [None])
         for gemm in (gemms[:1] if engine == "generate" else gemms)
     ]
-    last_lookahead = _ints(args.lookaheads)[-1]
-    runs += [
-        (engine, last_lookahead if engine == "continuous" else None, stop, gemms[-1])
-        for engine in args.engines.split(",")
-        if engine != "generate"
-        for stop in _ints(args.stop_loops)
-        if stop
-    ]
-    if args.recompute_history:  # -1: history recomputed
-        runs += [
-            (engine, last_lookahead if engine == "continuous" else None, -1, gemms[-1])
-            for engine in args.engines.split(",")
-            if engine != "generate"
-        ]
+    last = lookaheads[-1] if lookaheads else None
+    if "batch" in engines:
+        runs += [("batch", last, stop, gemms[-1]) for stop in _ints(args.stop_loops) if stop]
+        if args.recompute_history:  # -1: history recomputed
+            runs.append(("batch", last, -1, gemms[-1]))
     results: dict[str, tuple[dict[str, Answer], float]] = {}
     for engine, lookahead, stop, gemm in runs:
         batch = args.generate_batch_size if engine == "generate" else None
@@ -169,7 +159,7 @@ def main() -> None:
             stop_loops=max(stop, 0),
             reuse_history=stop >= 0,
         )
-        name = f"continuous, lookahead {lookahead}" if engine == "continuous" else engine
+        name = engine if lookahead is None else f"{engine}, lookahead {lookahead}"
         name += f", stop-loops {stop}" if stop > 0 else ", history recomputed" if stop else ""
         name += f", gemm {gemm}" if engine != "generate" and len(gemms) > 1 else ""
         torch.manual_seed(args.seed)
@@ -201,7 +191,7 @@ def main() -> None:
     for name, rate in rates.items():
         ratios = [
             f"{rate / rates[other]:.2f}x {other}"
-            for other in ("generate", "continuous, lookahead 0")
+            for other in ("generate", next((n for n in rates if n.startswith("batch")), ""))
             if other in rates and other != name
         ]
         if ratios:

@@ -7,7 +7,7 @@ Start the server first (on the same machine, or anywhere), e.g. on one CPU threa
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_server.py --server http://localhost:8000 \\
         --server-model FOLDER --prompts 16 --max-new-tokens 64 --threads 1
 
-The in-process runs (continuous engine with its default lookahead at ``--batch-size``, and HF
+The in-process runs (the batch engine with its default prompt lookup at ``--batch-size``, and HF
 ``generate`` one prompt at a time, which is what ``transformers serve`` without continuous
 batching does per request) run while the server idles, then the server runs once per
 ``--concurrency`` value while this process idles. On a machine shared with other jobs wall time
@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--source", default="sharegpt", help="chat source of the prompts")
     parser.add_argument("--prompts", type=int, default=16, help="first turns answered per run")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap")
-    parser.add_argument("--batch-size", type=int, default=16, help="continuous engine rows")
+    parser.add_argument("--batch-size", type=int, default=16, help="batch engine rows")
     parser.add_argument("--concurrency", default="1,4", help="server runs, one per value")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of this process")
     parser.add_argument("--seed", type=int, default=0, help="which prompts")
@@ -91,7 +91,7 @@ def main() -> None:
         max_new_tokens=args.max_new_tokens, batch_size=1, engine="generate"
     )
     runs: dict[str, Callable[[], Answered]] = {
-        f"in-process continuous, batch {args.batch_size}": lambda: answer_items(
+        f"in-process batch engine, batch {args.batch_size}": lambda: answer_items(
             target, items, options
         ),
         "in-process HF generate, batch 1": lambda: answer_items(target, items, one_at_a_time),

@@ -2,7 +2,7 @@
 first turn or a next turn continued from its turn before's keys/values, is transformers' greedy
 output for its prompt alone (fp32), past a sliding window or an attention chunk too; a target
 mixing local and full layers whose forward takes one mask is refused in one line, and
-regeneration's ``auto`` answers it with the continuous engine instead."""
+regeneration's ``auto`` answers it with HF generate instead."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_captured_rows_past_a_window_or_a_chunk_are_exact_on_cuda(family: str) -
     _rows_and_a_next_turn(model, 12)
 
 
-def test_a_mixed_target_taking_one_mask_is_refused_and_regenerated_continuously(
+def test_a_mixed_target_taking_one_mask_is_refused_and_regenerated_by_generate(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from headway.decode import local_attention
@@ -111,7 +111,7 @@ def test_a_mixed_target_taking_one_mask_is_refused_and_regenerated_continuously(
     with pytest.raises(TargetError, match="one mask per layer type") as refused:
         BatchVerify(StaticForward(model, capture=False, batch=2), max_depth=1)
     assert "\n" not in str(refused.value)
-    assert engine_for(Target(model, smollm2_tokenizer(), "gemma2"), "auto") == "continuous"
+    assert engine_for(Target(model, smollm2_tokenizer(), "gemma2"), "auto") == "generate"
 
 
 @pytest.mark.parametrize("family", RECURRENT)

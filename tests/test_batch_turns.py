@@ -19,8 +19,10 @@ from headway.decode.batch_drafting import RowDrafters
 from headway.decode.sampling import SamplingParams
 from headway.decode.static_cache import StaticCache
 from headway.drafters.lookup import PromptLookupDrafter
+from headway.errors import DataError, HeadwayError
 from headway.target import Target
 from headway.train import answering
+from headway.train.prompts import PromptItem
 from headway.train.regenerate import regenerate
 from tests.test_generate import hf_greedy
 from tests.test_regenerate import OPTIONS, items, read_all, tiny_chat_target  # noqa: F401
@@ -155,3 +157,45 @@ def test_the_batch_engine_continues_later_turns_and_answers_alike(
         taken[reuse] = sum(int(match.group(1)) for match in found if match)  # over the shards
     assert rows[True] == rows[False]
     assert taken[True] > 0 and taken[False] == 0
+
+
+def test_a_growth_the_free_memory_cannot_hold_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU the cache's new buffers are weighed against the free memory before they are
+    made: one byte short is a one-line error naming --batch-size, not a process killed."""
+    from headway.decode import static_cache
+
+    cache = StaticCache(2, 8, torch.device("cpu"), batch=2)
+    cache.columns[:, :4] = torch.arange(4)
+    for layer in cache.layers:
+        layer.update(torch.randn(2, 2, 4, 3), torch.randn(2, 2, 4, 3))
+    needed = 2 * 2 * 2 * 2 * 16 * 3 * 4  # layers, keys and values, rows, heads, columns, dim
+    monkeypatch.setattr(static_cache, "available_memory", lambda: needed - 1)
+    with pytest.raises(HeadwayError, match="--batch-size") as refused:
+        cache.grown(16, 4)
+    assert "\n" not in str(refused.value) and "2 rows would grow to 16 columns" in str(
+        refused.value
+    )
+    monkeypatch.setattr(static_cache, "available_memory", lambda: needed)
+    assert cache.grown(16, 4).capacity == 16
+
+
+def test_a_conversation_whose_next_turn_outgrows_the_context_ends_before_it(
+    tiny_chat_target: Target,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The tiny target holds 256 positions: a second turn of ~300 tokens is not asked (the row
+    holds the first turn and its answer, the conversation cut there); a first turn that long
+    is a one-line error naming the conversation and what to lower."""
+    long_turn = "word " * 300
+    fits = [PromptItem("t/0", "test", ["hi", long_turn]), PromptItem("t/1", "test", ["hello"])]
+    options = replace(OPTIONS, engine="batch", max_new_tokens=6)
+    regenerate(tiny_chat_target, fits, tmp_path / "cut", options, mix={"test": 2})
+    rows = {row["id"]: row for row in read_all(tmp_path / "cut")}
+    assert [m["role"] for m in rows["t/0"]["messages"]] == ["user", "assistant"]
+    assert rows["t/0"]["messages"][0]["content"] == "hi"
+    too_long = [PromptItem("t/2", "test", [long_turn])]
+    with pytest.raises(DataError, match="t/2: user turn 1 makes a prompt of") as refused:
+        regenerate(tiny_chat_target, too_long, tmp_path / "no", options, mix={"test": 1})
+    assert "\n" not in str(refused.value) and "--max-new-tokens" in str(refused.value)

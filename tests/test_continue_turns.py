@@ -63,7 +63,7 @@ def chat_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("engine", ["continuous", "generate"])
+@pytest.mark.parametrize("engine", ["batch", "generate"])
 def test_continued_turns_read_as_one_run_answering_every_turn(
     tiny_chat_target: Target,
     chat_file: Path,
@@ -255,22 +255,22 @@ def test_prompts_are_admitted_shortest_first_by_their_tokens_histories_included(
     """A continued item's prompt holds its answered turns: one with a long history and a
     short new question is admitted after a fresh item with a longer question (rows decoding
     together are then of like lengths; docs/benchmarks.md, 2026-11-29)."""
-    from headway.generation import batched_generation
+    from headway.decode.batch_decoder import BatchDecoder
     from headway.train.answering import answer_items
 
-    submitted: list[str] = []
-    real = batched_generation.ContinuousBatcher.submit
+    submitted: list[int] = []
+    real = BatchDecoder.submit
 
-    def record(self: Any, key: Any, prompt_ids: Any, seed: int = 0) -> None:
-        submitted.append(str(key))
-        real(self, key, prompt_ids, seed)
+    def record(self: Any, prompt: Any, seed: Any = None, after: Any = None) -> int:
+        submitted.append(prompt.numel())
+        return real(self, prompt, seed, after)
 
-    monkeypatch.setattr(batched_generation.ContinuousBatcher, "submit", record)
-    history = ["a long question " * 20, "another long one " * 20]
+    monkeypatch.setattr(BatchDecoder, "submit", record)
+    history = ["a long question " * 2, "another long one " * 2]
     items = [
-        PromptItem("continued", "test", [*history, "why?"], answered=["a long answer " * 30] * 2),
+        PromptItem("continued", "test", [*history, "why?"], answered=["a long answer " * 3] * 2),
         PromptItem("fresh", "test", ["a question of a few more words than why"]),
     ]
-    options = RegenerateOptions(max_new_tokens=2, batch_size=2, engine="continuous")
+    options = RegenerateOptions(max_new_tokens=2, batch_size=2, engine="batch")
     list(answer_items(tiny_chat_target, items, options))
-    assert submitted == ["fresh", "continued"]
+    assert len(submitted) == 2 and submitted[0] < submitted[1]  # the fresh item first

@@ -14,7 +14,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +24,10 @@ from torch import nn
 
 from headway.cli import build_parser
 from headway.decode import packed
+from headway.decode.batch_decode import decode_batch
 from headway.decode.gemm import GemmChoice, apply_gemm
 from headway.decode.generate import generate
 from headway.drafters.lookup import PromptLookupDrafter
-from headway.generation.batched_generation import ContinuousBatcher
 from headway.hardware import AVX2_PROFILE, CpuFeatures, mixed_precision, native_dtype
 from tests.tiny import tiny_model
 
@@ -107,14 +107,13 @@ def _decoded(model: Any, gemm: GemmChoice) -> list[int]:
     return result.tokens
 
 
-def _regenerated(model: Any, gemm: GemmChoice) -> dict[Hashable, list[int]]:
+def _regenerated(model: Any, gemm: GemmChoice) -> list[list[int]]:
+    """What regeneration's batch engine answers to four prompts, three rows at a time."""
     apply_gemm(model, gemm)
-    batcher = ContinuousBatcher(
-        model, slots=3, max_new_tokens=8, eos_token_ids=(99,), pad_token_id=0
-    )
-    for index in range(4):
-        batcher.submit(f"p{index}", PROMPT[index:])
-    return {c.key: c.tokens for c in batcher.completions()}
+    prompts = [torch.tensor(PROMPT[index:]) for index in range(4)]
+    drafters = [PromptLookupDrafter() for _ in prompts]
+    results = decode_batch(model, prompts, drafters, max_new_tokens=8, max_batch=3)
+    return [result.tokens for result in results]
 
 
 def test_bf16_decoding_and_regeneration_take_the_stock_route_with_its_output(

@@ -204,19 +204,20 @@ def test_a_target_with_recurrent_layers_is_refused_in_one_line(
     family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Qwen3-Next's gated DeltaNet layers and Falcon-Mamba's state-space layers keep a running
-    state a tree's branches would share: decoding (eager or static), the continuous
+    state a tree's branches would share: decoding (eager, static or batched), the batch
     regeneration engine and the command line refuse them in one line, before any forward;
     ``headway data regenerate`` answers with them through HF generate (``--engine auto``)."""
     from headway.cli import main
-    from headway.generation.batched_generation import ContinuousBatcher
+    from headway.decode.batch_step import BatchVerify
+    from headway.decode.captured import StaticForward
 
     model = family_model(family)
     for verify in ("eager", "captured"):
         with pytest.raises(TargetError, match="cannot be tree-decoded") as refused:
             Decoder(model, None, DecodeOptions(verify=verify))
         assert "\n" not in str(refused.value) and "keeps a" in str(refused.value)
-    with pytest.raises(HeadwayError, match="--engine generate"):
-        ContinuousBatcher(model, slots=2, max_new_tokens=4, eos_token_ids=[2], pad_token_id=0)
+    with pytest.raises(TargetError, match="cannot be tree-decoded"):
+        BatchVerify(StaticForward(model, batch=2), max_depth=1)
     tokenizer = smollm2_tokenizer()
     config = family_config(family)
     config.vocab_size = len(tokenizer)
@@ -227,14 +228,15 @@ def test_a_target_with_recurrent_layers_is_refused_in_one_line(
     assert main(command) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("headway generate: error: this ") and "cannot be tree-decoded" in error
-    # regeneration answers with HF generate (--engine auto), and the continuous engine refuses
+    # regeneration answers with HF generate (--engine auto), and the batch engine refuses
     regenerate = ["data", "regenerate", "--target", str(tmp_path / family), "--mix", "chitchat:2"]
     regenerate += ["--max-new-tokens", "4", "--dtype", "float32"]
     assert main([*regenerate, "--out", str(tmp_path / "answers")]) == 0
     assert len(list((tmp_path / "answers" / "data").glob("part-*.jsonl.gz"))) == 1
     capsys.readouterr()
-    assert main([*regenerate, "--out", str(tmp_path / "no"), "--engine", "continuous"]) == 2
-    assert "--engine generate" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert main([*regenerate, "--out", str(tmp_path / "no"), "--engine", "batch"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "cannot be tree-decoded" in line and "--engine auto or generate" in line
 
 
 @pytest.mark.parametrize("method", ["medusa1", "eagle1", "eagle3"])

@@ -23,7 +23,6 @@ from headway.drafters.lookup import PromptLookupDrafter
 from headway.drafters.medusa_drafter import MedusaDrafter
 from headway.drafters.oracle import OracleDrafter
 from headway.drafters.static_eagle import StaticEagle3Drafter
-from headway.generation.batched_generation import ContinuousBatcher
 from headway.heads.eagle import TargetHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Model
 from headway.heads.hidden_states import final_hidden_layer
@@ -89,30 +88,6 @@ def test_greedy_output_equals_transformers_on_cuda(family: str, drafter_name: st
         eos_token_ids=(),
     )
     assert result.tokens == truth
-
-
-@pytest.mark.parametrize("family", TINY_FAMILIES)
-@pytest.mark.parametrize("lookahead", [0, 3])
-def test_continuous_batcher_equals_generate_on_cuda(family: str, lookahead: int) -> None:
-    model = tiny_model(family).to(CUDA)
-    prompts = {f"p{i}": PROMPT[: 2 + i] for i in range(6)}
-    batcher = ContinuousBatcher(
-        model,
-        slots=3,
-        max_new_tokens=12,
-        eos_token_ids=[0],
-        pad_token_id=0,
-        prefill_tokens=16,
-        lookahead=lookahead,
-    )
-    for key, prompt in prompts.items():
-        batcher.submit(key, prompt)
-    answers = {completion.key: completion.tokens for completion in batcher.completions()}
-    for key, prompt in prompts.items():
-        expected = hf_greedy(model, prompt, 12)
-        if 0 in expected:
-            expected = expected[: expected.index(0)]
-        assert answers[key] == expected
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

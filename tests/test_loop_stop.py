@@ -1,6 +1,6 @@
 """Regeneration that stops at repetition loops (``--stop-loops``): the incremental check a
-generator makes equals the cut of the whole answer; the continuous batcher ends a looping row
-there, as ``generate`` followed by the cut does; both engines write the same rows."""
+generator makes equals the cut of the whole answer; the batched decoder ends a looping row one
+token past it, where ``generate`` followed by the cut ends; both engines write the same rows."""
 
 from __future__ import annotations
 
@@ -11,16 +11,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from headway.decode.batch_decode import decode_batch
+from headway.drafters.lookup import PromptLookupDrafter
 from headway.errors import DataError
-from headway.generation.batched_generation import ContinuousBatcher
 from headway.generation.repetition import ends_in_loop, loop_cut, remove_loops
 from headway.target import Target
 from headway.train.answering import ENGINES
 from headway.train.regenerate import RegenerateOptions, regenerate
-from tests.test_batched_generation import reference
+from tests.test_grouped_attention import reference
 from tests.test_regenerate import OPTIONS, items, read_all
 from tests.test_regenerate import tiny_chat_target as tiny_chat_target  # a fixture
 from tests.tiny import tiny_model
@@ -41,25 +43,30 @@ def test_the_incremental_check_finds_the_cut_of_the_whole_answer(
     assert remove_loops(kept, [1] * len(kept), repeats=repeats)[2] == 0
 
 
-def test_the_batcher_ends_looping_rows_where_the_cut_is() -> None:
+def test_the_batch_decoder_ends_looping_rows_one_token_past_the_cut() -> None:
     model = tiny_model("llama")
     rng = random.Random(3)
-    prompts = {f"p{i}": [rng.randrange(3, 96) for _ in range(rng.randint(1, 12))] for i in range(8)}
-    batcher = ContinuousBatcher(
-        model, slots=3, max_new_tokens=80, eos_token_ids=[1], pad_token_id=0, stop_loops=2
+    prompts = [[rng.randrange(3, 96) for _ in range(rng.randint(1, 12))] for _ in range(8)]
+    results = decode_batch(
+        model,
+        [torch.tensor(prompt) for prompt in prompts],
+        [PromptLookupDrafter() for _ in prompts],
+        max_new_tokens=80,
+        eos_token_ids=[1],
+        stop_check=lambda tokens: ends_in_loop(tokens, repeats=2),
+        max_batch=3,
     )
-    for key, prompt in prompts.items():
-        batcher.submit(key, prompt)
-    answers = {c.key: c for c in batcher.completions()}
     reasons = set()
-    for key, prompt in prompts.items():
+    for prompt, result in zip(prompts, results, strict=True):
         whole = reference(model, prompt, 80, [1])
         cut = loop_cut(whole, repeats=2)
-        assert answers[key].tokens == whole[:cut], key
-        reason = "loop" if cut < len(whole) else "length" if len(whole) == 80 else "eos"
-        assert answers[key].finish_reason == reason
-        reasons.add(reason)
-    assert "loop" in reasons  # a random tiny model falls into loops
+        if cut < len(whole):  # the token that closes the second period ends the row
+            assert result.tokens == whole[: cut + 1] and result.stop_reason == "stop_sequence"
+            assert loop_cut(result.tokens, repeats=2) == cut  # what regeneration keeps
+        else:
+            assert result.tokens[: len(whole)] == whole
+        reasons.add(result.stop_reason)
+    assert "stop_sequence" in reasons  # a random tiny model falls into loops
 
 
 def test_both_engines_stop_at_loops_alike(tiny_chat_target: Target, tmp_path: Path) -> None:
@@ -74,7 +81,7 @@ def test_both_engines_stop_at_loops_alike(tiny_chat_target: Target, tmp_path: Pa
             == sum(row["finish_reason"] == "loop" for row in rows[engine])
             > 0
         )
-    assert rows["continuous"] == rows["generate"] == rows["batch"]
+    assert rows["generate"] == rows["batch"]
 
 
 def test_folder_from_before_an_option_resumes(tiny_chat_target: Target, tmp_path: Path) -> None:

@@ -100,7 +100,7 @@ def test_resume_after_crash_equals_uninterrupted_run(
     assert read_all(resumed) == read_all(reference)
 
 
-def test_continuous_engine_answers_as_padded_generate_does(
+def test_the_batch_engine_answers_as_padded_generate_does(
     tiny_chat_target: Target, tmp_path: Path
 ) -> None:
     """fp32 greedy: the same rows (multi-turn included) from both engines; a resume may switch
@@ -110,28 +110,35 @@ def test_continuous_engine_answers_as_padded_generate_does(
         options = replace(OPTIONS, engine=engine, max_new_tokens=12)
         regenerate(tiny_chat_target, items(), tmp_path / engine, options, mix={"test": 8})
         rows[engine] = read_all(tmp_path / engine)
-    assert (
-        rows["continuous"] == rows["generate"] == rows["batch"]
-    )  # early EOS: test_batched_generation
+    assert rows["auto"] == rows["generate"] == rows["batch"]
     switched = replace(OPTIONS, engine="generate", max_new_tokens=12, batch_size=2)
-    regenerate(tiny_chat_target, items(), tmp_path / "continuous", switched, mix={"test": 8})
+    regenerate(tiny_chat_target, items(), tmp_path / "batch", switched, mix={"test": 8})
 
 
-def test_batch_engine_samples_what_the_continuous_engine_samples(
+def test_sampled_answers_are_their_requests_whatever_the_batch(
     tiny_chat_target: Target, tmp_path: Path
 ) -> None:
-    """Sampled (temperature 1), the batch engine's answers are the continuous engine's: both
-    draw each request's tokens with the noise of its seed (item, turn) at each position, so
-    a sampled folder may resume on either."""
-    rows = {}
-    for engine in ("continuous", "batch"):
-        options = replace(OPTIONS, engine=engine, max_new_tokens=12, temperature=1.0, seed=3)
-        regenerate(tiny_chat_target, items(), tmp_path / engine, options, mix={"test": 8})
-        rows[engine] = read_all(tmp_path / engine)
-    assert rows["continuous"] == rows["batch"]
+    """Sampled (temperature 1), the batch engine draws each request's tokens with the noise of
+    its seed (item, turn) at each position: 4 rows or 1 at a time, with or without prompt
+    lookup, the same answers, so a sampled folder may resume at any batch size."""
+    rows = []
+    for batch_size, lookahead in ((4, None), (1, 0), (3, 2)):
+        options = replace(
+            OPTIONS,
+            engine="batch",
+            max_new_tokens=12,
+            temperature=1.0,
+            seed=3,
+            batch_size=batch_size,
+            lookahead=lookahead,
+        )
+        out = tmp_path / f"{batch_size}-{lookahead}"
+        regenerate(tiny_chat_target, items(), out, options, mix={"test": 8})
+        rows.append(read_all(out))
+    assert rows[0] == rows[1] == rows[2]
     again = replace(OPTIONS, engine="batch", max_new_tokens=12, temperature=1.0, seed=4)
     regenerate(tiny_chat_target, items(), tmp_path / "other", again, mix={"test": 8})
-    assert read_all(tmp_path / "other") != rows["batch"]  # the seed decides
+    assert read_all(tmp_path / "other") != rows[0]  # the seed decides
 
 
 def test_prompt_list_is_shuffled_so_every_shard_mixes_sources(

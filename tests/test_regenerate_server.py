@@ -252,7 +252,7 @@ def smollm2() -> Target:
 
 @pytest.fixture(scope="module")
 def in_process(smollm2: Target, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The in-process engine's folder (continuous, greedy, fp32) for :func:`conversations`."""
+    """The in-process engine's folder (batch, greedy, fp32) for :func:`conversations`."""
     out = tmp_path_factory.mktemp("in-process")
     regenerate(smollm2, conversations(), out, OPTIONS, mix={"test": 3})
     return out

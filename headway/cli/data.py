@@ -122,39 +122,32 @@ def _add_regenerate(actions: argparse._SubParsersAction) -> None:
         "--batch-size",
         type=POSITIVE,
         default=64,
-        help="rows generated together (batch and continuous: rows kept busy, finished ones "
-        "replaced by waiting prompts; generate: a padded batch). The key/value cache holds "
-        "every row at the longest row's width: on a CPU a growth the free memory cannot hold "
-        "stops the run in one line (rerun with a smaller batch; it resumes from the last "
-        "shard). fp32 three-turn histories at 64 slots outgrew 24 GB on 2026-11-27",
+        help="rows generated together (batch: rows kept busy, finished ones replaced by "
+        "waiting prompts; generate: a padded batch). The key/value cache holds every row at "
+        "the longest row's width: on a CPU a growth the free memory cannot hold stops the run "
+        "in one line (rerun with a smaller batch; it resumes from the last shard)",
     )
     parser.add_argument(
         "--engine",
-        choices=["auto", "continuous", "generate", "batch"],  # answering.ENGINES (lazy CLI)
+        choices=["auto", "generate", "batch"],  # answering.ENGINES (lazy CLI)
         default="auto",
         help="batch: headway generate --batch's engine (one static cache, prompt-lookup trees "
         "sized by their measured cost, finished rows replaced by waiting prompts, CUDA graphs "
         "on a GPU; a conversation's next turn continues from the keys/values its turn before "
-        "left); continuous: the earlier engine (a ragged cache, lookahead chains, never "
-        "captured), kept for a target mixing sliding or chunked layers with full ones whose "
-        "forward takes one mask; generate: HF generate on padded batches; auto (the "
-        "default): batch, continuous for such a target, generate for one with recurrent "
-        "layers (Qwen3.5, Mamba, ...). On a 2-core "
-        "EPYC, bf16, three ShareGPT turns: batch 219 against continuous 203 answer tok/s "
-        "(scripts/bench_regenerate.py, docs/benchmarks.md). Any may be used to resume a "
-        "folder: in fp32 they answer alike",
+        "left; on a 2-core EPYC, bf16, three ShareGPT turns: 219 answer tok/s, 1.08x the "
+        "continuous engine it replaced, scripts/bench_regenerate.py, docs/benchmarks.md); "
+        "generate: HF generate on padded batches; auto (the default): batch, or generate for "
+        "a target it refuses (recurrent layers such as Qwen3.5's or Mamba's; headway check "
+        "says which). Either may be used to resume a folder",
     )
     parser.add_argument(
         "--lookahead",
         type=NON_NEGATIVE,
         default=None,
-        help="tokens each row drafts per step by looking up its own prompt and answer, "
-        "verified in the same forward so the answers are unchanged (0 = one token per step). "
-        "batch engine: a tree of at most that many nodes, each step's trees cut to the size "
-        "the step's measured cost pays for; default: prompt lookup's own tree (8 nodes). "
-        "continuous engine: a chain; default 3 for greedy answers (faster than 0 where "
-        "measured), 0 when sampling (it ran slower than 0 at temperature 0.7); "
-        "scripts/bench_regenerate.py measures them",
+        help="batch engine: the most nodes of the tree each row drafts per step by looking up "
+        "its own prompt and answer, verified in the same forward so the answers are unchanged "
+        "(0 = one token per step); each step's trees are cut to the size the step's measured "
+        "cost pays for. Default: prompt lookup's own tree (8 nodes)",
     )
     parser.add_argument(
         "--stop-loops",

@@ -1,8 +1,8 @@
 """Layers that attend to part of the sequence only: sliding windows and attention chunks.
 
-headway hands a stock model its own 4-D masks (the tree's, the static cache's, the ragged
-batch's), and transformers uses a 4-D mask as given: what a layer type leaves out, the mask must
-leave out too. Two kinds of layers do:
+headway hands a stock model its own 4-D masks (the tree's, the static cache's, the batched
+steps'), and transformers uses a 4-D mask as given: what a layer type leaves out, the mask
+must leave out too. Two kinds of layers do:
 
 - **sliding** (``sliding_attention``: Mistral, Gemma 2/3, GPT-OSS, ...): a query at position
   ``p`` sees the keys at ``p - window < k <= p``;

@@ -36,6 +36,9 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from headway.errors import HeadwayError
+from headway.hardware import available_memory
+
 __all__ = ["Prefix", "StaticCache", "StaticLayer", "prefix_length"]
 
 Prefix = list[tuple[Tensor, Tensor]]
@@ -255,7 +258,13 @@ class StaticCache(DynamicCache):
 
     def grown(self, capacity: int, keep: int) -> StaticCache:
         """A cache of ``capacity`` columns holding this one's first ``keep`` columns (and its
-        ``length``); this one's buffers are left as they are."""
+        ``length``); this one's buffers are left as they are.
+
+        Raises:
+            HeadwayError: on a CPU, new buffers the free memory cannot hold (one line naming
+                the rows and ``--batch-size``, instead of the process killed for memory).
+        """
+        self._check_memory(capacity)
         device = self.columns.device
         new = StaticCache(len(self.layers), capacity, device, self.batch, self.room)
         new.length = self.length
@@ -265,6 +274,25 @@ class StaticCache(DynamicCache):
                 target.keys[:, :, :keep] = source.keys[:, :, :keep]
                 target.values[:, :, :keep] = source.values[:, :, :keep]
         return new
+
+    def _check_memory(self, capacity: int) -> None:
+        """Refuse buffers of ``capacity`` columns (the old ones kept while copied) that need
+        more host memory than is free now."""
+        if self.columns.device.type != "cpu":
+            return
+        held: list[Tensor] = [self.store] if self.store is not None else []
+        if self.store is None:
+            for layer in self.static_layers():
+                assert layer.keys is not None and layer.values is not None
+                held += [layer.keys, layer.values]
+        needed = sum(t.numel() * t.element_size() for t in held) // self.capacity * capacity
+        free = available_memory()
+        if free is not None and needed > free:
+            raise HeadwayError(
+                f"the key/value cache of {self.room} rows would grow to {capacity} columns "
+                f"({needed / 2**30:.1f} GiB) with {free / 2**30:.1f} GiB free: decode fewer "
+                "prompts at once (--batch-size; a regeneration resumes from its last shard)"
+            )
 
 
 def _buffer(layer: StaticLayer, shaped: StaticLayer, name: str) -> Tensor:

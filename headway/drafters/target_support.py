@@ -182,20 +182,18 @@ def _eagle3(model: PreTrainedModel, features: Support) -> Support:
 
 def regeneration_engine(model: PreTrainedModel) -> str:
     """The engine ``headway data regenerate --engine auto`` answers with on ``model``: the
-    batched decoder (``batch``); the continuous one for a target mixing sliding or chunked
-    layers with full ones whose forward takes one mask (what the batched steps refuse,
-    :func:`~headway.decode.local_attention.mixes_with_one_mask`); HF ``generate`` for
-    recurrent layers, whose state neither places row by row."""
-    if recurrent_layer(model) is not None:
+    batched decoder (``batch``), or HF ``generate`` for a target the batched steps refuse:
+    recurrent layers, whose state no row-by-row cache places, or local and full layers under
+    one mask (:func:`~headway.decode.local_attention.mixes_with_one_mask`)."""
+    if recurrent_layer(model) is not None or mixes_with_one_mask(model):
         return "generate"
-    return "continuous" if mixes_with_one_mask(model) else "batch"
+    return "batch"
 
 
 def _regeneration(model: PreTrainedModel) -> Support:
-    engine = regeneration_engine(model)
-    how = {
-        "batch": "the batched decoder of generate --batch (--engine auto)",
-        "continuous": "the continuous-batching engine (local layers, one mask; --engine auto)",
-        "generate": f"HF generate in padded batches ({recurrent_layer(model)}; --engine auto)",
-    }[engine]
+    if regeneration_engine(model) == "batch":
+        how = "the batched decoder of generate --batch (--engine auto)"
+    else:
+        why = recurrent_layer(model) or "local and full layers under one mask"
+        how = f"HF generate in padded batches ({why}; --engine auto)"
     return Support(REGENERATION, True, f"headway data regenerate answers with {how}")

@@ -2,8 +2,8 @@
 
 ``headway plan --measure-speed`` loads the target (the only step of a plan that loads weights)
 and lets it answer :data:`PROMPTS` through the regeneration engine headway's ``data regenerate``
-uses (:func:`headway.train.answering.answer_items`, greedy, continuous batching with
-lookahead), then reports answer tokens per second of that run. A short run on 8 prompts is
+uses (:func:`headway.train.answering.answer_items`, greedy, the batch engine with
+prompt lookup), then reports answer tokens per second of that run. A short run on 8 prompts is
 noisy and its batch is smaller than a real regeneration's, so treat the figure as an order of
 magnitude; ``--tokens-per-s`` from a real run's log is better.
 """

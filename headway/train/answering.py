@@ -1,20 +1,17 @@
-"""How the target answers a shard of prompts: turn by turn, through one of three engines.
+"""How the target answers a shard of prompts: turn by turn, through one of two engines.
 
 - ``batch`` (the default, ``auto``): :class:`~headway.decode.batch_decoder.BatchDecoder`, the
   engine of ``headway generate --batch`` (one static cache, prompt-lookup trees sized by their
   measured cost, finished rows replaced by waiting prompts and next turns, each next turn
   continuing from the keys/values its turn before left, steps captured as CUDA graphs on a
   GPU);
-- ``continuous``: :class:`~headway.generation.batched_generation.ContinuousBatcher` (a ragged
-  cache, lookahead chains), what ``auto`` takes for a target mixing sliding or chunked layers
-  with full ones whose forward takes one mask (which the batched steps refuse);
 - ``generate``: HF ``generate`` on left-padded batches of similar length (the reference, and
-  ``auto``'s engine for targets with recurrent layers).
+  ``auto``'s engine for the targets the batched steps refuse: recurrent layers, or local and
+  full layers under one mask).
 
-Every way, each user turn is answered after the target's own earlier answers (multi-turn
+Either way, each user turn is answered after the target's own earlier answers (multi-turn
 self-distillation), and the answers are the target's: greedy, or sampled from its distribution.
-In fp32 the three answer alike, greedy and (batch and continuous) sampled
-(``tests/test_regenerate.py``), so a folder may resume on any.
+In fp32 both answer alike (``tests/test_regenerate.py``), so a folder may resume on either.
 """
 
 from __future__ import annotations
@@ -22,30 +19,31 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
 
 from headway.decode.batch_decoder import BatchDecoder, Ending
 from headway.decode.batch_drafting import RowDrafters
+from headway.decode.batch_step import BatchVerify
+from headway.decode.captured import StaticForward
 from headway.decode.gemm import contiguous_head
+from headway.decode.kv import context_limit
 from headway.decode.sampling import SamplingParams
 from headway.drafters.build import build_drafter
 from headway.drafters.specs import PromptLookupSpec
 from headway.drafters.target_support import regeneration_engine
-from headway.errors import DataError
-from headway.generation.batched_generation import ContinuousBatcher
+from headway.errors import DataError, TargetError
 from headway.generation.repetition import ends_in_loop, loop_cut
 from headway.target import Target, eos_token_ids
 from headway.train.prompts import PromptItem
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("auto", "continuous", "generate", "batch")
+ENGINES = ("auto", "generate", "batch")
 # Options that decide speed only: a resumed run may change them (the answers are the target's).
 SPEED_OPTIONS = ("batch_size", "engine", "lookahead", "reuse_history")
-GREEDY_LOOKAHEAD = 3  # beat no lookahead in greedy runs of scripts/bench_regenerate.py
 
 
 @dataclass
@@ -60,25 +58,21 @@ class RegenerateOptions:
     shard_size: int = 256
     # Self-instruct answers are one request each; a short cap saves most of that stage's time.
     meta_max_new_tokens: int = 96
-    # "continuous": rows leave when done and waiting prompts join (batched_generation);
-    # "generate": HF generate on padded batches (the reference, kept for benchmarks);
-    # "batch": headway.generate_batch's engine, one call per turn (_answer_in_batch_steps);
-    # "auto": batch, but for a few targets (:func:`engine_for`).
+    # "batch": headway.generate_batch's engine (_answer_in_batch_steps); "generate": HF
+    # generate on padded batches (the reference); "auto": batch, but for a few targets
+    # (:func:`engine_for`).
     engine: str = "auto"
-    # tokens each row drafts per step by prompt lookup in its own text, all verified in the
-    # same forward (0: one token per step). continuous: a chain (headway.generation.lookahead);
-    # None: GREEDY_LOOKAHEAD for greedy answers, 0 when sampling (fewer drafts are kept there,
-    # and at temperature 0.7 lookahead ran slower than none: docs/benchmarks.md). batch: a
-    # tree of at most that many nodes, None prompt lookup's default, each step's trees cut to
-    # the size its measured cost pays for (greedy or sampled).
+    # batch: the most nodes of the tree each row drafts per step by prompt lookup in its own
+    # text, all verified in the same forward (0: one token per step; None: prompt lookup's
+    # default tree), each step's trees cut to the size its measured cost pays for.
     lookahead: int | None = None
     # > 0: an answer stops at its first token past this many periods of a repetition loop
     # (headway.generation.repetition), finish_reason "loop". Greedy answers of small targets
     # often loop until max_new_tokens: half of smollm2-sharegpt-2's answer tokens were such tails.
     stop_loops: int = 0
-    # batch and continuous: a conversation's next turn prefills only what follows the prefix
-    # it shares with the row that answered the turn before;
-    # False recomputes the whole history (for benchmarks: scripts/bench_regenerate.py).
+    # batch: a conversation's next turn prefills only what follows the prefix it shares with
+    # the row that answered the turn before; False recomputes the whole history (for
+    # benchmarks: scripts/bench_regenerate.py).
     reuse_history: bool = True
 
     def __post_init__(self) -> None:
@@ -92,13 +86,6 @@ class RegenerateOptions:
             raise DataError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise DataError("temperature must be >= 0 and top_p in (0, 1]")
-
-    @property
-    def resolved_lookahead(self) -> int:
-        """The lookahead used: the one set, else the default for greedy or sampled answers."""
-        if self.lookahead is not None:
-            return self.lookahead
-        return GREEDY_LOOKAHEAD if self.temperature == 0 else 0
 
 
 @dataclass
@@ -164,8 +151,8 @@ def answer_batch(
 
 
 def _answer(tokenizer: Any, tokens: list[int], ended: bool, options: RegenerateOptions) -> Answer:
-    """The answer of ``tokens`` (EOS left out; ``ended``: one followed), cut where it loops as
-    the continuous engine stops (``stop_loops``)."""
+    """The answer of ``tokens`` (EOS left out; ``ended``: one followed), cut where it loops
+    (``stop_loops``)."""
     cut = loop_cut(tokens, repeats=options.stop_loops)
     reason = "loop" if cut < len(tokens) else "eos" if ended else "length"
     text = str(tokenizer.decode(tokens[:cut], skip_special_tokens=True)).strip()
@@ -178,14 +165,20 @@ def answer_items(
     options: RegenerateOptions,
 ) -> Iterator[tuple[PromptItem, list[Answer]]]:
     """Answer every user turn of every item, turn by turn (each turn after the target's own
-    earlier answers), with the engine the options name (the continuous engine's linear layers
-    on the route applied to the target, :mod:`headway.decode.gemm`)."""
-    engine = engine_for(target, options.engine)
-    if engine == "continuous":
-        return _answer_continuously(target, items, options)
-    if engine == "batch":
-        return _answer_in_batch_steps(target, items, options)
-    return _answer_in_padded_batches(target, items, options)
+    earlier answers), with the engine the options name.
+
+    Raises:
+        TargetError: ``batch`` for a target the batched steps refuse (their reason, and the
+            engine to take instead).
+    """
+    if engine_for(target, options.engine) == "generate":
+        return _answer_in_padded_batches(target, items, options)
+    if regeneration_engine(target.model) != "batch":
+        try:
+            BatchVerify(StaticForward(target.model, capture=False, batch=1), max_depth=1)
+        except TargetError as error:
+            raise TargetError(f"{error} (regeneration: --engine auto or generate)") from None
+    return _answer_in_batch_steps(target, items, options)
 
 
 def engine_for(target: Target, engine: str) -> str:
@@ -205,65 +198,9 @@ def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int
 def request_seed(seed: int, item_id: str, turn: int) -> int:
     """The seed of one sampled request: fixed by ``seed``, the item and the turn, so a resumed
     run asks exactly what an uninterrupted one did, whatever order requests go out in
-    (through a server, or the continuous engine, whose answers then do not depend on the batch,
-    lookahead or slots either)."""
+    (through a server, or the batch engine, whose answers then do not depend on the batch or
+    the rows beside them either)."""
     return zlib.crc32(f"{seed}/{item_id}/{turn}".encode()) & 0x7FFFFFFF
-
-
-def _answer_continuously(
-    target: Target, items: Sequence[PromptItem], options: RegenerateOptions
-) -> Iterator[tuple[PromptItem, list[Answer]]]:
-    """All items through one :class:`ContinuousBatcher`, shortest prompts first (in tokens,
-    the answered turns of ``--continue-from`` items included: the rows decoding together are
-    then of like lengths, and the batch's cache is as wide as its longest); an item's next
-    turn is submitted as soon as its previous answer is in."""
-    tokenizer = target.tokenizer
-    eos_ids = sorted(set(eos_token_ids(target)))
-    batcher = ContinuousBatcher(
-        target.model,
-        slots=options.batch_size,
-        max_new_tokens=options.max_new_tokens,
-        eos_token_ids=eos_ids,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0],
-        rule=SamplingParams(temperature=options.temperature, top_p=options.top_p),
-        lookahead=options.resolved_lookahead,
-        stop_loops=options.stop_loops,
-        reuse_history=options.reuse_history,
-    )
-    by_id = {item.id: item for item in items}
-    answers: dict[str, list[Answer]] = {item.id: [] for item in items}
-    first = {
-        item.id: prompt_token_ids(tokenizer, conversation_messages(item, [], first_turn(item)))
-        for item in items
-    }
-    for item in sorted(items, key=lambda item: len(first[item.id])):
-        batcher.submit(
-            item.id, first[item.id], request_seed(options.seed, item.id, first_turn(item))
-        )
-    for completion in batcher.completions():
-        item = by_id[str(completion.key)]
-        text = str(tokenizer.decode(completion.tokens, skip_special_tokens=True)).strip()
-        ended = completion.finish_reason == "eos"
-        answers[item.id].append(
-            Answer(text, len(completion.tokens) + ended, completion.finish_reason)
-        )
-        turn = first_turn(item) + len(answers[item.id])
-        if turn < len(item.user_turns):
-            texts = [answer.text for answer in answers[item.id]]
-            messages = conversation_messages(item, texts, turn)
-            seed = request_seed(options.seed, item.id, turn)
-            batcher.submit(item.id, prompt_token_ids(tokenizer, messages), seed)
-        else:
-            yield item, answers[item.id]
-    logger.info(
-        "%d forwards, %.2f tokens kept per row and forward (lookahead %d); %d prompt tokens "
-        "prefilled, %d taken from the turn before",
-        batcher.steps,
-        batcher.tokens_per_row_step,
-        options.resolved_lookahead,
-        batcher.prefilled,
-        batcher.reused,
-    )
 
 
 def _answer_in_padded_batches(
@@ -298,7 +235,12 @@ def _answer_in_batch_steps(
     measured cost, finished rows replaced by waiting prompts, steps captured as CUDA graphs on
     a GPU): first turns shortest first, an item's next turn submitted as soon as its answer is
     in, continuing from the keys/values its turn before left (``reuse_history``); an item is
-    yielded after its last turn."""
+    yielded after its last turn, or with its turns cut after the last one answered where the
+    next one's prompt would not fit the target's context.
+
+    Raises:
+        DataError: an item whose first turn to answer does not fit the target's context.
+    """
     tokenizer, model = target.tokenizer, target.model
     rows = max(1, min(len(items), options.batch_size))
     spec = _lookup_spec(options.lookahead)
@@ -315,15 +257,26 @@ def _answer_in_batch_steps(
     )
     answers: dict[str, list[Answer]] = {item.id: [] for item in items}
     asked: dict[int, PromptItem] = {}
+    longest = context_limit(model) - options.max_new_tokens - decoder.depth - 1  # a prompt's
 
-    def ask(item: PromptItem, after: int | None = None) -> None:
+    def ask(item: PromptItem, after: int | None = None) -> bool:
+        """Submit the item's next turn; False where it would not fit the target's context."""
         turn = first_turn(item) + len(answers[item.id])
         texts = [answer.text for answer in answers[item.id]]
         prompt = prompts.pop(item.id, None) or prompt_token_ids(
             tokenizer, conversation_messages(item, texts, turn)
         )
+        if len(prompt) > longest and not answers[item.id]:
+            raise DataError(
+                f"{item.id}: user turn {turn + 1} makes a prompt of {len(prompt)} tokens, and "
+                f"with --max-new-tokens {options.max_new_tokens} the target holds prompts of "
+                f"{longest}: lower --max-new-tokens, or answer fewer earlier turns"
+            )
+        if len(prompt) > longest:
+            return False
         seed = request_seed(options.seed, item.id, turn)
         asked[decoder.submit(torch.tensor(prompt), seed, after)] = item
+        return True
 
     prompts = {  # the first turns' prompts, asked shortest first
         item.id: prompt_token_ids(tokenizer, conversation_messages(item, [], first_turn(item)))
@@ -333,19 +286,25 @@ def _answer_in_batch_steps(
     for item in sorted(items, key=lambda item: len(prompts.get(item.id, ()))):
         if item.id in prompts:
             ask(item)
+    cut = 0
     for index, result in decoder.completions():
         item = asked.pop(index)
         ended = result.stop_reason == "eos"
         tokens = result.tokens[:-1] if ended else result.tokens
         answers[item.id].append(_answer(tokenizer, tokens, ended, options))
-        if first_turn(item) + len(answers[item.id]) < len(item.user_turns):
-            ask(item, after=index)
-        else:
-            yield item, answers[item.id]
+        done = first_turn(item) + len(answers[item.id])
+        if done < len(item.user_turns) and ask(item, after=index):
+            continue
+        if done < len(item.user_turns):  # the next turn's history outgrew the context
+            cut += 1
+            item = replace(item, user_turns=item.user_turns[:done])
+        yield item, answers[item.id]
     logger.info(
-        "%d prompt tokens prefilled, %d taken from the turn before",
+        "%d prompt tokens prefilled, %d taken from the turn before; %d conversations ended "
+        "where their next turn would not fit the target's context",
         decoder.prefilled,
         decoder.reused,
+        cut,
     )
 
 

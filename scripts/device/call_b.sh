@@ -29,11 +29,11 @@ timeout "${LIMIT_S:-540}" python3 scripts/device/decode_figures.py --prompts /ro
     --num-prompts 8 --max-new-tokens 64 --drafters default prompt-lookup none --batch-size 4 \
     --out "$OUT" \
     2>&1 | grep -v -i "warn\|loading"
-# REGEN_S > 0: the two regeneration engines on 48 fourth turns of smollm2-sharegpt-turn4 (their
-# histories; scripts/device/regen-prompts.jsonl.gz), bf16, 256-token cap: whether `--engine
-# auto` should take the batch engine (steps captured) on a GPU
+# REGEN_S > 0: regeneration's batch engine (steps captured) against HF generate on 48 fourth
+# turns of smollm2-sharegpt-turn4 (their histories; scripts/device/regen-prompts.jsonl.gz), bf16,
+# 256-token cap
 [ "${REGEN_S:-0}" -gt 0 ] && timeout "${REGEN_S}" python3 scripts/bench_regenerate.py \
     --prompt-list scripts/device/regen-prompts.jsonl.gz --prompts 48 --max-new-tokens 256 \
-    --batch-size 48 --engines continuous,batch --lookaheads 3 2>&1 \
+    --batch-size 48 --engines generate,batch 2>&1 \
     | grep -v -i "warn\|loading\|it/s\|conv/s" | tee "$OUT/regen_engines.txt"
 true

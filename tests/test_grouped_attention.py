@@ -1,25 +1,17 @@
-"""The continuous batcher: greedy answers equal ``generate`` on each prompt alone (fp32) through
-refills of unequal prompts and rows leaving (the last live row taking the slot); the sampling
-rule draws from the target's distribution (temperature and nucleus); grouped attention changes
-no logits; the packed GEMM route changes no greedy answer. Lookahead: tests/test_lookahead.py."""
+"""Attention that reads each grouped key/value head once (headway.decode.grouped_attention):
+no logits change inside the block and the model is restored after; one SDPA call per group for
+one-token steps and chains alike; the packed mask is shared by a forward's layers. Also the
+sampling pick every batched engine draws with (temperature and nucleus)."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Hashable
 from typing import Any
 
 import pytest
 import torch
 
-from headway.decode import packed
-from headway.decode.gemm import GemmChoice, apply_gemm, packing_available
 from headway.decode.sampling import SamplingParams, pick_tokens, probs_from_logits
-from headway.generation.batched_generation import ContinuousBatcher
-from tests.families import family_model
 from tests.tiny import tiny_model
-
-EOS = [5, 17]
 
 
 def reference(model: Any, prompt: list[int], max_new: int, eos: list[int]) -> list[int]:
@@ -33,124 +25,6 @@ def reference(model: Any, prompt: list[int], max_new: int, eos: list[int]) -> li
         pad_token_id=0,
     )[0, len(prompt) :].tolist()
     return output[: next((i for i, t in enumerate(output) if t in eos), len(output))]
-
-
-def eos_that_ends_some(model: Any, prompts: list[list[int]]) -> list[int]:
-    """Tokens that greedy answers reach after a few steps, so some rows end early."""
-    answers = [reference(model, prompt, 6, [0]) for prompt in prompts[:3]]
-    return sorted({answer[-1] for answer in answers if len(answer) >= 4})
-
-
-@pytest.mark.parametrize("gemm", ["stock", "packed"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize(("slots", "refill"), [(3, 0.5), (4, 0.0), (16, 1.0), (3, 1.0)])
-def test_greedy_equals_generate_on_each_prompt_alone(
-    family: str, slots: int, refill: float, gemm: GemmChoice
-) -> None:
-    if gemm == "packed" and not packing_available():
-        pytest.skip("no oneDNN linear kernels")
-    model = tiny_model(family)
-    apply_gemm(model, gemm)
-    rng = random.Random(7)
-    prompts = {f"p{i}": [rng.randrange(3, 96) for _ in range(rng.randint(1, 20))] for i in range(9)}
-    eos = eos_that_ends_some(model, list(prompts.values()))
-    batcher = ContinuousBatcher(
-        model,
-        slots=slots,
-        max_new_tokens=10,
-        eos_token_ids=eos,
-        pad_token_id=0,
-        refill_fraction=refill,
-        prefill_tokens=40,  # small, so prefills split and caches of unequal width merge
-    )
-    for key, prompt in prompts.items():
-        batcher.submit(key, prompt)
-    answers = {c.key: c for c in batcher.completions()}
-    assert set(answers) == set(prompts)
-    for key, prompt in prompts.items():
-        expected = reference(model, prompt, 10, eos)
-        assert answers[key].tokens == expected, key
-        assert answers[key].finish_reason == ("length" if len(expected) == 10 else "eos")
-    assert any(c.finish_reason == "eos" for c in answers.values())  # rows did leave early
-    assert batcher.gemm == gemm and not any(
-        "forward" in module.__dict__ or module in packed._PACKED for module in model.modules()
-    )  # the route was taken; every layer has its own forward back, and no reordered copy
-
-
-def test_prompts_submitted_while_running_are_answered() -> None:
-    """The next turn of a conversation joins once this turn's answer is in."""
-    model = tiny_model("llama")
-    batcher = ContinuousBatcher(model, slots=2, max_new_tokens=4, eos_token_ids=EOS, pad_token_id=0)
-    batcher.submit(("a", 0), [10, 11, 12])
-    batcher.submit(("b", 0), [20])
-    seen: list[Hashable] = []
-    for completion in batcher.completions():
-        seen.append(completion.key)
-        assert isinstance(completion.key, tuple)
-        name, turn = completion.key
-        if turn == 0:
-            batcher.submit((name, 1), [30, *completion.tokens, 31])
-    assert sorted(seen) == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]  # type: ignore[type-var]
-
-
-@pytest.mark.parametrize("lookahead", [0, 3])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
-def test_next_turns_continue_from_the_finished_rows_cache(family: str, lookahead: int) -> None:
-    """A conversation's next turn, submitted under its key as its answer comes in (the prompt,
-    the answer, new user tokens), prefills only what follows the prefix it shares with the
-    finished row: one whose history re-tokenized differently shares less, one that shares
-    nothing waits as any prompt. Every answer is ``generate``'s on its whole prompt alone."""
-    _continue_turns(tiny_model(family), lookahead)
-
-
-@pytest.mark.parametrize("family", ["llama4-text", "deepseek-v3", "gemma3n-text"])
-def test_next_turns_continue_past_chunks_with_latent_and_shared_keys(family: str) -> None:
-    """The same through Llama 4's 16-token chunks (conversations grow past two of them),
-    DeepSeek's latent attention (values narrower than keys) and Gemma 3n's layers that reuse
-    earlier layers' keys/values."""
-    _continue_turns(family_model(family), lookahead=3)
-
-
-def _continue_turns(model: Any, lookahead: int) -> None:
-    rng = random.Random(3)
-    asked: dict[tuple[Hashable, int], list[int]] = {
-        (f"c{i}", 0): [rng.randrange(3, 96) for _ in range(rng.randint(1, 12))] for i in range(6)
-    }
-    eos = eos_that_ends_some(model, list(asked.values()))
-    batcher = ContinuousBatcher(
-        model, slots=3, max_new_tokens=8, eos_token_ids=eos, pad_token_id=0, lookahead=lookahead
-    )
-    for (name, _), prompt in asked.items():
-        batcher.submit(name, prompt)
-    answers: dict[tuple[Hashable, int], list[int]] = {}
-    for completion in batcher.completions():
-        key = completion.key
-        turn = sum(k == key for k, _ in answers)
-        answers[key, turn] = completion.tokens
-        if turn == 2:
-            continue
-        history = asked[key, turn] + completion.tokens
-        if key == "c1":  # the history re-tokenized: its last tokens differ
-            history = [*history[:-2], 7, 7]
-        if key == "c2" and turn == 1:  # nothing shared
-            history = [8]
-        asked[key, turn + 1] = prompt = [*history, 31, 32]
-        batcher.submit(key, prompt)
-    assert set(answers) == set(asked)
-    for (key, turn), prompt in asked.items():
-        assert answers[key, turn] == reference(model, prompt, 8, eos), (key, turn)
-    total = sum(len(prompt) for prompt in asked.values())
-    assert batcher.prefilled + batcher.reused == total
-    assert batcher.reused > total / 3
-
-
-def test_bad_arguments_are_refused() -> None:
-    model = tiny_model("llama")
-    with pytest.raises(ValueError, match="slots"):
-        ContinuousBatcher(model, slots=0, max_new_tokens=4, eos_token_ids=EOS, pad_token_id=0)
-    batcher = ContinuousBatcher(model, slots=1, max_new_tokens=4, eos_token_ids=EOS, pad_token_id=0)
-    with pytest.raises(ValueError, match="empty"):
-        batcher.submit("x", [])
 
 
 def test_sampled_tokens_follow_the_distribution() -> None:
