@@ -18,8 +18,9 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda'
 set -o pipefail
 if [ "${TEST_S:-150}" -gt 0 ]; then
     timeout "${TEST_S:-150}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu.py \
-        tests/test_batch_step.py tests/test_batch_medusa.py tests/test_seeded_sampling.py \
-        tests/test_gpu_api.py tests/test_gpu_families.py > "$OUT/test-gpu.log" 2>&1
+        tests/test_batch_step.py tests/test_batch_medusa.py \
+        tests/test_seeded_sampling.py tests/test_batch_families.py tests/test_gpu_api.py \
+        tests/test_gpu_families.py > "$OUT/test-gpu.log" 2>&1
     echo "pytest exit $?"  # the families last: the time limit cuts them first
     tail -45 "$OUT/test-gpu.log"
 fi
