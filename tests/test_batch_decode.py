@@ -398,6 +398,28 @@ def test_the_sizer_follows_the_steps_it_times() -> None:
     ]
 
 
+@pytest.mark.parametrize("max_batch", [None, 2])
+def test_a_drafter_given_per_prompt_drafts_that_prompt(
+    max_batch: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows are prefilled shortest first, but a list of one drafter per prompt keeps each with
+    its prompt: the longest prompt, repeating a phrase, is given none and commits one token a
+    step, the others are drafted (rows joining later too), and every row is its prompt's own
+    greedy output."""
+    from headway.decode import batch_sizer
+
+    monkeypatch.setattr(batch_sizer.BatchSizer, "nodes", lambda self, parents, drafting=0.0: 7)
+    monkeypatch.setattr(batch_sizer, "PLAIN_EVERY", 10**9)  # every step drafts
+    model = tiny_model("llama")
+    prompts = _prompts()
+    drafters = [None, PromptLookupDrafter(), PromptLookupDrafter(), PromptLookupDrafter()]
+    rows = decode_batch(model, prompts, drafters, max_new_tokens=NEW_TOKENS, max_batch=max_batch)
+    for row, prompt in zip(rows, prompts, strict=True):
+        assert row.tokens == hf_greedy(model, prompt, NEW_TOKENS, eos=None)
+    assert rows[0].accept_lengths == [1] * NEW_TOKENS
+    assert max(rows[3].accept_lengths) > 1  # its repeated phrase, drafted
+
+
 @pytest.mark.parametrize(("captured", "leave_after"), [(False, 1), (True, 2)])
 def test_finished_rows_leave_after_a_quarter_or_half_where_captured(
     captured: bool, leave_after: int

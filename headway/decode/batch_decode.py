@@ -83,7 +83,8 @@ def decode_batch(
 ) -> list[GenerationResult]:
     """Decode ``prompts`` (LongTensors ``[P_b]``) together, drafted by ``drafters``: one per
     row (``drafters[b]``, None: no drafter) or a :class:`~headway.decode.batch_drafting.
-    BatchDrafter` drafting every row's tree at once; greedy or by ``sampling`` with the
+    BatchDrafter` drafting every row's tree at once (a list of one per prompt: ``drafters[i]``
+    drafts prompt ``i``; prompts are decoded shortest first); greedy or by ``sampling`` with the
     prompts' seeds drawn from ``generator`` (or given: ``seeds``, one per prompt); see the
     module docstring.
     ``stop_check(generated)`` true ends a row after that token (stop strings). ``capture``:
@@ -102,6 +103,10 @@ def decode_batch(
     if seeds is not None and len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     batch = min(len(prompts), max_batch or len(prompts))
+    # shortest first (rows of like lengths decode together), a drafter given per prompt with it
+    order = sorted(range(len(prompts)), key=lambda index: prompts[index].numel())
+    if isinstance(drafters, Sequence) and len(drafters) == len(prompts):
+        drafters = [drafters[index] for index in order]
     drafting = _row_drafters(drafters, batch, len(prompts))
     keys = None  # greedy: no noise
     if not sampling.greedy:
@@ -109,11 +114,13 @@ def decode_batch(
         keys = sequence_seeds(generator, len(prompts)) if given is None else given
     ending = Ending(frozenset(eos_token_ids), max_new_tokens, stop_check)
     decoder = BatchDecoder(model, drafting, batch, ending, sampling=sampling, capture=capture)
-    for index, prompt in enumerate(prompts):
-        decoder.submit(prompt, None if keys is None else int(keys[index]))
+    submitted = {
+        decoder.submit(prompts[index], None if keys is None else int(keys[index])): index
+        for index in order
+    }
     results: dict[int, GenerationResult] = {}
     for index, result in decoder.completions():
-        results[index] = result
+        results[submitted[index]] = result
         if on_done is not None:
             on_done(len(results))
     return [results[index] for index in range(len(prompts))]
