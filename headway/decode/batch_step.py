@@ -128,7 +128,8 @@ class BatchVerify:
         self.batch = len(first)
         self.lengths, self.seeds = self.lengths[: len(first)], self.seeds[: len(first)]
         part = None if seeds is None else seeds[first.start : first.stop]
-        firsts = [self._prefill_rows(prompts[first.start : first.stop], sampling, part, given)]
+        head = slice(first.start, first.stop)
+        firsts = [self._prefill_rows(prompts[head], sampling, part, given[head])]
         states = [self.hidden]
         for run in runs[1:]:
             part = None if seeds is None else seeds[run.start : run.stop]
@@ -147,11 +148,10 @@ class BatchVerify:
     ) -> Tensor:
         """:meth:`prefill` of every row in one forward."""
         target = self.target
-        block = prefill_block(
-            prompts, [prefix_length(f) for f in prefixes[: len(prompts)]], target.model.device
-        )
+        known = [prefix_length(prefix) for prefix in prefixes]
+        block = prefill_block(prompts, known, target.model.device)
         target.begin(max(block.reach))
-        for row, prefix in enumerate(prefixes[: len(prompts)]):
+        for row, prefix in enumerate(prefixes):
             if prefix is not None:
                 target.cache.put_prefix(row, prefix)
         remaining, width = block.remaining, block.width
