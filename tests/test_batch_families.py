@@ -118,3 +118,30 @@ def test_a_mixed_target_taking_one_mask_is_refused_and_regenerated_by_generate(
 def test_regeneration_answers_a_recurrent_target_with_generate(family: str) -> None:
     target = Target(family_model(family), smollm2_tokenizer(), family)
     assert engine_for(target, "auto") == "generate"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "llama4-text"])
+def test_a_local_targets_step_body_reads_nothing_back(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The local masks are built inside the step's body (what a GPU records as a graph): on a
+    sliding (Gemma 2, 3 tokens, mixed with full layers) or chunked (Llama 4) target the body
+    reads nothing back and copies nothing in (headway.eval.dispatch's counter), one host read
+    a step, and rows past the window or chunk are transformers' greedy output."""
+    from tests.test_batch_step import DEPTH, _counted_bodies, _decode
+
+    config = family_config(family, layers=4)
+    if family != "llama4-text":
+        config.sliding_window = 3
+    torch.manual_seed(0)
+    model = type(family_model(family))(config).eval()
+    prompts = [PROMPT, PROMPT[:5]]
+    truths = [hf_greedy(model, p, 20 + DEPTH + 1, eos=None) for p in prompts]
+    step = BatchVerify(StaticForward(model, batch=2), max_depth=DEPTH)
+    roots = step.prefill(prompts)
+    counter = _counted_bodies(step, model, roots, monkeypatch)
+    monkeypatch.setattr(step, "prefill", lambda prompts: roots)
+    with torch.inference_mode(), counter:
+        generated = _decode(step, prompts, truths, 20)
+    assert [row[:20] for row in generated] == [truth[:20] for truth in truths]
+    assert counter.counts.graph_faults == {}

@@ -55,6 +55,7 @@ _SYNC_OPS = frozenset(
     {
         "aten._local_scalar_dense.default",  # item(), int(t), bool(t), float(t)
         "aten.item.default",  # the same, seen above its decomposition
+        "aten.is_nonzero.default",  # bool(t), `if t:` (uncounted until 2026-11-29)
         "aten.nonzero.default",
         "aten.equal.default",
         "aten.masked_select.default",
