@@ -420,12 +420,16 @@ def test_a_drafter_given_per_prompt_drafts_that_prompt(
     assert max(rows[3].accept_lengths) > 1  # its repeated phrase, drafted
 
 
-@pytest.mark.parametrize(("captured", "leave_after"), [(False, 1), (True, 2)])
+@pytest.mark.parametrize(
+    ("captured", "waiting", "leave_after"),
+    [(False, False, 1), (True, False, 2), (False, True, 1), (True, True, 2)],
+)
 def test_finished_rows_leave_after_a_quarter_or_half_where_captured(
-    captured: bool, leave_after: int
+    captured: bool, waiting: bool, leave_after: int
 ) -> None:
-    """Four rows and no prompt waiting: finished rows leave once a quarter has finished, or
-    half where the batch's steps are captured (each new batch size is captured again)."""
+    """Four rows: finished rows leave once a quarter has finished (at once where prompts wait),
+    or half where the batch's steps are captured, prompts waiting or not (every change of the
+    rows captures the graphs again)."""
     from types import SimpleNamespace
 
     from headway.decode.batch_decoder import BatchDecoder, Ending
@@ -441,6 +445,10 @@ def test_finished_rows_leave_after_a_quarter_or_half_where_captured(
         decoder.submit(torch.tensor([1]))
     decoder._steps = steps  # type: ignore[assignment]
     decoder.order, decoder.queue = [0, 1, 2, 3], []
+    if waiting:  # one more prompt waits for a row; a prompt that joins is prefilled
+        decoder.submit(torch.tensor([1]))
+        decoder.queue = [4]
+        decoder._start = lambda *args, **kwargs: None  # type: ignore[method-assign]
     for finished in range(1, 4):
         decoder.everyone[finished].stop_reason = "eos"
         assert decoder._reshaped()

@@ -19,9 +19,12 @@ row that has finished (EOS, a stop string or ``max_new_tokens``) steps on with a
 committing nothing, until a quarter of the batch has finished (half where steps are captured as
 CUDA graphs, which a new batch size captures again); then the finished rows leave it
 (:meth:`BatchVerify.keep_rows`: on a CPU a step's time grows with its rows). With
-``max_batch`` below the number of prompts, the waiting prompts take finished rows' places as
-soon as rows finish (:meth:`BatchVerify.add_rows` prefills them as rows of their own; their
-drafting joins too), so a batch never steps on idle rows while prompts wait.
+``max_batch`` below the number of prompts, the waiting prompts take finished rows' places
+(:meth:`BatchVerify.add_rows` prefills them as rows of their own; their drafting joins too): on
+a CPU as soon as rows finish, so a batch never steps on idle rows while prompts wait; where
+steps are captured once half the batch has finished, since every change of the rows captures
+the steps' graphs again (idle rows cost a GPU's step little; capturing after every finished
+row would cost more than the graphs save).
 
 How far to draft is weighed a step at a time (:class:`~headway.decode.batch_sizer.
 BatchSizer`): every row's tree is cut to

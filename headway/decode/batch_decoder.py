@@ -207,9 +207,9 @@ class BatchDecoder:
             couple(seeds, self.sampling.temperature)
 
     def _reshaped(self) -> bool:
-        """Drop finished rows (once a quarter of the batch has finished, half where its steps
-        are captured, or at once where prompts wait) and put waiting prompts in their places;
-        False once every prompt is done."""
+        """Drop finished rows (once a quarter of the batch has finished, or at once where
+        prompts wait; half where its steps are captured) and put waiting prompts in their
+        places; False once every prompt is done."""
         steps = self._steps
         assert steps is not None
         rows = [self.everyone[index] for index in self.order]
@@ -217,10 +217,13 @@ class BatchDecoder:
         done = len(rows) - len(going)
         if not going and not self.queue:
             return False
-        # a captured batch captures its graphs again for every new batch size: there finished
-        # rows leave once half has finished (a GPU's step costs about the same for fewer rows)
-        share = 2 if steps.target.capture else 4
-        if done == 0 or (done < -(-len(rows) // share) and not self.queue):
+        # a captured batch captures its graphs again after every change of its rows: there
+        # finished rows leave (and waiting prompts join) once half has finished, as rows idle
+        # cost a GPU's step little; on a CPU, where a step's time grows with its rows, once a
+        # quarter has, or at once where prompts wait
+        captured = steps.target.capture
+        share = 2 if captured else 4
+        if done == 0 or (done < -(-len(rows) // share) and (captured or not self.queue)):
             return True
         added, prefixes = self._joining(done, going)
         steps.keep_rows(going)  # none at all, for a moment, where every row finished
