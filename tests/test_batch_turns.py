@@ -199,3 +199,22 @@ def test_a_conversation_whose_next_turn_outgrows_the_context_ends_before_it(
     with pytest.raises(DataError, match="t/2: user turn 1 makes a prompt of") as refused:
         regenerate(tiny_chat_target, too_long, tmp_path / "no", options, mix={"test": 1})
     assert "\n" not in str(refused.value) and "--max-new-tokens" in str(refused.value)
+
+
+def test_bad_requests_are_refused() -> None:
+    """No rows, no token, a sampled prompt without its seed, or a prompt and answer past the
+    target's context (one line naming both lengths)."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="rows >= 1"):
+        BatchDecoder(model, RowDrafters([]), 0, Ending(frozenset(), 4))
+    decoder = BatchDecoder(
+        model, RowDrafters([None]), 1, Ending(frozenset(), 4), sampling=SamplingParams(1.0)
+    )
+    with pytest.raises(ValueError, match="at least one token"):
+        decoder.submit(torch.tensor([], dtype=torch.long))
+    with pytest.raises(ValueError, match="needs its seed"):
+        decoder.submit(torch.tensor([5, 6]))
+    with pytest.raises(HeadwayError, match="a prompt of 300 tokens") as refused:
+        decoder.submit(torch.full((300,), 5), seed=1)
+    assert "\n" not in str(refused.value)
+    assert list(decoder.completions()) == []  # nothing was queued
