@@ -184,3 +184,54 @@ def test_a_forwards_packed_mask_is_not_kept_past_its_last_layer() -> None:
         with grouped_attention.grouped_attention(model):
             decode_batch_rows.prefill([torch.arange(3, 9), torch.arange(3, 12)])
     assert not grouped_attention._last_mask
+
+
+def _plain_step(steps: BatchVerify, roots: Tensor) -> list[list[int]]:
+    """One step of every row with no tree (each row commits its next token)."""
+    empty = torch.zeros(steps.batch, 0, dtype=torch.long)
+    return steps.step(roots, empty, empty)
+
+
+def test_a_batch_refilled_to_its_size_keeps_its_steps_plans() -> None:
+    """Rows left and as many joined: the buffers a step's graph reads and writes (the rows'
+    lengths and seeds, the cache's columns and keys/values) are where they were, so its plan,
+    on CUDA its captured graph, is kept; a smaller batch makes its own. The new rows decode as
+    they do alone."""
+    model = tiny_model("llama")
+    forward = StaticForward(model, batch=2)
+    steps = BatchVerify(forward, max_depth=2)
+    prompts = [torch.arange(3, 3 + n) for n in (4, 7, 9)]
+    with torch.no_grad():
+        roots = steps.prefill(prompts[:2])
+        _plain_step(steps, roots)
+        plan, signature = next(iter(steps._plans.values())), steps._signature()
+        steps.keep_rows([1])
+        joined = steps.add_rows([prompts[2]])
+        after = _plain_step(steps, torch.tensor([0, int(joined[0])]))
+        assert steps._signature() == signature and next(iter(steps._plans.values())) is plan
+        steps.keep_rows([1])
+        _plain_step(steps, joined)
+        assert next(iter(steps._plans.values())) is not plan
+        alone = BatchVerify(StaticForward(model, batch=1), max_depth=2)
+        first = alone.prefill([prompts[2]])
+        assert int(first[0]) == int(joined[0])
+        assert after[1] == _plain_step(alone, first)[0]
+
+
+def test_rows_joining_in_runs_of_their_own_keep_the_batchs_lengths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two prompts of unlike lengths join, prefilled in two runs (a small prefill budget):
+    the rows already there keep their lengths, the new ones get theirs."""
+    from headway.decode import batch_prefill
+
+    monkeypatch.setattr(batch_prefill, "PREFILL_TOKENS", 8)
+    model = tiny_model("llama")
+    steps = BatchVerify(StaticForward(model, batch=2), max_depth=2)
+    with torch.no_grad():
+        roots = steps.prefill([torch.arange(3, 8), torch.arange(3, 6)])
+        _plain_step(steps, roots)
+        steps.keep_rows([0])
+        steps.add_rows([torch.arange(3, 5), torch.arange(3, 15)])
+    assert len(batch_prefill.prefill_runs([2, 12])) == 2
+    assert steps.lengths.tolist() == [6, 2, 12]

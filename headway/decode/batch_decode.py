@@ -22,9 +22,10 @@ CUDA graphs, which a new batch size captures again); then the finished rows leav
 ``max_batch`` below the number of prompts, the waiting prompts take finished rows' places
 (:meth:`BatchVerify.add_rows` prefills them as rows of their own; their drafting joins too): on
 a CPU as soon as rows finish, so a batch never steps on idle rows while prompts wait; where
-steps are captured once half the batch has finished, since every change of the rows captures
-the steps' graphs again (idle rows cost a GPU's step little; capturing after every finished
-row would cost more than the graphs save).
+steps are captured once half the batch has finished (idle rows cost a GPU's step little). A
+batch refilled to its size keeps its steps' graphs (the rows' lengths, seeds and columns live
+in buffers that outlive a change of rows: ``tests/test_static_rows.py``); a smaller one
+captures its own.
 
 How far to draft is weighed a step at a time (:class:`~headway.decode.batch_sizer.
 BatchSizer`): every row's tree is cut to

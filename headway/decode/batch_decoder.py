@@ -217,9 +217,9 @@ class BatchDecoder:
         done = len(rows) - len(going)
         if not going and not self.queue:
             return False
-        # a captured batch captures its graphs again after every change of its rows: there
-        # finished rows leave (and waiting prompts join) once half has finished, as rows idle
-        # cost a GPU's step little; on a CPU, where a step's time grows with its rows, once a
+        # where steps are captured finished rows leave (and waiting prompts join) once half
+        # has finished: idle rows cost a GPU's step little, and a batch of another size
+        # captures its graphs again; on a CPU, where a step's time grows with its rows, once a
         # quarter has, or at once where prompts wait
         captured = steps.target.capture
         share = 2 if captured else 4

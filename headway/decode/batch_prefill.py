@@ -17,7 +17,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["PREFILL_TOKENS", "PrefillBlock", "keeps_per_row", "prefill_block", "prefill_runs"]
+from headway.decode.static_cache import Prefix, prefix_length
+
+__all__ = [
+    "PREFILL_TOKENS",
+    "PrefillBlock",
+    "keeps_per_row",
+    "prefill_block",
+    "prefill_columns",
+    "prefill_runs",
+]
 
 PREFILL_TOKENS = 8192
 """The most padded tokens (rows x the longest prompt) one prefill forward takes."""
@@ -113,3 +122,15 @@ def keeps_per_row(model: torch.nn.Module) -> bool:
     template transformers' models follow: ``int | torch.Tensor``, per row when 2-D)."""
     annotation = inspect.signature(type(model).forward).parameters.get("logits_to_keep")
     return annotation is not None and "Tensor" in str(annotation.annotation)
+
+
+def prefill_columns(
+    prompts: Sequence[Tensor], prefixes: Sequence[Prefix | None], runs: Sequence[range]
+) -> int:
+    """The columns prefilling ``prompts`` in ``runs`` writes: in each run every row writes as
+    many entries past its known columns as the run's widest row."""
+    needed = 0
+    for run in runs:
+        width = max(prompts[row].numel() - prefix_length(prefixes[row]) for row in run)
+        needed = max(needed, max(prefix_length(prefixes[row]) for row in run) + width)
+    return needed

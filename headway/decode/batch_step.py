@@ -37,7 +37,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from headway.decode.batch_prefill import keeps_per_row, prefill_block, prefill_runs, stacked
+from headway.decode.batch_prefill import (
+    keeps_per_row,
+    prefill_block,
+    prefill_columns,
+    prefill_runs,
+    stacked,
+)
 from headway.decode.captured import StaticForward, block_bucket, run_graph
 from headway.decode.device_tree import accept_greedy, accept_sampled, open_columns, tree_layout
 from headway.decode.gemm import routed_linears
@@ -61,7 +67,6 @@ class _Plan:
     tokens: Tensor  # [B, n]: the trees, copied in
     parents: Tensor  # [B, n]
     active: Tensor  # [B] bool: rows that commit this step
-    cache: object  # the StaticCache the graph writes into
     sampling: SamplingParams = GREEDY
     graph: object = None
     out: Tensor | None = None  # [B, 2 + rows]: count, committed tokens, whether it commits
@@ -87,8 +92,12 @@ class BatchVerify:
         self.hidden_layers = hidden_layers
         self.batch = target.cache.batch
         device = target.model.device
-        self.lengths = torch.zeros(self.batch, dtype=torch.long, device=device)  # per row
-        self.seeds = torch.zeros(self.batch, dtype=torch.long, device=device)  # sampling's
+        # each row's committed length and sampling seed, views of buffers that outlive a change
+        # of the rows (a captured step's graph reads them: kept where the batch keeps its size)
+        self._lengths_all = torch.zeros(self.batch, dtype=torch.long, device=device)
+        self._seeds_all = torch.zeros(self.batch, dtype=torch.long, device=device)
+        self.lengths, self.seeds = self._lengths_all[: self.batch], self._seeds_all[: self.batch]
+        self._plans_for: tuple[int, ...] = ()  # the buffers the plans' graphs were made over
         self._known = [0] * self.batch  # the same on the host, from each step's one read
         self._plans: dict[tuple[int, SamplingParams], _Plan] = {}
         # the target's states (``hidden_layers``) the last prefill or step left: [B, L, H]
@@ -123,7 +132,7 @@ class BatchVerify:
         if len(runs) == 1:
             return self._prefill_rows(prompts, sampling, seeds, given)
         first = runs[0]
-        self.target.reserve(_columns(prompts, given, runs))  # for the widest run
+        self.target.reserve(prefill_columns(prompts, given, runs))  # for the widest run
         self.target.cache = self.target.cache.rows_at(0, len(first))  # its buffer's first rows
         self.batch = len(first)
         self.lengths, self.seeds = self.lengths[: len(first)], self.seeds[: len(first)]
@@ -171,7 +180,7 @@ class BatchVerify:
         if sampling.greedy:
             return pick_tokens(last_logits, sampling, None)
         assert seeds is not None
-        self.seeds = seeds.to(target.model.device)
+        self.seeds.copy_(seeds)
         # the first answer token's noise: at each prompt's end
         return pick_tokens(last_logits, sampling, position_keys(self.seeds, block.sizes))
 
@@ -216,17 +225,15 @@ class BatchVerify:
     def keep_rows(self, rows: Sequence[int]) -> None:
         """Go on with the rows ``rows`` (indices into the batch, in their order) alone: their
         keys/values, lengths and states kept, the others' dropped, so that a step's work is
-        theirs only (on a CPU a step's time grows with its rows); every step's buffers and
-        graph are made again for the smaller batch."""
+        theirs only (on a CPU a step's time grows with its rows); a step's buffers and graphs
+        are made again for the smaller batch (kept where rows join back to this size)."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self.lengths.device)
         target = self.target
         target.cache = target.cache.kept_rows(index, max(self._known, default=0))
         self.batch = len(rows)
-        self.lengths = self.lengths.index_select(0, index)
-        self.seeds = self.seeds.index_select(0, index)
+        self._set_rows(self.lengths.index_select(0, index), self.seeds.index_select(0, index))
         self._known = [self._known[row] for row in rows]
         self.hidden = tuple(states.index_select(0, index) for states in self.hidden)
-        self._plans.clear()
 
     @torch.no_grad()
     def add_rows(
@@ -246,9 +253,11 @@ class BatchVerify:
         # the batch's buffer grown first, so the new rows' prefill need not grow theirs (a
         # buffer of every row each time, then a copying join)
         sizes = [p.numel() - prefix_length(f) for p, f in zip(prompts, given, strict=True)]
-        target.reserve(_columns(prompts, given, prefill_runs(sizes)))
+        target.reserve(prefill_columns(prompts, given, prefill_runs(sizes)))
         old = target.cache
-        lengths, known, batch, kept_seeds = self.lengths, self._known, self.batch, self.seeds
+        # copies: the new rows' prefill may join runs of its own through the same buffers
+        lengths, kept_seeds = self.lengths.clone(), self.seeds.clone()
+        known, batch, plans = self._known, self.batch, self._plans
         device = lengths.device
         target.cache = old.rows_after(len(prompts))  # the buffer's rows after the batch's
         self.batch, self._plans = len(prompts), {}
@@ -260,9 +269,8 @@ class BatchVerify:
         if old.capacity < capacity:
             old = old.grown(capacity, old.length)
         target.cache = old.joined(new)
-        self.batch = batch + len(prompts)
-        self.lengths = torch.cat([lengths, self.lengths])
-        self.seeds = torch.cat([kept_seeds, self.seeds])
+        self.batch, self._plans = batch + len(prompts), plans
+        self._set_rows(torch.cat([lengths, self.lengths]), torch.cat([kept_seeds, self.seeds]))
         self._known = known + self._known
         self.hidden = tuple(
             torch.cat([states.new_zeros(batch, *states.shape[1:]), states])
@@ -270,9 +278,32 @@ class BatchVerify:
         )
         return firsts
 
+    def _set_rows(self, lengths: Tensor, seeds: Tensor) -> None:
+        """Hold ``lengths`` and ``seeds`` ``[B]`` as the rows' own, in the buffers they outlive
+        a change of rows in (grown where too small)."""
+        count = lengths.numel()
+        if self._lengths_all.numel() < count:
+            self._lengths_all, self._seeds_all = lengths.new_zeros(count), seeds.new_zeros(count)
+        self._lengths_all[:count].copy_(lengths)
+        self._seeds_all[:count].copy_(seeds)
+        self.lengths, self.seeds = self._lengths_all[:count], self._seeds_all[:count]
+
+    def _signature(self) -> tuple[int, ...]:
+        """What a step's graph is bound to: the batch size, the cache's capacity, and where the
+        buffers it reads and writes live (a plan made over other ones is made again)."""
+        cache, target = self.target.cache, self.target
+        layers = cache.static_layers()
+        held = [
+            t.data_ptr() for layer in layers for t in (layer.keys, layer.values) if t is not None
+        ]
+        pointers = (cache.columns, self.lengths, self.seeds, target.keys)
+        return (self.batch, cache.capacity, *(t.data_ptr() for t in pointers), *held)
+
     def _plan(self, nodes: int, sampling: SamplingParams) -> _Plan:
-        if any(plan.cache is not self.target.cache for plan in self._plans.values()):
-            self._plans.clear()  # the cache grew: every graph wrote into the old one
+        signature = self._signature()
+        if signature != self._plans_for:  # the rows' buffers moved or the cache grew
+            self._plans.clear()
+            self._plans_for = signature
         plan = self._plans.get((nodes, sampling))
         if plan is None:
             device = self.target.model.device
@@ -284,7 +315,6 @@ class BatchVerify:
                 tokens=zeros,
                 parents=zeros.clone(),
                 active=torch.ones(self.batch, dtype=torch.bool, device=device),
-                cache=self.target.cache,
                 sampling=sampling,
             )
             self._plans[(nodes, sampling)] = plan
@@ -366,15 +396,3 @@ WINDOW_STEP = 64
 def _window(columns: int, capacity: int) -> int:
     """``columns`` rounded up to a multiple of :data:`WINDOW_STEP`, at most ``capacity``."""
     return min(capacity, -(-columns // WINDOW_STEP) * WINDOW_STEP)
-
-
-def _columns(
-    prompts: Sequence[Tensor], prefixes: Sequence[Prefix | None], runs: Sequence[range]
-) -> int:
-    """The columns prefilling ``prompts`` in ``runs`` writes: in each run every row writes as
-    many entries past its known columns as the run's widest row."""
-    needed = 0
-    for run in runs:
-        width = max(prompts[row].numel() - prefix_length(prefixes[row]) for row in run)
-        needed = max(needed, max(prefix_length(prefixes[row]) for row in run) + width)
-    return needed

@@ -105,6 +105,7 @@ class StaticCache(DynamicCache):
         device: torch.device,
         batch: int = 1,
         room: int | None = None,
+        all_columns: Tensor | None = None,
     ) -> None:
         super().__init__()
         if batch < 0:  # no row: a batch whose rows all finished, before new ones join
@@ -113,7 +114,14 @@ class StaticCache(DynamicCache):
         self.layer_class_to_replicate = None
         self.capacity, self.batch = capacity, batch
         self.length = 0
-        self.columns = torch.arange(capacity, device=device).repeat(batch, 1)
+        # ``columns`` are the rows of one buffer for every view of the cache's buffer (its
+        # rows ``first ..``): a captured step's graph writes them, so a batch whose rows left
+        # and joined at the same size keeps its graphs (``all_columns``: another view's)
+        rows = max(batch, room or 0)
+        if all_columns is None:
+            all_columns = torch.arange(capacity, device=device).repeat(rows, 1)
+        self.all_columns = all_columns
+        self.columns = all_columns[:batch]
         # the columns a forward attends over (None: all); a forward that is not captured sets
         # it past the longest row's, its mask that wide (attention over the whole capacity
         # took a third of a CPU's batched decoding of ShareGPT prompts, 2026-11-29)
@@ -309,8 +317,10 @@ def _rows_in(cache: StaticCache, first: int, batch: int) -> StaticCache:
     layers not yet written (their first write takes their views: :meth:`StaticCache.
     buffers_for`)."""
     assert cache.store is not None
-    new = StaticCache(len(cache.layers), cache.capacity, cache.columns.device, batch, cache.room)
+    device, shared = cache.columns.device, cache.all_columns
+    new = StaticCache(len(cache.layers), cache.capacity, device, batch, cache.room, shared)
     new.store, new.first = cache.store, first
+    new.columns = shared[first : first + batch]
     new.fused = cache.store[:, :, first : first + batch]
     return new
 
