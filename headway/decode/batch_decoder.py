@@ -245,19 +245,19 @@ class BatchDecoder:
         leaving = {
             self.order[place]: place for place in range(len(self.order)) if place not in staying
         }
-        continuing = [i for i in self.queue if self.reuse and self.after[i] in leaving]
-        rest = [i for i in self.queue if i not in set(continuing)]
-        added = (continuing + rest)[:done]
-        self.queue = [i for i in self.queue if i not in set(added)]
+        continuing = {i for i in self.queue if self.reuse and self.after[i] in leaving}
+        added = sorted(self.queue, key=lambda i: i not in continuing)[:done]  # stable sort
+        joining = set(added)
+        self.queue = [i for i in self.queue if i not in joining]
         prefixes: list[Prefix | None] = []
         for index in added:
-            before = self.after[index]
-            common = 0
+            before, prefix = self.after[index], None
             if index in continuing and before is not None:
                 # the row's columns hold every token but its last (the root not yet fed)
                 common = shared_prefix(self.ids[before][:-1], self.ids[index])
-            place = leaving.get(before, -1) if before is not None else -1
-            prefixes.append(steps.target.cache.row_prefix(place, common) if common else None)
+                if common:
+                    prefix = steps.target.cache.row_prefix(leaving[before], common)
+            prefixes.append(prefix)
         return added, prefixes
 
     def _step(self, sizer: BatchSizer | None) -> None:

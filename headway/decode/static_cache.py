@@ -288,12 +288,12 @@ class StaticCache(DynamicCache):
         more host memory than is free now."""
         if self.columns.device.type != "cpu":
             return
-        held: list[Tensor] = [self.store] if self.store is not None else []
-        if self.store is None:
-            for layer in self.static_layers():
-                assert layer.keys is not None and layer.values is not None
-                held += [layer.keys, layer.values]
-        needed = sum(t.numel() * t.element_size() for t in held) // self.capacity * capacity
+        if self.store is not None:
+            held: list[Tensor | None] = [self.store]
+        else:
+            held = [t for layer in self.static_layers() for t in (layer.keys, layer.values)]
+        total = sum(t.numel() * t.element_size() for t in held if t is not None)
+        needed = total // self.capacity * capacity
         free = available_memory()
         if free is not None and needed > free:
             raise HeadwayError(
